@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What a GPU machine runs: environment, GPU tests, a memcheck pass, the benchmarks; a short table last.
+# Usage: bash ci/gpu_suite.sh [quick]   (results under $OUT, default ./gpu_out)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || rocm-smi 2>/dev/null
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -m dsv4_rocm info
+
+python3 -m pytest -m gpu -q tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | grep -v "^\s*$" | tail -40
+gpu_rc=${PIPESTATUS[0]}
+[ "$gpu_rc" = 0 ] || status=1
+
+if command -v compute-sanitizer >/dev/null && [ "${1:-}" != "quick" ]; then
+  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_mla.py \
+      -k "all_invalid or smoke" \
+      > "$OUT/memcheck.log" 2>&1
+  mc_rc=$?
+  grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  [ "$mc_rc" = 0 ] || status=1
+else
+  mc_rc=skipped
+fi
+
+python3 -m dsv4_rocm bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -90
+bench_rc=${PIPESTATUS[0]}
+
+echo
+echo "== gpu_suite summary =="
+echo "pytest -m gpu: rc=$gpu_rc ($(grep -Eo '[0-9]+ passed|[0-9]+ failed' "$OUT/pytest_gpu.log" | tr '\n' ' '))"
+echo "memcheck:      rc=$mc_rc"
+echo "bench:         rc=$bench_rc (table above, JSON in $OUT/bench.json)"
+exit $status

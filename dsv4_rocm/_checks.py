@@ -1,0 +1,44 @@
+"""Argument checks shared by the public ops: every failure is a ValueError naming the argument."""
+import torch
+
+
+def tensor(name, t, dtype=None, dim=None, shape=None, device=None, contiguous=False):
+    """Check one tensor argument; ``shape`` entries of None match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
+        if t.dtype not in allowed:
+            raise ValueError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != ts for s, ts in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+INDEX = (torch.int32, torch.int64)
+
+
+def positive_int(name, v):
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+def same_device(**tensors):
+    devs = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devs.values())) > 1:
+        raise ValueError("tensors on different devices: " + ", ".join(f"{n}={d}" for n, d in devs.items()))
+
+
+def fp8_bytes(name, t):
+    """Accept fp8 e4m3fn tensors or raw uint8 bytes; return a uint8 view."""
+    tensor(name, t, dtype=(torch.uint8, torch.float8_e4m3fn))
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t

@@ -1,0 +1,128 @@
+"""FP8 and MXFP4 block quantization with power-of-two scales (DSV4_SPEC §2.3-2.4, PORTABILITY §4).
+
+UE8M0 block quantization of fp32 values b (one block = 64 values for the KV cache, 128 for the indexer
+and output paths):
+
+    amax = max(max|b|, eps)
+    e    = ceil(log2(amax / 448))      amax / 448 rounded to fp32 first (IEEE division), then the
+                                       exact ceil-log2 of that float from its bits, so every vendor
+                                       and the reference agree on the exponent
+    q    = e4m3fn(clamp(b * 2^-e, -448, 448))   RNE, saturating; the byte 0x80 (-0) is written 0x00
+    scale byte (UE8M0) = e + 127, value = q * 2^e exactly
+
+Non-finite input (a block holding NaN or +-inf) is poisoned: scale byte 0xFF (UE8M0 NaN), every fp8
+byte 0x7F (e4m3fn NaN), so dequantization yields NaN for the whole block instead of wrong finite values.
+"""
+import torch
+
+FP8_MAX = 448.0
+FP8_NAN = 0x7F
+UE8M0_NAN = 0xFF
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(x)) of positive finite fp32 values, as int32."""
+    m, e = torch.frexp(x.float())          # x = m * 2^e, m in [0.5, 1)
+    return torch.where(m == 0.5, e - 1, e).to(torch.int32)
+
+
+def ue8m0_exponent(amax: torch.Tensor, eps: float) -> torch.Tensor:
+    """Scale exponent e (int32) of blocks with the given absolute maxima; non-finite amax -> 128."""
+    a = torch.clamp(amax.float(), min=eps)
+    finite = torch.isfinite(a)
+    e = ceil_log2(torch.where(finite, a, torch.ones_like(a)) / FP8_MAX)
+    return torch.where(finite, e, torch.full_like(e, UE8M0_NAN - 127))
+
+
+def e4m3_encode(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> OCP e4m3fn bytes (uint8), RNE, saturating at +-448, -0 written as 0x00, NaN as 0x7F."""
+    v = v.float()
+    b = v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    b = torch.where(b == 0x80, torch.zeros_like(b), b)
+    return torch.where(torch.isnan(v), torch.full_like(b, FP8_NAN), b)
+
+
+def e4m3_decode(b: torch.Tensor) -> torch.Tensor:
+    """OCP e4m3fn bytes (uint8) -> fp32."""
+    if b.dtype != torch.uint8:
+        raise ValueError(f"e4m3_decode expects uint8 bytes, got {b.dtype}")
+    return b.contiguous().view(torch.float8_e4m3fn).float()
+
+
+def quantize_blocks(x: torch.Tensor, block: int, eps: float):
+    """x [..., n] -> (fp8 bytes uint8 [..., n], exponents int32 [..., n // block])."""
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"last dim {n} is not a multiple of the quant block {block}")
+    xb = x.float().reshape(*x.shape[:-1], n // block, block)
+    amax = xb.abs().amax(-1)
+    bad = ~torch.isfinite(xb).all(-1)
+    e = ue8m0_exponent(torch.where(bad, torch.zeros_like(amax), amax), eps)
+    e = torch.where(bad, torch.full_like(e, UE8M0_NAN - 127), e)
+    q = e4m3_encode(torch.ldexp(xb, -e.unsqueeze(-1).to(torch.float32)))
+    q = torch.where(bad.unsqueeze(-1), torch.full_like(q, FP8_NAN), q)
+    return q.reshape(x.shape), e
+
+
+def dequantize_blocks(q: torch.Tensor, e: torch.Tensor, block: int) -> torch.Tensor:
+    """Inverse of quantize_blocks: fp32 [..., n]; an exponent of 128 (UE8M0 NaN) gives NaN."""
+    v = e4m3_decode(q).reshape(*q.shape[:-1], q.shape[-1] // block, block)
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.float32))
+    scale = torch.where(e >= UE8M0_NAN - 127, torch.full_like(scale, float("nan")), scale)
+    return (v * scale.unsqueeze(-1)).reshape(q.shape)
+
+
+def exponent_to_ue8m0(e: torch.Tensor) -> torch.Tensor:
+    return (e + 127).clamp(0, 255).to(torch.uint8)
+
+
+def ue8m0_to_exponent(b: torch.Tensor) -> torch.Tensor:
+    return b.to(torch.int32) - 127
+
+
+def ue8m0_qdq(x: torch.Tensor, block: int, eps: float) -> torch.Tensor:
+    """Quantize-dequantize round trip (what a kernel reading the cache sees), fp32."""
+    q, e = quantize_blocks(x, block, eps)
+    return dequantize_blocks(q, e, block)
+
+
+# ---- MXFP4 (indexer cache option, §2.4) ---------------------------------------------------------
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E2M1 nibble (sign bit 3), RNE with ties to the even code, saturating at 6."""
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)
+    a = v.float().abs().clamp(max=6.0).unsqueeze(-1)
+    d = (a - grid).abs()
+    best = d.min(-1, keepdim=True).values
+    codes = torch.arange(8, device=v.device)
+    # among equally near codes pick the even one (RNE): penalise odd codes at ties
+    score = torch.where(d == best, (codes % 2).float(), torch.full_like(d, 9.0))
+    mag = score.argmin(-1).to(torch.uint8)
+    return mag | (torch.signbit(v.float()).to(torch.uint8) << 3)
+
+
+def e2m1_decode(nib: torch.Tensor) -> torch.Tensor:
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=nib.device)
+    mag = grid[(nib & 7).long()]
+    return torch.where((nib & 8) != 0, -mag, mag)
+
+
+def mxfp4_quantize(x: torch.Tensor):
+    """x [..., n] (n % 32 == 0) -> (packed uint8 [..., n/2] low nibble = even index, ue8m0 [..., n/32])."""
+    n = x.shape[-1]
+    if n % 32:
+        raise ValueError(f"MXFP4 needs a multiple of 32 values, got {n}")
+    xb = x.float().reshape(*x.shape[:-1], n // 32, 32)
+    amax = xb.abs().amax(-1).clamp(min=6.0 * 2.0 ** -126)
+    e = ceil_log2(amax / 6.0).clamp(-127, 127)
+    nib = e2m1_encode(torch.ldexp(xb, -e.unsqueeze(-1).float())).reshape(*x.shape[:-1], n)
+    packed = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    return packed, exponent_to_ue8m0(e)
+
+
+def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0xF, packed >> 4
+    vals = torch.stack([e2m1_decode(lo), e2m1_decode(hi)], -1).reshape(*packed.shape[:-1], -1)
+    vb = vals.reshape(*vals.shape[:-1], -1, 32)
+    return (vb * torch.ldexp(torch.ones_like(vb[..., :1]), ue8m0_to_exponent(scales).float().unsqueeze(-1))
+            ).reshape(vals.shape)

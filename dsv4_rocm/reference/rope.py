@@ -1,0 +1,76 @@
+"""Rotary embedding of DeepSeek-V4 (DSV4_SPEC §2.2): YaRN cos/sin table, GPT-J interleaved pairs on
+the last 64 dims, forward and inverse.
+
+cos_sin_cache: fp32 [max_pos, 64], row p = [cos(p*f_0..f_31) | sin(p*f_0..f_31)].
+Pair i of a vector x with D dims is (x[D-64+2i], x[D-64+2i+1]).
+"""
+import math
+
+import torch
+
+ROPE_DIM = 64
+
+
+def yarn_inv_freq(base: float, dim: int = ROPE_DIM, factor: float = 16.0, original_max: int = 65536,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """YaRN inverse frequencies (fp32 [dim/2]) as vLLM's DeepseekV4ScalingRotaryEmbedding builds them."""
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extra = 1.0 / pos_freqs
+    inter = 1.0 / (factor * pos_freqs)
+
+    def corr_dim(rot):
+        return dim * math.log(original_max / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    mask = 1.0 - ramp
+    return inter * (1 - mask) + extra * mask
+
+
+def build_cos_sin_cache(base: float, max_positions: int = 65536 * 16, device=None, **yarn) -> torch.Tensor:
+    """fp32 [max_positions, 64] table; the real model uses max_positions = 65536*16."""
+    if max_positions <= 0:
+        raise ValueError(f"max_positions must be positive, got {max_positions}")
+    inv = yarn_inv_freq(base, **yarn).to(device)
+    t = torch.arange(max_positions, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin_cache.shape[0]):
+        raise ValueError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (cos_sin_cache rows)")
+    cs = cos_sin_cache[positions.long()].float()
+    half = cs.shape[-1] // 2
+    return cs[..., :half], cs[..., half:]
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool):
+    """x: [..., D] (any float dtype); positions broadcast against x.shape[:len(positions.shape)].
+    Returns fp32 with the last 64 dims rotated."""
+    x = x.float().clone()
+    c, s = _cos_sin(positions, cos_sin_cache)
+    while c.dim() < x.dim():
+        c, s = c.unsqueeze(-2), s.unsqueeze(-2)
+    e = x[..., -ROPE_DIM::2].clone()
+    o = x[..., -ROPE_DIM + 1::2].clone()
+    if inverse:
+        x[..., -ROPE_DIM::2] = e * c + o * s
+        x[..., -ROPE_DIM + 1::2] = o * c - e * s
+    else:
+        x[..., -ROPE_DIM::2] = e * c - o * s
+        x[..., -ROPE_DIM + 1::2] = e * s + o * c
+    return x
+
+
+def rope_fwd(x, positions, cos_sin_cache):
+    """Forward rotation of the last 64 dims, fp32 result (positions: [T] for x [T, ...])."""
+    return _rotate(x, positions, cos_sin_cache, inverse=False)
+
+
+def rope_inv(x, positions, cos_sin_cache):
+    """Inverse rotation (the output path, §8), fp32 result."""
+    return _rotate(x, positions, cos_sin_cache, inverse=True)

@@ -1,0 +1,248 @@
+"""Sparse MLA attention straight from fp8_ds_mla pages (decode, and prefill without a workspace).
+
+Math (DSV4_SPEC §7), per query token t and head h, over the valid keys of two index sets (the
+sliding window in ``k_cache`` and the compressed entries in ``extra_k_cache``), K = V:
+
+    l_i = sm * <q_h, K_i>      lse = ln sum_i exp(l_i)      out = softmax(l) @ K * sigmoid(lse - sink_h)
+
+Memory layout read (see ``dsv4_rocm.layout``): key slot s lives in page s // bs at offset o = s % bs;
+its 448 NoPE bytes (e4m3, OCP) at ``page*stride + o*576``, its 64 bf16 RoPE values right after them,
+and its 7 UE8M0 scale bytes at ``page*stride + bs*576 + o*8``. The kernel loads the NoPE bytes of a
+tile of BLOCK_N keys as [BLOCK_N, 8, 64] (one UE8M0 scale per 64-value chunk), scales them exactly
+(power of two) into bf16 and puts the 64 RoPE values in the 8th chunk, which gives the key rows in
+their natural 512-wide order: one MMA for the scores, one for P.V. Online softmax in base 2; P is
+rounded to bf16 for the P.V MMA (as FlashMLA does).
+
+On gfx942 the same bytes are read as fnuz e4m3, whose value is half the OCP value for every byte the
+cache can hold (-0 is never written), so the scale exponent is raised by one (PORTABILITY.md §4).
+
+Grid: (tokens, head blocks, splits). With more than one split each program handles a contiguous range
+of key tiles and writes a normalized partial output and its lse; ``_combine_kernel`` merges them and
+applies the sink. A query with no valid key gets out = 0 and lse = +inf.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..platform import detect
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tile_keys(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS, FNUZ: tl.constexpr):
+    """Gather and dequantize the keys of one tile: (K bf16 [BN, 512] in the natural 448 + 64 order, valid [BN])."""
+    inb = n < n_valid
+    idx = tl.load(idx_ptr + n, mask=inb, other=-1)
+    valid = inb & (idx >= 0) & (idx < capacity)
+    idx = tl.where(valid, idx, 0)
+    page = (idx // BS).to(tl.int64) * page_stride
+    off = (idx % BS).to(tl.int64)
+    data = page + off * 576
+    scal = page + BS * 576 + off * 8
+    c8 = tl.arange(0, 8)
+    d64 = tl.arange(0, 64)
+    is_nope = (c8 < 7)[None, :, None]
+    kb = tl.load(cache_ptr + data[:, None, None] + c8[None, :, None] * 64 + d64[None, None, :],
+                 mask=valid[:, None, None] & is_nope, other=0)
+    sb = tl.load(cache_ptr + scal[:, None] + c8[None, :], mask=valid[:, None] & (c8 < 7)[None, :], other=127)
+    scale = ((sb.to(tl.int32) + FNUZ) << 23).to(tl.float32, bitcast=True)
+    if FNUZ:
+        kf = kb.to(tl.float8e4b8, bitcast=True).to(tl.float32)
+    else:
+        kf = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
+    kr = tl.load(rope_ptr[:, None] + d64[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    k3 = tl.where(is_nope, kf * scale[:, :, None], kr[:, None, :])
+    return tl.reshape(k3.to(tl.bfloat16), (kb.shape[0], 512)), valid
+
+
+@triton.jit
+def _sparse_mla_paged_kernel(
+        q_ptr, stride_qt, stride_qh,
+        main_ptr, main_stride, main_cap, main_idx_ptr, stride_mi, main_len_ptr, main_topk,
+        extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_ei, extra_len_ptr, extra_topk,
+        sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+        part_o_ptr, part_lse_ptr, num_tokens, num_heads, sm_log2,
+        MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr,
+        HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        NSPLIT: tl.constexpr, FNUZ: tl.constexpr):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    t64 = t.to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, 512)
+    q_row = q_ptr + t64 * stride_qt + heads[:, None].to(tl.int64) * stride_qh
+    q = tl.load(q_row + cols[None, :])
+
+    n_main = main_topk
+    if HAS_MAIN_LEN:
+        n_main = tl.minimum(tl.load(main_len_ptr + t), main_topk)
+    n_main = tl.maximum(n_main, 0)
+    n_extra = 0
+    if HAS_EXTRA:
+        n_extra = extra_topk
+        if HAS_EXTRA_LEN:
+            n_extra = tl.minimum(tl.load(extra_len_ptr + t), extra_topk)
+        n_extra = tl.maximum(n_extra, 0)
+    tiles_main = tl.cdiv(n_main, BLOCK_N)
+    tiles_all = tiles_main + tl.cdiv(n_extra, BLOCK_N)
+    per = tl.cdiv(tiles_all, NSPLIT)
+    lo = sp * per
+    hi = tl.minimum(lo + per, tiles_all)
+
+    acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    # one loop over the tiles of both sets (two loops would hold two register allocations)
+    for tile in range(lo, hi):
+        if tile < tiles_main:
+            cache, stride, cap, bs = main_ptr, main_stride, main_cap, MAIN_BS
+            idx_row, nv, n0 = main_idx_ptr + t64 * stride_mi, n_main, tile * BLOCK_N
+        else:
+            cache, stride, cap, bs = extra_ptr, extra_stride, extra_cap, EXTRA_BS
+            idx_row, nv, n0 = extra_idx_ptr + t64 * stride_ei, n_extra, (tile - tiles_main) * BLOCK_N
+        k, valid = _tile_keys(cache, stride, cap, idx_row, n0 + offs_n, nv, bs, FNUZ)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    if NSPLIT == 1:
+        factor = inv_l
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + heads)
+            # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2^(sink*log2e - lse2))
+            factor = tl.where(empty, 0.0, inv_l / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))
+        o_row = out_ptr + t64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh
+        tl.store(o_row + cols[None, :], (acc * factor[:, None]).to(tl.bfloat16))
+        tl.store(lse_ptr + t64 * stride_lt + heads, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
+    else:
+        base = (sp * num_tokens + t64) * num_heads + heads
+        po = part_o_ptr + base[:, None] * 512
+        tl.store(po + cols[None, :], acc * inv_l[:, None])
+        tl.store(part_lse_ptr + base, lse2)
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
+                    num_tokens, num_heads, HAS_SINK: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr):
+    """Merge split partials of one (token, head): out = sum_s 2^(lse_s - lse) o_s, then the sink."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, NSPLIT_P2)
+    cols = tl.arange(0, 512)
+    base = (s * num_tokens + t) * num_heads + h
+    lse_s = tl.load(part_lse_ptr + base, mask=s < NSPLIT, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    empty = m == float("-inf")
+    m_use = tl.where(empty, 0.0, m)
+    w = tl.exp2(lse_s - m_use)
+    tot = tl.sum(w, 0)
+    o = tl.load(part_o_ptr + base[:, None] * 512 + cols[None, :], mask=(s < NSPLIT)[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0)
+    lse2 = m_use + tl.log2(tl.where(empty, 1.0, tot))
+    factor = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, tot))
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h)
+        factor = factor / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, (o * factor).to(tl.bfloat16))
+    tl.store(lse_ptr + t * stride_lt + h, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
+
+
+def default_config(arch: str, num_heads: int) -> dict:
+    """Tile shape per target. gfx942 has 64 KB of LDS per workgroup: smaller head and key tiles."""
+    if arch == "gfx942" or arch == "gfx90a":
+        return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    if arch == "gfx950":
+        return dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)   # H100 sweep, BENCHMARKS.md
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int):
+    """(arch, reads fnuz, SM count) of a GPU, cached: launches must not pay for a properties query."""
+    dev = torch.device("cuda", index)
+    plat = detect(dev)
+    return plat.arch, plat.fp8_decode == "fnuz_scale_plus_one", torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def _num_splits(programs: int, max_tiles: int, sm_count: int) -> int:
+    if programs >= sm_count or max_tiles <= 1:
+        return 1
+    return int(min(max_tiles, max(1, (2 * sm_count) // programs), 16))
+
+
+def _set_args(cache, indices, lengths, T):
+    bs = cache.shape[1]
+    stride = cache.stride(0)
+    idx = indices.reshape(T, -1)
+    if idx.stride(1) != 1:
+        idx = idx.contiguous()
+    ln = None
+    if lengths is not None:
+        ln = lengths.reshape(-1)
+        if ln.shape[0] != T:                      # [b] lengths shared by the s_q queries of a batch row
+            ln = ln.repeat_interleave(T // ln.shape[0])
+        ln = ln.contiguous()
+    return bs, stride, cache.shape[0] * bs, idx, ln
+
+
+def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                      extra_topk_length, softmax_scale: float, config: dict = None, num_splits: int = None):
+    """FlashMLA sparse decode semantics; arguments as ``dsv4_rocm.ops.sparse_mla_decode`` (checked there)."""
+    b, s_q, h, _ = q.shape
+    T = b * s_q
+    arch, fnuz, sms = _device_facts(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    cfg = dict(default_config(arch, h), **(config or {}))
+    BH, BN = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    qf = q.reshape(T, h, 512)
+    if qf.stride(2) != 1:
+        qf = qf.contiguous()
+    out = torch.empty(T, h, 512, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(T, h, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out.view(b, s_q, h, 512), lse.view(b, s_q, h).transpose(1, 2)
+    mbs, mstride, mcap, midx, mlen = _set_args(k_cache, indices, topk_length, T)
+    has_extra = extra_k_cache is not None
+    if has_extra:
+        ebs, estride, ecap, eidx, elen = _set_args(extra_k_cache, extra_indices_in_kvcache, extra_topk_length, T)
+    else:
+        ebs, estride, ecap, eidx, elen = 1, 0, 0, midx, None
+    max_tiles = triton.cdiv(midx.shape[1], BN) + (triton.cdiv(eidx.shape[1], BN) if has_extra else 0)
+    ns = num_splits or _num_splits(T * (h // BH), max_tiles, sms)
+    if ns > 1:
+        part_o = torch.empty(ns, T, h, 512, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(ns, T, h, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out
+    sink = attn_sink if attn_sink is not None else lse
+    dummy_len = midx
+    _sparse_mla_paged_kernel[(T, h // BH, ns)](
+        qf, qf.stride(0), qf.stride(1),
+        k_cache, mstride, mcap, midx, midx.stride(0), mlen if mlen is not None else dummy_len, midx.shape[1],
+        extra_k_cache if has_extra else k_cache, estride, ecap, eidx, eidx.stride(0),
+        elen if elen is not None else dummy_len, eidx.shape[1] if has_extra else 0,
+        sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), part_o, part_lse, T, h,
+        softmax_scale * LOG2E,
+        MAIN_BS=mbs, EXTRA_BS=ebs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=mlen is not None,
+        HAS_EXTRA_LEN=elen is not None, HAS_SINK=attn_sink is not None, BLOCK_H=BH, BLOCK_N=BN, NSPLIT=ns,
+        FNUZ=fnuz, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if ns > 1:
+        _combine_kernel[(T, h)](part_o, part_lse, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), T, h,
+                                HAS_SINK=attn_sink is not None, NSPLIT=ns, NSPLIT_P2=triton.next_power_of_2(ns),
+                                num_warps=4)
+    return out.view(b, s_q, h, 512), lse.view(b, s_q, h).transpose(1, 2)

@@ -1,0 +1,55 @@
+"""Random inputs for tests: fresh every call, never zeros; poison values for outputs."""
+import torch
+
+from dsv4_rocm import layout as L
+from dsv4_rocm.reference import cache as rc
+
+
+def random_k(n, device="cpu", gen=None, scale=1.0):
+    """bf16 [n, 512] with a spread of magnitudes per 64-block (exercises many scale exponents)."""
+    g = gen or torch.Generator().manual_seed(torch.seed() % (2 ** 31))
+    blk = torch.exp2(torch.randint(-6, 6, (n, 8), generator=g).float())
+    x = torch.randn(n, 512, generator=g) * blk.repeat_interleave(64, 1) * scale
+    return x.to(torch.bfloat16).to(device)
+
+
+def random_paged_cache(num_blocks, block_size, device="cpu", seed=0):
+    """A cache whose every slot holds a valid record of random K, and whose page padding holds random
+    garbage (a reader that touches it shows up). Returns (pages [nb, page_bytes] uint8, K fp32 [nb*bs, 512])."""
+    g = torch.Generator().manual_seed(seed)
+    pages = torch.randint(0, 256, (num_blocks, L.page_bytes(block_size)), generator=g, dtype=torch.uint8)
+    n = num_blocks * block_size
+    k = random_k(n, gen=g)
+    slots = torch.arange(n)
+    rc.quantize_and_insert_k_cache(k, pages, slots, block_size)
+    return pages.to(device), rc.decode_k_records(rc.encode_k_records(k)).to(device)
+
+
+def random_indices(b, s_q, topk, capacity, lengths_max, device="cpu", seed=0, invalid_frac=0.1):
+    """int32 [b, s_q, topk] slot ids in [0, capacity) with a fraction of -1 and out-of-range ids,
+    plus int32 lengths [b] in [0, lengths_max]."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, capacity, (b, s_q, topk), generator=g)
+    r = torch.rand(b, s_q, topk, generator=g)
+    idx = torch.where(r < invalid_frac / 2, torch.full_like(idx, -1), idx)
+    idx = torch.where((r >= invalid_frac / 2) & (r < invalid_frac), idx + capacity, idx)   # beyond the cache
+    lens = torch.randint(0, lengths_max + 1, (b,), generator=g)
+    return idx.to(torch.int32).to(device), lens.to(torch.int32).to(device)
+
+
+def poison_like(t):
+    """A tensor of t's shape filled with NaN (floats) or 0xAB bytes: unwritten outputs show up."""
+    if t.dtype.is_floating_point:
+        return torch.full_like(t, float("nan"))
+    return torch.full_like(t, 0xAB)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def cos_diff(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    denom = (a * a + b * b).sum()
+    return float(1 - 2 * (a * b).sum() / denom) if denom > 0 else 0.0

@@ -1,0 +1,149 @@
+"""The whole attention layer (reference.layer) against a from-scratch evaluation of the spec, and its
+invariances: one-shot prefill == chunked prefill == token-by-token decode, mixed batches, caches."""
+import pytest
+import torch
+
+from dsv4_rocm import ops
+from dsv4_rocm.config import LayerType, tiny_config
+from dsv4_rocm.reference import attention as ra
+from dsv4_rocm.reference import cache as rc
+from dsv4_rocm.reference import indexer as I
+from dsv4_rocm.reference import output as O
+from dsv4_rocm.reference.norm import fused_q_kv_rmsnorm, rmsnorm
+from dsv4_rocm.reference.qkv import kv_rope, q_norm_rope
+from dsv4_rocm.reference.quant import quantize_blocks
+from dsv4_rocm.reference.rope import rope_fwd
+from dsv4_rocm.serving import SyntheticServer
+from helpers import rel_err
+
+CFG = tiny_config()
+MAX_LEN = 512
+
+
+def _entries(x, w, ape, norm_w, ratio, D, n, cs):
+    """Compressed entries 0..n-1 of one request, straight from §5 (fp32 y-hat per entry)."""
+    c = 2 if ratio == 4 else 1
+    ks = x.float() @ w.float().t()
+    kv, sc = ks[:, :c * D], ks[:, c * D:] + ape[torch.arange(x.shape[0]) % ratio]
+    out = []
+    for j in range(n):
+        us = [u for u in (range(4 * j - 4, 4 * j + 4) if ratio == 4 else range(128 * j, 128 * j + 128)) if u >= 0]
+        half = [1 if (ratio == 4 and u >= 4 * j) else 0 for u in us]
+        kvs = torch.stack([kv[u, h * D:(h + 1) * D] for u, h in zip(us, half)])
+        scs = torch.stack([sc[u, h * D:(h + 1) * D] for u, h in zip(us, half)])
+        yh = rmsnorm((torch.softmax(scs, 0) * kvs).sum(0), norm_w, 1e-6)
+        out.append((yh, rope_fwd(yh.unsqueeze(0), torch.tensor([j * ratio]), cs)[0]))
+    return out
+
+
+def naive_layer(server, x):
+    """One request, positions 0..T-1, every set built by hand from the spec (no cache, no metadata ops)."""
+    cfg, lt, W, cs = server.cfg, server.layer_type, server.weights, server.cos_sin
+    T, H, Wn = x.shape[0], cfg.local_heads, cfg.sliding_window
+    r = {LayerType.SWA: 1, LayerType.C4: 4, LayerType.C128: 128}[lt]
+    qr_kv = O.fp8_linear(x, W.wqkv8, W.wqkv_s)
+    qr, kv = fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], W.q_norm, W.kv_norm, 1e-6)
+    pos = torch.arange(T)
+    q = torch.zeros(T, cfg.padded_heads, 512, dtype=torch.bfloat16)
+    q[:, :H] = q_norm_rope(O.fp8_linear(qr, W.wq_b8, W.wq_b_s).view(T, H, 512), pos, cs, 1e-6)
+    K_raw = rc.decode_k_records(rc.encode_k_records(kv_rope(kv, pos, cs)))
+    K_c = None
+    if r > 1:
+        ents = _entries(x, W.comp_w, W.comp_ape, W.comp_norm, r, 512, T // r, cs)
+        K_c = torch.stack([rc.decode_k_records(rc.encode_k_records(
+            torch.cat([yh[:448], ro[448:]]).bfloat16().unsqueeze(0)))[0] for yh, ro in ents]) if ents else None
+    if lt == LayerType.C4:
+        ients = _entries(x, W.idx_comp_w, W.idx_comp_ape, W.idx_comp_norm, 4, 128, T // 4, cs)
+        k8, ksc = [], []
+        for _, ro in ients:
+            qb, e = quantize_blocks(ro.bfloat16().float().unsqueeze(0), 128, 1e-4)
+            k8.append(qb[0]), ksc.append(2.0 ** int(e))
+        qi = O.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, cfg.index_n_heads, 128)
+        wi = (x.float() @ W.idx_wproj.float().t()).bfloat16()
+        q8, wq = I.indexer_q_rope_quant(qi, pos, cs, wi)
+    attn = torch.zeros(T, cfg.padded_heads, 512)
+    for t in range(T):
+        keys = [K_raw[u] for u in range(max(0, t - Wn + 1), t + 1)]
+        n = (t + 1) // r if r > 1 else 0
+        if lt == LayerType.C128:
+            keys += [K_c[j] for j in range(n)]
+        elif lt == LayerType.C4 and n:
+            lg = I.fp8_mqa_logits(q8[t:t + 1], torch.stack(k8[:n]), torch.tensor(ksc[:n]), wq[t:t + 1],
+                                  torch.tensor([0]), torch.tensor([n]))[0]
+            chosen = range(n) if n <= cfg.index_topk else torch.topk(lg, cfg.index_topk).indices.tolist()
+            keys += [K_c[j] for j in chosen]
+        Ks = torch.stack(keys).unsqueeze(0)
+        o, _, _ = ra.attend(q[t:t + 1].float(), Ks, torch.ones(1, Ks.shape[1], dtype=torch.bool), CFG.softmax_scale,
+                            W.attn_sink)
+        attn[t] = o[0]
+    attn = attn.bfloat16()
+    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H].contiguous(), pos, cs, cfg.local_groups)
+    z = O.fp8_einsum(a8, sa, W.wo_a8, W.wo_a_s)
+    return O.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)
+
+
+def _run(lt, xs, schedule, impl=None):
+    s = SyntheticServer(CFG, lt, len(xs), MAX_LEN, impl=impl)
+    out = {b: [] for b in range(len(xs))}
+    for step in schedule:
+        for b, y in s.step({b: xs[b][a:e] for b, (a, e) in step.items()}).items():
+            out[b].append(y)
+    return s, {b: torch.cat(v) for b, v in out.items()}
+
+
+def _xs(lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, CFG.hidden_size, generator=g).bfloat16() for n in lens]
+
+
+@pytest.mark.parametrize("lt", list(LayerType))
+def test_layer_matches_from_scratch_spec(lt):
+    xs = _xs([290], 10 + list(LayerType).index(lt))
+    s, y = _run(lt, xs, [{0: (0, 150)}, {0: (150, 280)}] + [{0: (280 + i, 281 + i)} for i in range(10)])
+    ref = naive_layer(s, xs[0])
+    err = rel_err(y[0].float(), ref.float())
+    print(f"{lt.value}: layer vs from-scratch spec, rel err {err:.2e}")
+    assert err < 2e-3
+
+
+@pytest.mark.parametrize("lt", list(LayerType))
+def test_prefill_chunking_and_decode_invariance(lt):
+    lens = [150, 270, 40]
+    xs = _xs(lens, 20)
+    s1, y1 = _run(lt, xs, [{0: (0, 150), 1: (0, 270), 2: (0, 40)}])
+    s2, y2 = _run(lt, xs, [{0: (0, 37), 1: (0, 100)}, {0: (37, 150), 1: (100, 203), 2: (0, 1)},
+                           {1: (203, 270), 2: (1, 40)}])
+    dec = [{0: (0, 130), 1: (0, 250), 2: (0, 20)}] + [{0: (130 + i, 131 + i), 1: (250 + i, 251 + i),
+                                                       2: (20 + i, 21 + i)} for i in range(20)]
+    s3, y3 = _run(lt, xs, dec)
+    for s, y, name in ((s2, y2, "chunked"), (s3, y3, "decode")):
+        for b in range(3):
+            err = rel_err(y[b].float(), y1[b].float())
+            print(f"{lt.value} {name} req {b}: rel err {err:.2e}")
+            assert err < 2e-3
+        for field in ("swa", "comp", "idx"):
+            a, c = getattr(s.cache, field), getattr(s1.cache, field)
+            assert (a is None and c is None) or torch.equal(a, c), f"{name}: {field} cache bytes differ"
+
+
+def test_mixed_batch_equals_separate_batches():
+    xs = _xs([200, 60], 30)
+    _, ya = _run(LayerType.C4, xs, [{0: (0, 199), 1: (0, 40)}, {0: (199, 200), 1: (40, 60)}])   # decode + prefill
+    _, yb = _run(LayerType.C4, xs, [{0: (0, 199), 1: (0, 40)}, {0: (199, 200)}, {1: (40, 60)}])
+    for b in range(2):
+        assert rel_err(ya[b].float(), yb[b].float()) < 1e-6
+
+
+def test_layer_through_ops_equals_reference_on_cpu():
+    xs = _xs([140], 40)
+    _, ya = _run(LayerType.C128, xs, [{0: (0, 140)}])
+    _, yb = _run(LayerType.C128, xs, [{0: (0, 140)}], impl=ops)
+    assert torch.equal(ya[0], yb[0])
+
+
+def test_layer_rejects_bad_hidden():
+    s = SyntheticServer(CFG, LayerType.SWA, 1, MAX_LEN)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        s.step({0: torch.randn(3, CFG.hidden_size)})
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.step({0: torch.randn(MAX_LEN + 1, CFG.hidden_size).bfloat16()})
