@@ -26,6 +26,13 @@ else
   mc_rc=skipped
 fi
 
+python3 -m dsv4_rocm parity --report "$OUT/parity_$(python3 -c 'from dsv4_rocm.platform import detect; print(detect("cuda").arch)').json" | tail -3
+parity_rc=${PIPESTATUS[0]}
+[ "$parity_rc" = 0 ] || status=1
+python3 -m dsv4_rocm run --device cuda 2>&1 | tail -6
+run_rc=${PIPESTATUS[0]}
+[ "$run_rc" = 0 ] || status=1
+
 python3 -m dsv4_rocm bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -90
 bench_rc=${PIPESTATUS[0]}
 
@@ -33,5 +40,7 @@ echo
 echo "== gpu_suite summary =="
 echo "pytest -m gpu: rc=$gpu_rc ($(grep -Eo '[0-9]+ passed|[0-9]+ failed' "$OUT/pytest_gpu.log" | tr '\n' ' '))"
 echo "memcheck:      rc=$mc_rc"
+echo "parity:        rc=$parity_rc"
+echo "main job:      rc=$run_rc"
 echo "bench:         rc=$bench_rc (table above, JSON in $OUT/bench.json)"
 exit $status

@@ -275,15 +275,16 @@ def top_k_per_row(logits, row_starts, row_ends, k: int):
 
 
 # ---- metadata ----------------------------------------------------------------------------------------
-def _check_bt(block_table, token_to_req):
+def _check_bt(block_table, token_to_req, **others):
     C.tensor("block_table", block_table, dtype=C.INDEX, dim=2)
     C.tensor("token_to_req", token_to_req, dtype=C.INDEX, dim=1)
+    C.same_device(block_table=block_table, token_to_req=token_to_req, **others)
     if token_to_req.numel() and int(token_to_req.max()) >= block_table.shape[0]:
         raise ValueError("token_to_req names a request beyond block_table's rows")
 
 
 def get_compressed_slot_mapping(positions, token_to_req, block_table, ratio: int, block_size: int, slot_mapping=None):
-    _check_bt(block_table, token_to_req)
+    _check_bt(block_table, token_to_req, positions=positions, slot_mapping=slot_mapping)
     C.tensor("positions", positions, dtype=C.INDEX, shape=token_to_req.shape)
     C.positive_int("block_size", block_size)
     C.positive_int("ratio", ratio)
@@ -292,7 +293,7 @@ def get_compressed_slot_mapping(positions, token_to_req, block_table, ratio: int
 
 
 def compute_swa_indices_and_lens(positions, token_to_req, block_table, slot_mapping, window: int, block_size: int = 64):
-    _check_bt(block_table, token_to_req)
+    _check_bt(block_table, token_to_req, positions=positions, slot_mapping=slot_mapping)
     C.tensor("positions", positions, dtype=C.INDEX, shape=token_to_req.shape)
     C.positive_int("window", window)
     return _run("compute_swa_indices_and_lens", positions.device, positions, token_to_req, block_table, slot_mapping,
@@ -300,7 +301,7 @@ def compute_swa_indices_and_lens(positions, token_to_req, block_table, slot_mapp
 
 
 def compute_global_topk_indices_and_lens(topk_local, token_to_req, block_table, block_size: int, is_valid_token):
-    _check_bt(block_table, token_to_req)
+    _check_bt(block_table, token_to_req, topk_local=topk_local, is_valid_token=is_valid_token)
     C.tensor("topk_local", topk_local, dtype=C.INDEX, shape=(token_to_req.shape[0], None))
     return _run("compute_global_topk_indices_and_lens", topk_local.device, topk_local, token_to_req, block_table,
                 block_size, is_valid_token)
@@ -308,7 +309,8 @@ def compute_global_topk_indices_and_lens(topk_local, token_to_req, block_table, 
 
 def build_c128a_topk_metadata(positions, token_to_req, block_table, slot_mapping, is_decode_token,
                               max_model_len: int, block_size: int = 2, ratio: int = 128):
-    _check_bt(block_table, token_to_req)
+    _check_bt(block_table, token_to_req, positions=positions, slot_mapping=slot_mapping,
+              is_decode_token=is_decode_token)
     C.positive_int("max_model_len", max_model_len)
     return _run("build_c128a_topk_metadata", positions.device, positions, token_to_req, block_table, slot_mapping,
                 is_decode_token, max_model_len, block_size, ratio)
@@ -318,6 +320,8 @@ def combine_topk_swa_indices(topk_local, topk_lens, positions, req_in_chunk, gat
                              rows_per_req: int, window: int):
     C.tensor("topk_local", topk_local, dtype=C.INDEX, dim=2)
     C.tensor("topk_lens", topk_lens, dtype=C.INDEX, shape=(topk_local.shape[0],))
+    C.same_device(topk_local=topk_local, topk_lens=topk_lens, positions=positions, req_in_chunk=req_in_chunk,
+                  gather_start=gather_start)
     return _run("combine_topk_swa_indices", topk_local.device, topk_local, topk_lens, positions, req_in_chunk,
                 gather_start, num_compressed_rows, rows_per_req, window)
 

@@ -147,3 +147,17 @@ def test_layer_rejects_bad_hidden():
         s.step({0: torch.randn(3, CFG.hidden_size)})
     with pytest.raises(ValueError, match="max_model_len"):
         s.step({0: torch.randn(MAX_LEN + 1, CFG.hidden_size).bfloat16()})
+
+
+def test_deepseek_v4_attention_module_equals_reference_layer():
+    from dsv4_rocm.attention import DeepseekV4Attention
+    from dsv4_rocm.reference.layer import LayerWeights, StepBatch
+    cfg = CFG
+    layer = 1                                     # tiny config: layer 1 is C4
+    s = SyntheticServer(cfg, LayerType.C4, 1, MAX_LEN)
+    m = DeepseekV4Attention(cfg, layer, s.weights, s.cache.swa.shape[0], 1, MAX_LEN, s.cos_sin)
+    assert m.layer_type == LayerType.C4 and m.backends["sparse_mla_decode"] == "reference"
+    x = _xs([50], 50)[0]
+    batch = StepBatch(torch.tensor([0, 50], dtype=torch.int32), torch.tensor([50], dtype=torch.int32),
+                      torch.arange(50), s.swa_bt, s.comp_bt, torch.tensor([0], dtype=torch.int32))
+    assert torch.equal(m(x, batch), s.step({0: x})[0])

@@ -76,3 +76,11 @@ def test_combine_topk_swa_indices():
     assert idx[2, :3].tolist() == [Mrows + N + 0, Mrows + N + 1, Mrows + N + 2]
     assert (idx[0, 6:] == -1).all() and (idx[2, 3:] == -1).all()
     assert M.prefill_gather_lens(torch.tensor([6, 3]), torch.tensor([10, 3]), 128).tolist() == [10, 3]
+
+
+def test_metadata_ops_reject_mixed_devices():
+    import pytest
+    meta = torch.empty(7, device="meta")
+    with pytest.raises(ValueError, match="different devices"):
+        ops.build_c128a_topk_metadata(torch.tensor([1]), torch.tensor([0]), BT, torch.tensor([1]),
+                                      meta.bool()[:1], 100)

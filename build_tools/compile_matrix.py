@@ -1,0 +1,195 @@
+"""CPU-only compile check of every kernel for gfx942, gfx950, sm_90a and sm_100a.
+
+Triton kernels are compiled ahead of time with ``triton.compile(ASTSource(...), target=GPUTarget(...))``
+using the tile configuration each kernel module picks for that arch, then checked:
+  * AMD: ``v_mfma`` present in matrix kernels, no ``s_trap``, no VGPR spills or scratch, LDS within the
+    workgroup limit (64 KB gfx942, 160 KB gfx950);
+  * NVIDIA: ``wgmma`` (sm_90a) / ``tcgen05`` (sm_100a) present in matrix kernels, no spills (ptxas -v
+    with the ptxas Triton ships), shared memory within 227 KB.
+``python -m build_tools.compile_matrix`` prints kernel x target -> status, registers, LDS/shared, spills,
+and exits non-zero on any failure.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+TARGETS = {  # name: (backend, arch, warp size, platform arch string, LDS/shared limit)
+    "gfx942": ("hip", "gfx942", 64, "gfx942", 64 * 1024),
+    "gfx950": ("hip", "gfx950", 64, "gfx950", 160 * 1024),
+    "sm_90a": ("cuda", 90, 32, "sm_90", 227 * 1024),
+    "sm_100a": ("cuda", 100, 32, "sm_100", 227 * 1024),
+}
+
+
+@dataclass
+class TritonKernel:
+    name: str
+    fn: Callable
+    pointers: Dict[str, str]             # pointer args -> Triton pointer type
+    floats: tuple                        # fp32 scalar args
+    constexprs: Callable                 # (arch) -> dict of constexpr values
+    options: Callable                    # (arch) -> dict(num_warps=..., num_stages=...)
+    matrix: bool                         # must use the matrix units
+    fp8_convert: bool = False            # must decode fp8 with the hardware convert (no software path)
+
+    def signature(self):
+        sig = {}
+        for n in self.fn.arg_names:
+            if n in self.pointers:
+                sig[n] = self.pointers[n]
+            elif n in self.floats:
+                sig[n] = "fp32"
+            elif n.isupper():
+                sig[n] = "constexpr"
+            else:
+                sig[n] = "i32"
+        return sig
+
+    def attrs(self):
+        # pointers and strides are 16-byte aligned at run time (Triton specializes them the same way)
+        names = [n for n in self.fn.arg_names if n in self.pointers or "stride" in n]
+        return {(self.fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+
+def triton_kernels():
+    from dsv4_rocm.triton import sparse_mla_decode as dec, sparse_mla_prefill as pre
+
+    def dec_cfg(arch):
+        c = dec.default_config(arch, 64)
+        return dict(MAIN_BS=256, EXTRA_BS=64, HAS_EXTRA=True, HAS_MAIN_LEN=True, HAS_EXTRA_LEN=True, HAS_SINK=True,
+                    BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"], NSPLIT=1, FNUZ=arch == "gfx942")
+
+    def dec_split_cfg(arch):
+        return dict(dec_cfg(arch), MAIN_BS=64, EXTRA_BS=2, NSPLIT=4)
+
+    def dec_opt(arch):
+        c = dec.default_config(arch, 64)
+        return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+    def pre_cfg(arch):
+        c = pre.default_config(arch)
+        return dict(HAS_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"])
+
+    def pre_opt(arch):
+        c = pre.default_config(arch)
+        return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+    dec_ptrs = dict(q_ptr="*bf16", main_ptr="*u8", main_idx_ptr="*i32", main_len_ptr="*i32", extra_ptr="*u8",
+                    extra_idx_ptr="*i32", extra_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32",
+                    part_o_ptr="*fp32", part_lse_ptr="*fp32")
+    return [
+        TritonKernel("sparse_mla_decode", dec._sparse_mla_paged_kernel, dec_ptrs, ("sm_log2",), dec_cfg, dec_opt,
+                     True, True),
+        TritonKernel("sparse_mla_decode[split]", dec._sparse_mla_paged_kernel, dec_ptrs, ("sm_log2",),
+                     dec_split_cfg, dec_opt, True, True),
+        TritonKernel("sparse_mla_combine", dec._combine_kernel,
+                     dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16",
+                          lse_ptr="*fp32"), (), lambda a: dict(HAS_SINK=True, NSPLIT=4, NSPLIT_P2=4),
+                     lambda a: dict(num_warps=4, num_stages=1), False),
+        TritonKernel("sparse_mla_prefill", pre._sparse_mla_prefill_kernel,
+                     dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", len_ptr="*i32", sink_ptr="*fp32",
+                          out_ptr="*bf16", maxl_ptr="*fp32", lse_ptr="*fp32"), ("sm_log2",), pre_cfg, pre_opt, True),
+    ]
+
+
+def _ptxas_report(ptx: str, arch: int):
+    import tempfile
+    import triton
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    exe = os.path.join(bindir, "ptxas-blackwell" if arch >= 100 and os.path.exists(
+        os.path.join(bindir, "ptxas-blackwell")) else "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([exe, f"-arch=sm_{arch}a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    return int(regs.group(1)) if regs else -1, (int(spill.group(1)) + int(spill.group(2))) if spill else 0
+
+
+def _amd_report(asm: str):
+    def get(key):
+        m = re.search(rf"\.{key}:\s*(\d+)", asm)
+        return int(m.group(1)) if m else 0
+    return dict(vgpr=get("vgpr_count"), sgpr=get("sgpr_count"), vgpr_spill=get("vgpr_spill_count"),
+                sgpr_spill=get("sgpr_spill_count"), scratch=get("private_segment_fixed_size"),
+                lds=get("group_segment_fixed_size"))
+
+
+def compile_triton(k: TritonKernel, target: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    backend, arch, warp, plat_arch, limit = TARGETS[target]
+    src = ASTSource(k.fn, k.signature(), constexprs=k.constexprs(plat_arch), attrs=k.attrs())
+    c = triton.compile(src, target=GPUTarget(backend, arch, warp), options=k.options(plat_arch))
+    row = dict(kernel=k.name, target=target, problems=[])
+    if backend == "hip":
+        asm = c.asm["amdgcn"]
+        rep = _amd_report(asm)
+        lds = max(rep["lds"], c.metadata.shared)
+        row.update(regs=f"v{rep['vgpr']}/s{rep['sgpr']}", smem=lds,
+                   spills=f"v{rep['vgpr_spill']}/s{rep['sgpr_spill']}")
+        if k.matrix and "v_mfma" not in asm:
+            row["problems"].append("no v_mfma")
+        if k.fp8_convert and not re.search(r"v_cvt_(scalef32_)?pk_f32_fp8", asm):
+            row["problems"].append("no hardware fp8 convert")
+        if "s_trap" in asm:
+            row["problems"].append("s_trap")
+        if rep["vgpr_spill"] or rep["scratch"]:
+            row["problems"].append(f"VGPR spills {rep['vgpr_spill']}, scratch {rep['scratch']} B")
+    else:
+        ptx = c.asm["ptx"]
+        regs, spill = _ptxas_report(ptx, arch)
+        row.update(regs=str(regs), smem=c.metadata.shared, spills=str(spill))
+        mma = "wgmma" if arch == 90 else "tcgen05"
+        if k.fp8_convert and "cvt.rn.f16x2.e4m3x2" not in ptx:
+            row["problems"].append("no hardware fp8 convert")
+        if k.matrix and mma not in ptx:
+            row["problems"].append(f"no {mma}")
+        if spill:
+            row["problems"].append(f"{spill} B spilled")
+    if row["smem"] > limit:
+        row["problems"].append(f"LDS/shared {row['smem']} > {limit}")
+    return row
+
+
+def run(targets=None, only=None, quiet=False):
+    rows = []
+    for k in triton_kernels():
+        if only and only not in k.name:
+            continue
+        for t in targets or TARGETS:
+            try:
+                rows.append(compile_triton(k, t))
+            except Exception as e:          # a compile error is a result of the matrix, not a crash of it
+                rows.append(dict(kernel=k.name, target=t, regs="-", smem=0, spills="-",
+                                 problems=[f"compile error: {str(e).splitlines()[-1][:160] if str(e) else type(e).__name__}"]))
+    if not quiet:
+        print(f"{'kernel':28s} {'target':8s} {'status':6s} {'regs':>10s} {'LDS/smem':>9s} {'spills':>8s}  problems")
+        for r in rows:
+            st = "ok" if not r["problems"] else "FAIL"
+            print(f"{r['kernel']:28s} {r['target']:8s} {st:6s} {r['regs']:>10s} {r['smem']:9d} {r['spills']:>8s}  "
+                  f"{'; '.join(r['problems'])}")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", action="append", choices=sorted(TARGETS))
+    p.add_argument("--only", default=None, help="substring of kernel names")
+    a = p.parse_args(argv)
+    rows = run(a.target, a.only)
+    return 1 if any(r["problems"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
