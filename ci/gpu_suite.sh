@@ -9,6 +9,11 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || rocm-smi 2>/dev/null
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 -m dsv4_rocm info
+start=$(date +%s)
+python3 -c "from dsv4_rocm._build import load; load()" 2>&1 | tail -5
+build_rc=${PIPESTATUS[0]}
+echo "dsv4_rocm._C build: rc=$build_rc, $(( $(date +%s) - start )) s"
+[ "$build_rc" = 0 ] || status=1
 
 python3 -m pytest -m gpu -q tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | grep -v "^\s*$" | tail -40
 gpu_rc=${PIPESTATUS[0]}
@@ -16,8 +21,8 @@ gpu_rc=${PIPESTATUS[0]}
 
 if command -v compute-sanitizer >/dev/null && [ "${1:-}" != "quick" ]; then
   compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
-    python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_mla.py \
-      -k "all_invalid or smoke" \
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_mla.py tests/test_hip_kernels.py \
+      -k "all_invalid or smoke or (quantize_and_insert and 3-100) or (gather and 2)" \
       > "$OUT/memcheck.log" 2>&1
   mc_rc=$?
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
@@ -38,6 +43,7 @@ bench_rc=${PIPESTATUS[0]}
 
 echo
 echo "== gpu_suite summary =="
+echo "_C build:      rc=$build_rc"
 echo "pytest -m gpu: rc=$gpu_rc ($(grep -Eo '[0-9]+ passed|[0-9]+ failed' "$OUT/pytest_gpu.log" | tr '\n' ' '))"
 echo "memcheck:      rc=$mc_rc"
 echo "parity:        rc=$parity_rc"

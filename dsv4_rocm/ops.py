@@ -26,6 +26,10 @@ BACKENDS = ("reference", "triton", "hip")
 _KERNELS = {
     "sparse_mla_decode": {"triton": "dsv4_rocm.triton.sparse_mla_decode:sparse_mla_decode"},
     "sparse_mla_prefill": {"triton": "dsv4_rocm.triton.sparse_mla_prefill:sparse_mla_prefill"},
+    "quantize_and_insert_k_cache": {"hip": "dsv4_rocm.hip_ops:quantize_and_insert_k_cache"},
+    "fused_qnorm_rope_kv_rope_quant_insert": {"hip": "dsv4_rocm.hip_ops:fused_qnorm_rope_kv_rope_quant_insert"},
+    "fused_q_kv_rmsnorm": {"hip": "dsv4_rocm.hip_ops:fused_q_kv_rmsnorm"},
+    "dequantize_and_gather_k_cache": {"hip": "dsv4_rocm.hip_ops:dequantize_and_gather_k_cache"},
 }
 _REFERENCE = {
     "fused_q_kv_rmsnorm": _rn.fused_q_kv_rmsnorm,
@@ -78,6 +82,17 @@ def use_backend(name: Optional[str]):
     return _restore(prev)
 
 
+def _hip_buildable() -> bool:
+    """dsv4_rocm._C is built, or can be built on first use (kernel sources + hipcc/nvcc present)."""
+    if importlib.util.find_spec("dsv4_rocm._C") is not None:
+        return True
+    import shutil
+    from ._build import sources_present
+    compiler = "hipcc" if torch.version.hip is not None else "nvcc"
+    return sources_present() and (torch.version.hip is not None or torch.version.cuda is not None) \
+        and shutil.which(compiler) is not None
+
+
 def machine_backends(device) -> tuple:
     """Backends this machine can run for tensors on ``device``."""
     device = torch.device(device)
@@ -85,7 +100,7 @@ def machine_backends(device) -> tuple:
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is not None:
             have.append("triton")
-        if importlib.util.find_spec("dsv4_rocm._C") is not None:
+        if _hip_buildable():
             have.append("hip")
     return tuple(have)
 
@@ -124,6 +139,8 @@ def _run(op, device, *args, **kwargs):
 def fused_q_kv_rmsnorm(qr, kv, q_weight, kv_weight, eps: float):
     C.tensor("qr", qr, dtype=torch.bfloat16, dim=2)
     C.tensor("kv", kv, dtype=torch.bfloat16, shape=(qr.shape[0], None))
+    if qr.shape[1] % 8 or kv.shape[1] % 8:
+        raise ValueError(f"qr and kv rows must be multiples of 8 values, got {qr.shape[1]} and {kv.shape[1]}")
     C.tensor("q_weight", q_weight, shape=(qr.shape[1],))
     C.tensor("kv_weight", kv_weight, shape=(kv.shape[1],))
     C.same_device(qr=qr, kv=kv, q_weight=q_weight, kv_weight=kv_weight)

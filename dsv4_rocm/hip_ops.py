@@ -1,0 +1,39 @@
+"""Python side of the HIP kernels (dsv4_rocm._C): layout adaptation (page views, int64 slots, 16-byte
+aligned rows) around the torch.ops.dsv4_rocm launchers. Arguments are validated in dsv4_rocm.ops."""
+import torch
+
+from ._build import load
+from .reference.cache import as_pages
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Rows the kernels read 16 bytes at a time: unit inner stride, 16-byte aligned rows."""
+    if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        return t.contiguous()
+    return t
+
+
+def _slots(s: torch.Tensor) -> torch.Tensor:
+    return s.to(torch.int64).contiguous()
+
+
+def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int):
+    load().quantize_and_insert_k_cache(_rows(k), as_pages(k_cache, block_size), _slots(slot_mapping), block_size)
+
+
+def fused_qnorm_rope_kv_rope_quant_insert(q, kv, swa_kv_cache_2d, slot_mapping, positions, cos_sin_cache,
+                                          padded_heads: int, eps: float, block_size: int):
+    q = q if (q.stride(2) == 1 and q.stride(1) % 8 == 0 and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0) \
+        else q.contiguous()
+    return load().fused_qnorm_rope_kv_rope_quant_insert(
+        q, _rows(kv), as_pages(swa_kv_cache_2d, block_size), _slots(slot_mapping), _slots(positions),
+        cos_sin_cache.contiguous(), padded_heads, eps, block_size)
+
+
+def fused_q_kv_rmsnorm(qr, kv, q_weight, kv_weight, eps: float):
+    return load().fused_q_kv_rmsnorm(_rows(qr), _rows(kv), q_weight.to(torch.bfloat16).contiguous(),
+                                     kv_weight.to(torch.bfloat16).contiguous(), eps)
+
+
+def dequantize_and_gather_k_cache(k_cache, slots, block_size: int):
+    return load().dequantize_and_gather_k_cache(as_pages(k_cache, block_size), _slots(slots), block_size)
