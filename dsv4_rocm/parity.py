@@ -32,7 +32,8 @@ def _k(n, g):
     return (torch.randn(n, 512, generator=g) * blk).bfloat16()
 
 
-# Each case: (inputs dict, run(inputs) -> outputs dict, float tolerance (rtol, atol)).
+# Each case: (inputs dict, run(inputs) -> outputs dict, float tolerance): (rtol, atol) per element, or
+# ("norm", max relative Frobenius error) for whole-layer outputs.
 def case_quantize_and_insert_k_cache():
     g = _g(1)
     inp = dict(k=_k(9, g), k_cache=torch.randint(0, 256, (3, 37440), generator=g, dtype=torch.uint8),
@@ -204,7 +205,8 @@ def case_layer_c4():
         s = SyntheticServer(cfg, LayerType.C4, 1, 256, device=str(i["x"].device), impl=ops)
         y = torch.cat([s.step({0: i["x"][:60]})[0]] + [s.step({0: i["x"][t:t + 1]})[0] for t in range(60, 70)])
         return dict(y=y)     # cache bytes depend on the device's GEMM summation order: op cases cover them
-    return inp, run, (2e-2, 2e-2)
+    # a whole layer re-quantizes to fp8 twice and selects top-k: compare the relative error of the tensor
+    return inp, run, ("norm", 5e-2)   # H100: 2.1e-2; a wrong index or slot gives O(1)
 
 
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
@@ -238,6 +240,9 @@ def check_case(name, device="cpu", directory=GOLDEN_DIR):
             ok = a.dtype == exp.dtype and a.shape == exp.shape and torch.equal(a, exp)
             err = 0.0 if ok else float((a.long() != exp.long()).float().mean()) if a.shape == exp.shape else 1.0
             sha = hashlib.sha256(a.contiguous().numpy().tobytes()).hexdigest()
+        elif rtol == "norm":
+            err = float((a.double() - exp.double()).norm() / exp.double().norm().clamp_min(1e-30))
+            ok, sha = bool(torch.isfinite(a).all() and err <= atol), None
         else:
             fin = torch.isfinite(exp)
             same_inf = torch.equal(torch.isfinite(a), fin) and torch.equal(a[~fin].nan_to_num(), exp[~fin].nan_to_num())

@@ -53,9 +53,9 @@ def run(device="cuda", out_json=None, only=None, configs=None, prefill_configs=N
             rows.append(_row(name, cfg_name, ms, flop, nbytes, bw, mm))
     if not only or "cache" in only:
         from . import cache_ops
-        for name, fn, nbytes in cache_ops.cases(device):
-            ms = time_ms(fn)
-            rows.append(_row(name, "hip", ms, 0, nbytes, bw, mm))
+        for T in (16384, 65536):
+            for name, fn, nbytes in cache_ops.cases(device, T):
+                rows.append(_row(name, "hip", time_graph_ms(fn), 0, nbytes, bw, mm))
     report = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(device), arch=plat.arch,
                   copy_TBps=bw / 1e12, bf16_TFLOPs=mm / 1e12, rows=rows)
     print_table(report)
