@@ -33,4 +33,26 @@ def load():
         jit_load(name="dsv4_rocm_C", sources=ext.sources(build), extra_include_paths=[ext.INCLUDE],
                  extra_cflags=ext.CXX_FLAGS, extra_cuda_cflags=ext.extra_cuda_cflags(), build_directory=build,
                  verbose=False)
+    _register_fakes()
     return torch.ops.dsv4_rocm
+
+
+def _register_fakes():
+    """Shape functions of the ops, so torch.compile / FakeTensor tracing can go through them."""
+    import torch
+
+    @torch.library.register_fake("dsv4_rocm::quantize_and_insert_k_cache")
+    def _(k, k_cache, slot_mapping, block_size):
+        return None
+
+    @torch.library.register_fake("dsv4_rocm::fused_qnorm_rope_kv_rope_quant_insert")
+    def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size):
+        return q.new_empty(q.shape[0], padded_heads, 512)
+
+    @torch.library.register_fake("dsv4_rocm::fused_q_kv_rmsnorm")
+    def _(qr, kv, q_weight, kv_weight, eps):
+        return qr.new_empty(qr.shape), kv.new_empty(kv.shape)
+
+    @torch.library.register_fake("dsv4_rocm::dequantize_and_gather_k_cache")
+    def _(k_cache, slots, block_size):
+        return k_cache.new_empty(slots.shape[0], 512, dtype=torch.bfloat16)

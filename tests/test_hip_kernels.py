@@ -119,3 +119,23 @@ def test_ops_route_to_hip_and_still_validate(gpu):
     ref = torch.zeros_like(cache)
     rc.quantize_and_insert_k_cache(k, ref, torch.tensor([0, 1, -1, 3], device=gpu), 64)
     assert torch.equal(cache, ref)
+
+
+def test_registered_ops_pass_opcheck(gpu):
+    """Schema, fake (meta) shapes and real kernels agree (torch.library.opcheck)."""
+    from dsv4_rocm._build import load
+    lib = load()
+    g = torch.Generator().manual_seed(5)
+    k = _k(8, 5, gpu)
+    cache = torch.zeros(2, L.page_bytes(64), dtype=torch.uint8, device=gpu)
+    slots = torch.tensor([3, -1, 70, 0, 5, 6, 7, 8], device=gpu)
+    torch.library.opcheck(lib.quantize_and_insert_k_cache.default, (k, cache, slots, 64))
+    torch.library.opcheck(lib.dequantize_and_gather_k_cache.default, (cache, slots, 64))
+    qr = torch.randn(8, 1024, generator=g).bfloat16().to(gpu)
+    w = torch.ones(1024, device=gpu).bfloat16()
+    torch.library.opcheck(lib.fused_q_kv_rmsnorm.default, (qr, k, w, w[:512], 1e-6))
+    q = torch.randn(8, 8, 512, generator=g).bfloat16().to(gpu)
+    cs = build_cos_sin_cache(10000.0, 128, device=gpu)
+    pos = torch.arange(8, device=gpu)
+    torch.library.opcheck(lib.fused_qnorm_rope_kv_rope_quant_insert.default,
+                          (q, k, cache, slots, pos, cs, 64, 1e-6, 64))

@@ -60,6 +60,15 @@ __device__ __forceinline__ int dsv4_shfl_xor_int(int v, int lane_mask) {
 #endif
 }
 
+// Value of lane `src` of this lane's 32-lane group.
+__device__ __forceinline__ int dsv4_group_shfl_int(int v, int src) {
+#if defined(DSV4_NVIDIA)
+  return __shfl_sync(0xffffffffu, v, src, DSV4_GROUP);
+#else
+  return __shfl(v, src, DSV4_GROUP);
+#endif
+}
+
 // Reductions over `width` consecutive lanes (width a power of two <= 32, aligned).
 __device__ __forceinline__ float dsv4_group_sum(float v, int width) {
   for (int m = width >> 1; m > 0; m >>= 1) v += dsv4_shfl_xor(v, m);

@@ -57,8 +57,16 @@ __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, u
   amax = dsv4_group_max(amax, 4);          // 4 lanes = one 64-value block
   bad = dsv4_group_or(bad, 4);
   uint8_t* data = page + off * 576;
+  int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
+  // the 8 scale bytes (7 UE8M0 + pad 0) leave in one 8-byte store from lane 0, not 8 byte stores
+  int sbyte = lane < DSV4_NOPE_LANES ? (bad ? 0xff : e + 127) : 0;
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    lo |= (uint32_t)(dsv4_group_shfl_int(sbyte, 4 * b) & 0xff) << (8 * b);
+    hi |= (uint32_t)(dsv4_group_shfl_int(sbyte, 16 + 4 * b) & 0xff) << (8 * b);
+  }
   if (lane < DSV4_NOPE_LANES) {
-    int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
     float inv = dsv4_exp2i(-e);
     uint32_t w[4];
 #pragma unroll
@@ -72,9 +80,8 @@ __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, u
       w[j] = word;
     }
     *reinterpret_cast<uint4*>(data + lane * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-    if ((lane & 3) == 0) page[(int64_t)bs * 576 + off * 8 + (lane >> 2)] = bad ? (uint8_t)0xff : (uint8_t)(e + 127);
+    if (lane == 0) *reinterpret_cast<uint2*>(page + (int64_t)bs * 576 + off * 8) = make_uint2(lo, hi & 0x00ffffffu);
   } else {
     dsv4_store_bf16x16(reinterpret_cast<uint16_t*>(data + 448 + (lane - DSV4_NOPE_LANES) * 32), v);
-    if (lane == DSV4_NOPE_LANES) page[(int64_t)bs * 576 + off * 8 + 7] = 0;
   }
 }
