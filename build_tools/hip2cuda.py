@@ -29,7 +29,6 @@ OVERRIDES = {
     "hipStream_t": "cudaStream_t",
     "hipGetLastError": "cudaGetLastError",
     "hipGetErrorString": "cudaGetErrorString",
-    "hipLaunchKernelGGL": "hipLaunchKernelGGL",   # handled by the launch rule
 }
 AMD_GUARDS = ("__gfx", "__AMDGCN__", "DSV4_AMD", "__HIP_PLATFORM_AMD__", "__HIP_DEVICE_COMPILE__")
 SHFL = ("__shfl_xor", "__shfl_up", "__shfl_down", "__shfl")

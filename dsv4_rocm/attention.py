@@ -38,7 +38,9 @@ class DeepseekV4Attention(torch.nn.Module):
         dev = self.cos_sin_cache.device
         return {name: ops.backend_for(name, dev) for name in ops._REFERENCE}
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, decode_threshold: int = 1) -> torch.Tensor:
-        """x bf16 [T, hidden] -> bf16 [T, hidden]; appends this step's tokens to the caches."""
+    def forward(self, x: torch.Tensor, batch: StepBatch, decode_threshold: int = 1,
+                paged_prefill: bool = True) -> torch.Tensor:
+        """x bf16 [T, hidden] -> bf16 [T, hidden]; appends this step's tokens to the caches. Prefill tokens
+        attend straight from the fp8 pages unless ``paged_prefill=False`` (vLLM's bf16 workspace path)."""
         return layer_forward(self.cfg, self.layer_type, self.weights, self.cache, batch, x, self.cos_sin_cache,
-                             self.max_model_len, decode_threshold, impl=ops)
+                             self.max_model_len, decode_threshold, impl=ops, paged_prefill=paged_prefill)

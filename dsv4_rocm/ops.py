@@ -10,6 +10,7 @@ passed as ``impl`` to ``reference.layer.layer_forward``.
 """
 import contextlib
 import importlib
+import importlib.util
 import os
 from typing import Optional
 

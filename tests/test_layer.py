@@ -151,7 +151,7 @@ def test_layer_rejects_bad_hidden():
 
 def test_deepseek_v4_attention_module_equals_reference_layer():
     from dsv4_rocm.attention import DeepseekV4Attention
-    from dsv4_rocm.reference.layer import LayerWeights, StepBatch
+    from dsv4_rocm.reference.layer import StepBatch
     cfg = CFG
     layer = 1                                     # tiny config: layer 1 is C4
     s = SyntheticServer(cfg, LayerType.C4, 1, MAX_LEN)
@@ -160,4 +160,8 @@ def test_deepseek_v4_attention_module_equals_reference_layer():
     x = _xs([50], 50)[0]
     batch = StepBatch(torch.tensor([0, 50], dtype=torch.int32), torch.tensor([50], dtype=torch.int32),
                       torch.arange(50), s.swa_bt, s.comp_bt, torch.tensor([0], dtype=torch.int32))
-    assert torch.equal(m(x, batch), s.step({0: x})[0])
+    y_ws = m(x, batch, paged_prefill=False)
+    assert torch.equal(y_ws, s.step({0: x})[0])
+    m2 = DeepseekV4Attention(cfg, layer, s.weights, s.cache.swa.shape[0], 1, MAX_LEN, s.cos_sin)
+    y_pages = m2(x, batch)                      # prefill straight from the fp8 pages, no workspace
+    assert rel_err(y_pages.float(), y_ws.float()) < 2e-3

@@ -6,7 +6,8 @@ float reference of the whole layer; ``dsv4_rocm.attention.DeepseekV4Attention`` 
 
 Decode requests (query_len <= decode_threshold) attend straight from the fp8 pages (FlashMLA
 decode); prefill requests gather a bf16 workspace per chunk of 4 requests and run the sparse prefill
-(FlashMLA ``flash_mla_sparse_fwd``), as vLLM does.
+(FlashMLA ``flash_mla_sparse_fwd``), as vLLM does. With ``paged_prefill=True`` prefill tokens attend
+straight from the pages too (the same per-token index sets, no workspace copy).
 """
 import math
 from dataclasses import dataclass, fields
@@ -186,7 +187,8 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
 
 def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, cache_: LayerCache,
                   batch: StepBatch, x: torch.Tensor, cos_sin_cache: torch.Tensor, max_model_len: int,
-                  decode_threshold: int = 1, impl=REFERENCE_IMPL, return_attn: bool = False):
+                  decode_threshold: int = 1, impl=REFERENCE_IMPL, return_attn: bool = False,
+                  paged_prefill: bool = False):
     """x bf16 [T, hidden] -> bf16 [T, hidden]; writes the layer's caches. ``cos_sin_cache`` must be
     the table of this layer type's RoPE base."""
     T = x.shape[0]
@@ -226,7 +228,8 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
     # sparse attention
     sm = cfg.softmax_scale
     attn = torch.zeros(T, Hp, 512, dtype=torch.bfloat16, device=x.device)
-    dec = torch.nonzero(is_dec_tok).flatten()
+    from_pages = torch.ones_like(is_dec_tok) if paged_prefill else is_dec_tok
+    dec = torch.nonzero(from_pages).flatten()
     if dec.numel():
         swa_idx, swa_len = impl.compute_swa_indices_and_lens(positions[dec], t2r[dec], batch.swa_block_table,
                                                              slot_mapping[dec], Wn, L.SWA_BLOCK_SIZE)
@@ -244,8 +247,9 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
         o, _ = impl.sparse_mla_decode(q_pad[dec].unsqueeze(1), cache.flash_mla_view(cache_.swa, L.SWA_BLOCK_SIZE),
                                       swa_idx.unsqueeze(1), swa_len, W.attn_sink, extra_cache, extra_idx, extra_len, sm)
         attn[dec] = o[:, 0]
-    _prefill_attention(cfg, layer_type, impl, W, cache_, batch, q_pad, positions, t2r, is_dec_tok, slot_mapping,
-                       topk_local, max_model_len, attn)
+    if not paged_prefill:
+        _prefill_attention(cfg, layer_type, impl, W, cache_, batch, q_pad, positions, t2r, is_dec_tok, slot_mapping,
+                           topk_local, max_model_len, attn)
 
     # output path
     a8, sa = impl.fused_inv_rope_fp8_quant(attn[:, :H].contiguous(), positions, cos_sin_cache, cfg.local_groups)

@@ -29,7 +29,6 @@ import triton.language as tl
 from ..platform import detect
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
