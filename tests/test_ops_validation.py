@@ -1,0 +1,77 @@
+"""Bad input to the public ops: a ValueError naming the argument, before any work is done."""
+import pytest
+import torch
+
+from dsv4_rocm import ops
+from dsv4_rocm.reference import cache as rc
+from dsv4_rocm.reference.compressor import new_state
+from dsv4_rocm.reference.rope import build_cos_sin_cache
+
+CS = build_cos_sin_cache(10000.0, 64)
+
+
+def test_qnorm_insert_checks():
+    q = torch.randn(4, 8, 512).bfloat16()
+    kv = torch.randn(4, 512).bfloat16()
+    cache = rc.new_cache(1, 64)
+    pos = torch.arange(4)
+    s = torch.arange(4)
+    with pytest.raises(ValueError, match="padded_heads"):
+        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos, CS, 32, 1e-6, 64)
+    with pytest.raises(ValueError, match="kv must have shape"):
+        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv[:3], cache, s, pos, CS, 64, 1e-6, 64)
+    with pytest.raises(ValueError, match="positions must lie"):
+        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos + 61, CS, 64, 1e-6, 64)
+    with pytest.raises(ValueError, match="cos_sin_cache must have dtype"):
+        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos, CS.double(), 64, 1e-6, 64)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="outside the cache"):
+        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s + 61, pos, CS, 64, 1e-6, 64)
+    assert torch.equal(cache, before)                      # nothing written before the error
+
+
+def test_compressor_checks():
+    kv = torch.randn(8, 1024)
+    state = new_state(1, 4, 512)
+    args = dict(positions=torch.arange(8), query_start_loc=torch.tensor([0, 8]), state=state,
+                state_indices=torch.tensor([0]), norm_weight=torch.ones(512), cos_sin_cache=CS,
+                compressed_slot_mapping=torch.full((8,), -1), out_cache=rc.new_cache(1, 64), block_size=64)
+    with pytest.raises(ValueError, match="ratio"):
+        ops.fused_compress_norm_rope_insert(kv, kv, ratio=8, **args)
+    with pytest.raises(ValueError, match="target"):
+        ops.fused_compress_norm_rope_insert(kv, kv, ratio=4, target="both", **args)
+    with pytest.raises(ValueError, match="state_indices"):
+        ops.fused_compress_norm_rope_insert(kv, kv, ratio=4, **dict(args, state_indices=torch.tensor([3])))
+    with pytest.raises(ValueError, match="query_start_loc ends"):
+        ops.fused_compress_norm_rope_insert(kv, kv, ratio=4, **dict(args, query_start_loc=torch.tensor([0, 7])))
+
+
+def test_output_and_indexer_checks():
+    a8 = torch.zeros(2, 1, 512, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="a_scale"):
+        ops.fp8_einsum(a8, torch.ones(2, 1, 3), torch.zeros(1, 128, 512, dtype=torch.uint8), torch.ones(1, 1, 4))
+    with pytest.raises(ValueError, match="w must have shape"):
+        ops.fp8_einsum(a8, torch.ones(2, 1, 4), torch.zeros(2, 128, 512, dtype=torch.uint8), torch.ones(2, 1, 4))
+    with pytest.raises(ValueError, match="q must have dtype"):
+        ops.fp8_mqa_logits(torch.zeros(2, 4, 128), torch.zeros(3, 128, dtype=torch.uint8), torch.ones(3),
+                           torch.ones(2, 4), torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_table names a page"):
+        ops.fp8_paged_mqa_logits(torch.zeros(1, 1, 4, 128, dtype=torch.uint8), rc.new_cache(1, 64, indexer=True),
+                                 torch.ones(1, 4), torch.tensor([3]), torch.tensor([[5]]), 64, 3)
+    with pytest.raises(ValueError, match="qr and kv rows"):
+        ops.fused_q_kv_rmsnorm(torch.zeros(2, 12).bfloat16(), torch.zeros(2, 512).bfloat16(),
+                               torch.ones(12), torch.ones(512), 1e-6)
+
+
+def test_prefill_checks():
+    q = torch.randn(3, 64, 512).bfloat16()
+    kv = torch.randn(10, 1, 512).bfloat16()
+    idx = torch.zeros(3, 1, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="d_v"):
+        ops.sparse_mla_prefill(q, kv, idx, 0.04, 576)
+    with pytest.raises(ValueError, match="indices must have shape"):
+        ops.sparse_mla_prefill(q, kv, idx[:2], 0.04)
+    with pytest.raises(ValueError, match="topk_length"):
+        ops.sparse_mla_prefill(q, kv, idx, 0.04, topk_length=torch.ones(3))
+    with pytest.raises(ValueError, match="kv must have dtype"):
+        ops.sparse_mla_prefill(q, kv.float(), idx, 0.04)
