@@ -10,12 +10,10 @@ from . import sparse_mla as S
 from .timing import bf16_matmul_rate, copy_bandwidth, time_graph_ms, time_ms
 
 
-SWEEP_DECODE = {
+SWEEP_DECODE = {          # tile sweeps of 2026-11-22 are in BENCHMARKS.md; this one tunes the split count
     "default": None,
-    "n32s2": dict(BLOCK_N=32, num_stages=2),
-    "n64s3": dict(BLOCK_N=64, num_stages=3),
-    "n32w16": dict(BLOCK_N=32, num_warps=16, num_stages=2),
-    "n64w16": dict(BLOCK_N=64, num_warps=16, num_stages=2),
+    "waves1": dict(split_waves=1),
+    "waves4": dict(split_waves=4),
 }
 SWEEP_PREFILL = {
     "default": None,

@@ -181,10 +181,12 @@ def _device_facts(index: int):
     return plat.arch, plat.fp8_decode == "fnuz_scale_plus_one", torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-def _num_splits(programs: int, max_tiles: int, sm_count: int) -> int:
+def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 2) -> int:
+    """Split the key tiles of each query when the grid would leave SMs idle: aim at ``waves`` programs
+    per SM (one CTA fits per SM), at most one split per tile and 16 in all."""
     if programs >= sm_count or max_tiles <= 1:
         return 1
-    return int(min(max_tiles, max(1, (2 * sm_count) // programs), 16))
+    return int(min(max_tiles, max(1, (waves * sm_count) // programs), 16))
 
 
 def _set_args(cache, indices, lengths, T):
@@ -224,7 +226,7 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     else:
         ebs, estride, ecap, eidx, elen = 1, 0, 0, midx, None
     max_tiles = triton.cdiv(midx.shape[1], BN) + (triton.cdiv(eidx.shape[1], BN) if has_extra else 0)
-    ns = num_splits or _num_splits(T * (h // BH), max_tiles, sms)
+    ns = num_splits or _num_splits(T * (h // BH), max_tiles, sms, cfg.get("split_waves", 2))
     if ns > 1:
         part_o = torch.empty(ns, T, h, 512, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(ns, T, h, dtype=torch.float32, device=q.device)
