@@ -12,7 +12,7 @@ from .timing import bf16_matmul_rate, copy_bandwidth, time_graph_ms, time_ms
 
 SWEEP_DECODE = {          # tile sweeps of 2026-11-22 are in BENCHMARKS.md; this one tunes the split count
     "default": None,
-    "waves1": dict(split_waves=1),
+    "waves2": dict(split_waves=2),
     "waves4": dict(split_waves=4),
 }
 SWEEP_PREFILL = {

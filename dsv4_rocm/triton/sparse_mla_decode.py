@@ -181,9 +181,10 @@ def _device_facts(index: int):
     return plat.arch, plat.fp8_decode == "fnuz_scale_plus_one", torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 2) -> int:
+def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
     """Split the key tiles of each query when the grid would leave SMs idle: aim at ``waves`` programs
-    per SM (one CTA fits per SM), at most one split per tile and 16 in all."""
+    per SM (one CTA fits per SM), at most one split per tile and 16 in all. One wave measured best on the
+    H100 (BENCHMARKS.md): more splits add fp32 partial traffic and a second wave."""
     if programs >= sm_count or max_tiles <= 1:
         return 1
     return int(min(max_tiles, max(1, (waves * sm_count) // programs), 16))
@@ -226,7 +227,7 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     else:
         ebs, estride, ecap, eidx, elen = 1, 0, 0, midx, None
     max_tiles = triton.cdiv(midx.shape[1], BN) + (triton.cdiv(eidx.shape[1], BN) if has_extra else 0)
-    ns = num_splits or _num_splits(T * (h // BH), max_tiles, sms, cfg.get("split_waves", 2))
+    ns = num_splits or _num_splits(T * (h // BH), max_tiles, sms, cfg.get("split_waves", 1))
     if ns > 1:
         part_o = torch.empty(ns, T, h, 512, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(ns, T, h, dtype=torch.float32, device=q.device)
