@@ -7,8 +7,9 @@ from .reference.cache import as_pages
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """Rows the kernels read 16 bytes at a time: unit inner stride, 16-byte aligned rows."""
-    if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+    """Rows the kernels read 16 bytes at a time: unit inner stride, every row 16-byte aligned."""
+    outer = any((t.stride(d) * t.element_size()) % 16 for d in range(t.dim() - 1))
+    if t.stride(-1) != 1 or outer or t.data_ptr() % 16:
         return t.contiguous()
     return t
 
@@ -23,10 +24,8 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int):
 
 def fused_qnorm_rope_kv_rope_quant_insert(q, kv, swa_kv_cache_2d, slot_mapping, positions, cos_sin_cache,
                                           padded_heads: int, eps: float, block_size: int):
-    q = q if (q.stride(2) == 1 and q.stride(1) % 8 == 0 and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0) \
-        else q.contiguous()
     return load().fused_qnorm_rope_kv_rope_quant_insert(
-        q, _rows(kv), as_pages(swa_kv_cache_2d, block_size), _slots(slot_mapping), _slots(positions),
+        _rows(q), _rows(kv), as_pages(swa_kv_cache_2d, block_size), _slots(slot_mapping), _slots(positions),
         cos_sin_cache.contiguous(), padded_heads, eps, block_size)
 
 

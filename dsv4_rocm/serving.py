@@ -4,8 +4,8 @@ Used by the main job (``python -m dsv4_rocm run``), the layer invariance tests a
 Each request owns a fixed range of pages (no sharing), enough for ``max_model_len`` tokens.
 """
 import math
-from dataclasses import dataclass, field
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict
 
 import torch
 
@@ -25,7 +25,6 @@ class SyntheticServer:
     seed: int = 0
     impl: object = None
     decode_threshold: int = 1
-    done: List[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.impl = self.impl or REFERENCE_IMPL

@@ -155,8 +155,9 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
     nh = cfg.index_n_heads
     kvi, sci = impl.compressor_kv_score(x, W.idx_comp_w, W.idx_comp_ape, positions, 4)
     islots = impl.get_compressed_slot_mapping(positions, t2r, batch.compressed_block_table, 4, 64, slot_mapping)
-    impl.fused_compress_norm_rope_insert(kvi, sci, positions, batch.query_start_loc, cache_.idx_state, batch.state_indices,
-                                   W.idx_comp_norm, cos_sin, islots, cache_.idx, 64, 4, "indexer", cfg.rms_norm_eps)
+    impl.fused_compress_norm_rope_insert(kvi, sci, positions, batch.query_start_loc, cache_.idx_state,
+                                         batch.state_indices, W.idx_comp_norm, cos_sin, islots, cache_.idx, 64, 4,
+                                         "indexer", cfg.rms_norm_eps)
     qi = impl.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, nh, 128)
     wi = (x.float() @ W.idx_wproj.float().t()).to(torch.bfloat16)
     q8, wq = impl.fused_indexer_q_rope_quant(qi, positions, cos_sin, wi)
@@ -218,8 +219,8 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
         cslots = impl.get_compressed_slot_mapping(positions, t2r, batch.compressed_block_table, r, bs_c, slot_mapping)
         kvc, scc = impl.compressor_kv_score(x, W.comp_w, W.comp_ape, positions, r)
         impl.fused_compress_norm_rope_insert(kvc, scc, positions, batch.query_start_loc, cache_.comp_state,
-                                       batch.state_indices, W.comp_norm, cos_sin_cache, cslots, cache_.comp, bs_c, r,
-                                       "main", eps)
+                                             batch.state_indices, W.comp_norm, cos_sin_cache, cslots, cache_.comp,
+                                             bs_c, r, "main", eps)
     topk_local = None
     if layer_type == LayerType.C4:
         topk_local = _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mapping, is_dec_tok,
