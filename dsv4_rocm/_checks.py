@@ -42,3 +42,19 @@ def fp8_bytes(name, t):
     """Accept fp8 e4m3fn tensors or raw uint8 bytes; return a uint8 view."""
     tensor(name, t, dtype=(torch.uint8, torch.float8_e4m3fn))
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def cos_sin(cos_sin_cache, positions):
+    tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, shape=(None, 64))
+    tensor("positions", positions, dtype=INDEX, dim=1)
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin_cache.shape[0]):
+        raise ValueError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (rows of cos_sin_cache)")
+
+
+def slots(name, slots, cache, block_size, indexer=False):
+    tensor(name, slots, dtype=INDEX, dim=1)
+    from .reference.cache import as_pages
+    pages = as_pages(cache, block_size, indexer=indexer)
+    if slots.numel() and int(slots.max()) >= pages.shape[0] * block_size:
+        raise ValueError(f"{name}: slot {int(slots.max())} is outside the cache "
+                         f"({pages.shape[0]} pages x {block_size})")

@@ -36,7 +36,7 @@ class DeepseekV4Attention(torch.nn.Module):
     def backends(self) -> dict:
         """The implementation each op of this layer runs on this platform."""
         dev = self.cos_sin_cache.device
-        return {name: ops.backend_for(name, dev) for name in ops._REFERENCE}
+        return {name: ops.backend_for(name, dev) for name in ops.registered_ops()}
 
     def forward(self, x: torch.Tensor, batch: StepBatch, decode_threshold: int = 1,
                 paged_prefill: bool = True) -> torch.Tensor:

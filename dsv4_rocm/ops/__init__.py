@@ -1,0 +1,14 @@
+"""Public ops of dsv4_rocm, one module per stage of the layer.
+
+Each op checks its arguments (a ValueError naming the argument), then runs the implementation picked
+for the device: ``hip`` (dsv4_rocm._C) > ``triton`` > ``reference`` among those the op has
+(``_dispatch``). Names and argument orders follow vLLM (FlashMLA / DeepGEMM where the op is theirs).
+"""
+from ._dispatch import (BACKENDS, backend_for, implementation, machine_backends, registered_ops,  # noqa: F401
+                        use_backend, validation, value_checks)
+from .cache_qkv import *  # noqa: F401,F403
+from .compressor import *  # noqa: F401,F403
+from .indexer import *  # noqa: F401,F403
+from .metadata import *  # noqa: F401,F403
+from .attention import *  # noqa: F401,F403
+from .output import *  # noqa: F401,F403
