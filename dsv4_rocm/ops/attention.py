@@ -6,7 +6,7 @@ from .. import layout as L
 from ..reference import attention as _ra, cache as _rc
 from ._dispatch import register, run as _run
 
-__all__ = ['sparse_mla_decode', 'sparse_mla_prefill']
+__all__ = ["sparse_mla_decode", "sparse_mla_prefill"]
 
 register("sparse_mla_decode", _ra.flash_mla_with_kvcache_sparse,
          triton="dsv4_rocm.triton.sparse_mla_decode:sparse_mla_decode")

@@ -5,7 +5,7 @@ from .. import _checks as C
 from ..reference import compressor as _rcomp
 from ._dispatch import register, run as _run
 
-__all__ = ['compressor_kv_score', 'fused_compress_norm_rope_insert']
+__all__ = ["compressor_kv_score", "fused_compress_norm_rope_insert"]
 
 register("compressor_kv_score", _rcomp.compressor_kv_score)
 register("fused_compress_norm_rope_insert", _rcomp.compress_norm_rope_insert)

@@ -5,7 +5,7 @@ from .. import _checks as C
 from ..reference import cache as _rc, indexer as _ri
 from ._dispatch import register, run as _run
 
-__all__ = ['fused_indexer_q_rope_quant', 'fp8_mqa_logits', 'fp8_paged_mqa_logits', 'top_k_per_row']
+__all__ = ["fused_indexer_q_rope_quant", "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row"]
 
 register("fused_indexer_q_rope_quant", _ri.indexer_q_rope_quant)
 register("fp8_mqa_logits", _ri.fp8_mqa_logits)

@@ -5,7 +5,7 @@ from .. import _checks as C
 from ..reference import output as _ro
 from ._dispatch import register, run as _run
 
-__all__ = ['fused_inv_rope_fp8_quant', 'fp8_einsum', 'fp8_linear', 'merge_attn_states']
+__all__ = ["fused_inv_rope_fp8_quant", "fp8_einsum", "fp8_linear", "merge_attn_states"]
 
 register("fused_inv_rope_fp8_quant", _ro.fused_inv_rope_fp8_quant)
 register("fp8_einsum", _ro.fp8_einsum)
