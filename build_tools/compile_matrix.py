@@ -61,44 +61,16 @@ class TritonKernel:
 
 
 def triton_kernels():
-    from dsv4_rocm.triton import sparse_mla_decode as dec, sparse_mla_prefill as pre
-
-    def dec_cfg(arch):
-        c = dec.default_config(arch, 64)
-        return dict(MAIN_BS=256, EXTRA_BS=64, HAS_EXTRA=True, HAS_MAIN_LEN=True, HAS_EXTRA_LEN=True, HAS_SINK=True,
-                    BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"], NSPLIT=1, FNUZ=arch == "gfx942")
-
-    def dec_split_cfg(arch):
-        return dict(dec_cfg(arch), MAIN_BS=64, EXTRA_BS=2, NSPLIT=4)
-
-    def dec_opt(arch):
-        c = dec.default_config(arch, 64)
-        return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
-
-    def pre_cfg(arch):
-        c = pre.default_config(arch)
-        return dict(HAS_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"])
-
-    def pre_opt(arch):
-        c = pre.default_config(arch)
-        return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
-
-    dec_ptrs = dict(q_ptr="*bf16", main_ptr="*u8", main_idx_ptr="*i32", main_len_ptr="*i32", extra_ptr="*u8",
-                    extra_idx_ptr="*i32", extra_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32",
-                    part_o_ptr="*fp32", part_lse_ptr="*fp32")
-    return [
-        TritonKernel("sparse_mla_decode", dec._sparse_mla_paged_kernel, dec_ptrs, ("sm_log2",), dec_cfg, dec_opt,
-                     True, True),
-        TritonKernel("sparse_mla_decode[split]", dec._sparse_mla_paged_kernel, dec_ptrs, ("sm_log2",),
-                     dec_split_cfg, dec_opt, True, True),
-        TritonKernel("sparse_mla_combine", dec._combine_kernel,
-                     dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16",
-                          lse_ptr="*fp32"), (), lambda a: dict(HAS_SINK=True, NSPLIT=4, NSPLIT_P2=4),
-                     lambda a: dict(num_warps=4, num_stages=1), False),
-        TritonKernel("sparse_mla_prefill", pre._sparse_mla_prefill_kernel,
-                     dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", len_ptr="*i32", sink_ptr="*fp32",
-                          out_ptr="*bf16", maxl_ptr="*fp32", lse_ptr="*fp32"), ("sm_log2",), pre_cfg, pre_opt, True),
-    ]
+    """Every entry of the ``COMPILE_SPECS`` lists that the modules of ``dsv4_rocm.triton`` declare: dicts
+    with the TritonKernel fields (``constexprs`` and ``options`` are functions of the platform arch)."""
+    import importlib
+    import pkgutil
+    import dsv4_rocm.triton as pkg
+    kernels = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        mod = importlib.import_module(f"dsv4_rocm.triton.{info.name}")
+        kernels += [TritonKernel(**spec) for spec in getattr(mod, "COMPILE_SPECS", ())]
+    return kernels
 
 
 def _ptxas_report(ptx: str, arch: int):

@@ -32,8 +32,8 @@ def main(argv=None):
         from .main_job import main_job
         return main_job(a)
     if a.cmd == "bench":
-        from .bench.run import SWEEP_DECODE, SWEEP_PREFILL, run
-        run(a.device, a.json, a.only, SWEEP_DECODE if a.sweep else None, SWEEP_PREFILL if a.sweep else None)
+        from .bench.run import run
+        run(a.device, a.json, a.only, a.sweep)
         return 0
     if a.cmd == "parity":
         from . import parity

@@ -31,3 +31,11 @@ def cases(device, T=16384):
         (f"dequantize_and_gather T={T}", lambda: h.dequantize_and_gather_k_cache(cache, slots, 64),
          T * (584 + 8 + 1024)),
     ]
+
+
+def suite(ctx):
+    from .timing import time_graph_ms
+    for T in (16384, 65536):
+        for name, fn, nbytes in cases(ctx.device, T):
+            if ctx.wants(name) or ctx.wants("cache"):
+                ctx.add(name, "hip", time_graph_ms(fn), 0, nbytes)

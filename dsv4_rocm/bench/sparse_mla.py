@@ -4,20 +4,10 @@ Counting per query token, as FlashMLA's ``count_flop_and_mem_vol_for_decode``:
     FLOP  = 2 * h * N * (512 + 512)           N = keys attended (SWA + compressed)
     bytes = N * 584 + h * 512 * 2 (q) + h * 512 * 2 (out)
 floor = max(bytes / copy bandwidth, FLOP / bf16 matmul rate), both measured in the same run.
-FlashMLA (sm_90a build, same H100 kind) reference points come from PERF_NOTES.md.
 """
 import torch
 
 from ..reference import cache as rc
-
-FLASHMLA_H100 = {  # name -> (us, TFLOP/s) measured with FlashMLA on the H100 kind (PERF_NOTES.md)
-    "flash decode b=256 s_q=1": (95.8, 224),
-    "flash decode b=64 s_q=2": (51.0, 211),
-    "pro decode b=64 s_q=2": (108.0, 358),
-    "pro decode b=148 s_q=2": (261.0, 343),
-    "prefill h=64 topk=640": (None, 426),
-    "prefill h=128 topk=1152": (None, 527),
-}
 
 
 def decode_cases():
@@ -90,3 +80,41 @@ def count_prefill(c):
     flop = 2 * c["h"] * c["topk"] * 1024 * c["s_q"]
     nbytes = c["s_q"] * (c["topk"] * 1024 + c["h"] * 512 * 4)
     return flop, nbytes
+
+
+SWEEP_DECODE = {          # tile sweeps of 2026-11-22 are in BENCHMARKS.md; this one tunes the split count
+    "default": None,
+    "waves2": dict(split_waves=2),
+    "waves4": dict(split_waves=4),
+}
+SWEEP_PREFILL = {
+    "default": None,
+    "n32s2": dict(BLOCK_N=32, num_stages=2),
+    "n64s3": dict(BLOCK_N=64, num_stages=3),
+    "n64w16": dict(BLOCK_N=64, num_warps=16, num_stages=2),
+}
+
+
+def suite(ctx):
+    from ..triton.sparse_mla_decode import sparse_mla_decode
+    from ..triton.sparse_mla_prefill import sparse_mla_prefill
+    from .timing import time_graph_ms, time_ms
+    for name, c in decode_cases():
+        if not ctx.wants(name):
+            continue
+        args, T = make_decode_inputs(c, ctx.device)
+        flop, nbytes = count_decode(c)
+        for cfg_name, cfg in (SWEEP_DECODE if ctx.sweep else {"default": None}).items():
+            ms = time_graph_ms(lambda: sparse_mla_decode(*args, config=cfg))
+            ctx.add(name, cfg_name, ms, flop, nbytes)
+            if cfg_name == "default" and c["b"] <= 64:   # what a caller without graphs pays
+                ctx.add(name, "eager", time_ms(lambda: sparse_mla_decode(*args)), flop, nbytes)
+        del args
+    for name, c in prefill_cases():
+        if not ctx.wants(name):
+            continue
+        q, kv, idx = make_prefill_inputs(c, ctx.device)
+        flop, nbytes = count_prefill(c)
+        for cfg_name, cfg in (SWEEP_PREFILL if ctx.sweep else {"default": None}).items():
+            ms = time_ms(lambda: sparse_mla_prefill(q, kv, idx, 512 ** -0.5, config=cfg))
+            ctx.add(name, cfg_name, ms, flop, nbytes)

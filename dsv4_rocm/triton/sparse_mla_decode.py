@@ -250,3 +250,33 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
                                 HAS_SINK=attn_sink is not None, NSPLIT=ns, NSPLIT_P2=triton.next_power_of_2(ns),
                                 num_warps=4)
     return out.view(b, s_q, h, 512), lse.view(b, s_q, h).transpose(1, 2)
+
+
+def _matrix_constexprs(arch, split=False):
+    c = default_config(arch, 64)
+    return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
+                HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
+                NSPLIT=4 if split else 1, FNUZ=arch == "gfx942")
+
+
+def _matrix_options(arch):
+    c = default_config(arch, 64)
+    return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+_POINTERS = dict(q_ptr="*bf16", main_ptr="*u8", main_idx_ptr="*i32", main_len_ptr="*i32", extra_ptr="*u8",
+                 extra_idx_ptr="*i32", extra_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32",
+                 part_o_ptr="*fp32", part_lse_ptr="*fp32")
+
+# entries of the CPU compile matrix (build_tools/compile_matrix.py)
+COMPILE_SPECS = [
+    dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
+         constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True),
+    dict(name="sparse_mla_decode[split]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
+         constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
+         fp8_convert=True),
+    dict(name="sparse_mla_combine", fn=_combine_kernel,
+         pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
+         floats=(), constexprs=lambda arch: dict(HAS_SINK=True, NSPLIT=4, NSPLIT_P2=4),
+         options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False),
+]

@@ -97,3 +97,20 @@ def sparse_mla_prefill(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sin
         HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None, BLOCK_H=BH, BLOCK_N=cfg["BLOCK_N"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, maxl, lse
+
+
+def _matrix_options(arch):
+    c = default_config(arch)
+    return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+# entries of the CPU compile matrix (build_tools/compile_matrix.py)
+COMPILE_SPECS = [
+    dict(name="sparse_mla_prefill", fn=_sparse_mla_prefill_kernel,
+         pointers=dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", len_ptr="*i32", sink_ptr="*fp32",
+                       out_ptr="*bf16", maxl_ptr="*fp32", lse_ptr="*fp32"),
+         floats=("sm_log2",),
+         constexprs=lambda arch: dict(HAS_LEN=True, HAS_SINK=True, BLOCK_H=default_config(arch)["BLOCK_H"],
+                                      BLOCK_N=default_config(arch)["BLOCK_N"]),
+         options=_matrix_options, matrix=True),
+]
