@@ -23,6 +23,7 @@ def main(argv=None):
     pr = sub.add_parser("parity", help="golden vectors and cross-vendor parity reports")
     pr.add_argument("--write-golden", action="store_true", help="regenerate tests/golden from the reference")
     pr.add_argument("--golden-dir", default=None)
+    pr.add_argument("--only", default=None, help="with --write-golden: only the cases whose name contains this")
     pr.add_argument("--device", default=None)
     pr.add_argument("--report", default=None, help="write a JSON parity report of this device")
     pr.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two parity reports")

@@ -216,12 +216,14 @@ def _exact(t):
     return not t.dtype.is_floating_point
 
 
-def write_golden(directory=GOLDEN_DIR):
+def write_golden(directory=GOLDEN_DIR, only=None):
+    """Write the golden file of every case (or of the cases whose name contains ``only``)."""
     os.makedirs(directory, exist_ok=True)
-    for name, fn in CASES.items():
-        inp, run, _ = fn()
+    names = sorted(n for n in CASES if not only or only in n)
+    for name in names:
+        inp, run, _ = CASES[name]()
         torch.save(dict(inputs=inp, outputs=run(inp)), os.path.join(directory, f"{name}.pt"))
-    return sorted(CASES)
+    return names
 
 
 def _to(x, device):
@@ -283,7 +285,7 @@ def compare(a, b):
 def cli(a):
     d = a.golden_dir or GOLDEN_DIR
     if a.write_golden:
-        names = write_golden(d)
+        names = write_golden(d, a.only)
         print(f"wrote {len(names)} golden cases to {d}")
         return 0
     if a.compare:
