@@ -142,7 +142,8 @@ def compile_triton(k: TritonKernel, target: str) -> dict:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIP_DIR = os.path.join(ROOT, "hip_kernels")
 HIP_INCLUDE = os.path.join(HIP_DIR, "include")
-FP8_WRITERS = ("quantize_and_insert_k_cache", "fused_qnorm_rope_kv_rope_quant_insert")
+FP8_WRITERS = ("quantize_and_insert_k_cache", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert",
+               "qnorm_rope_and_insert_full_k_cache")
 CLANG_FLAGS = ["-x", "hip", "-std=c++17", "-O3", "-ffp-contract=off", "-fhip-fp32-correctly-rounded-divide-sqrt",
                "-Werror=float-conversion", "--cuda-device-only", "--no-gpu-bundle-output"]
 NVCC_FLAGS = ["-std=c++17", "-O3", "--fmad=false", "-prec-div=true", "-prec-sqrt=true"]

@@ -14,7 +14,7 @@ def sources_present() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def load():
-    """Import (or JIT-build and import) the extension; returns torch.ops.dsv4_rocm."""
+    """Import (or JIT-build and import) the extension; returns torch.ops.dsv4_rocm_hip (the kernel launchers)."""
     import torch
     try:
         importlib.import_module("dsv4_rocm._C")
@@ -34,25 +34,21 @@ def load():
                  extra_cflags=ext.CXX_FLAGS, extra_cuda_cflags=ext.extra_cuda_cflags(), build_directory=build,
                  verbose=False)
     _register_fakes()
-    return torch.ops.dsv4_rocm
+    return torch.ops.dsv4_rocm_hip
+
+
+LAUNCHERS = ("quantize_and_insert_k_cache", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert",
+             "qnorm_rope_and_insert_full_k_cache", "dequantize_and_gather_k_cache", "dequantize_global_slots_k_cache",
+             "fused_q_kv_rmsnorm")
 
 
 def _register_fakes():
-    """Shape functions of the ops, so torch.compile / FakeTensor tracing can go through them."""
+    """Fake (meta) implementations of the launchers, so FakeTensor tracing and torch.compile go through
+    them: each writes only into tensors its caller passed (outputs included) and returns nothing."""
     import torch
 
-    @torch.library.register_fake("dsv4_rocm::quantize_and_insert_k_cache")
-    def _(k, k_cache, slot_mapping, block_size):
+    def nothing(*args):
         return None
 
-    @torch.library.register_fake("dsv4_rocm::fused_qnorm_rope_kv_rope_quant_insert")
-    def _(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size):
-        return q.new_empty(q.shape[0], padded_heads, 512)
-
-    @torch.library.register_fake("dsv4_rocm::fused_q_kv_rmsnorm")
-    def _(qr, kv, q_weight, kv_weight, eps):
-        return qr.new_empty(qr.shape), kv.new_empty(kv.shape)
-
-    @torch.library.register_fake("dsv4_rocm::dequantize_and_gather_k_cache")
-    def _(k_cache, slots, block_size):
-        return k_cache.new_empty(slots.shape[0], 512, dtype=torch.bfloat16)
+    for name in LAUNCHERS:
+        torch.library.register_fake(f"dsv4_rocm_hip::{name}", nothing)

@@ -44,17 +44,41 @@ def fp8_bytes(name, t):
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def cos_sin(cos_sin_cache, positions):
-    tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, shape=(None, 64))
+def value_checks(t) -> bool:
+    """Whether checks that read the values of ``t`` run now (dsv4_rocm/ops/_dispatch.py)."""
+    from .ops._dispatch import value_checks as _vc
+    return _vc(t)
+
+
+def cos_sin(cos_sin_cache, positions, dtype=torch.float32, n_tokens=None):
+    """The RoPE table [max_pos, 64] (``dtype``: one dtype or a tuple) and int positions [n_tokens] inside it."""
+    tensor("cos_sin_cache", cos_sin_cache, dtype=dtype, shape=(None, 64))
     tensor("positions", positions, dtype=INDEX, dim=1)
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin_cache.shape[0]):
+    if n_tokens is not None and positions.shape[0] != n_tokens:
+        raise ValueError(f"positions has {positions.shape[0]} entries for {n_tokens} tokens")
+    if positions.numel() and value_checks(positions) and (
+            int(positions.min()) < 0 or int(positions.max()) >= cos_sin_cache.shape[0]):
         raise ValueError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (rows of cos_sin_cache)")
 
 
 def slots(name, slots, cache, block_size, indexer=False):
+    """int slots [n] into a paged cache; negative = padding; past the cache rejected (a value check)."""
     tensor(name, slots, dtype=INDEX, dim=1)
     from .reference.cache import as_pages
     pages = as_pages(cache, block_size, indexer=indexer)
-    if slots.numel() and int(slots.max()) >= pages.shape[0] * block_size:
-        raise ValueError(f"{name}: slot {int(slots.max())} is outside the cache "
-                         f"({pages.shape[0]} pages x {block_size})")
+    slots_inside(name, slots, pages.shape[0] * block_size, f"({pages.shape[0]} pages x {block_size})")
+    return pages
+
+
+def slots_inside(name, slots, capacity: int, what: str = ""):
+    """Value check: every non-negative entry of ``slots`` is below ``capacity``."""
+    if slots.numel() and value_checks(slots) and int(slots.max()) >= capacity:
+        raise ValueError(f"{name}: slot {int(slots.max())} is outside the cache {what}".rstrip())
+
+
+def finite_float(name, v, minimum=None):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite float, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v!r}")
+    return float(v)

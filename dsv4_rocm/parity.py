@@ -46,18 +46,36 @@ def case_quantize_and_insert_k_cache():
     return inp, run, (0, 0)
 
 
-def case_fused_qnorm_rope_kv_rope_quant_insert():
+def case_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert():
     g = _g(2)
     inp = dict(q=torch.randn(6, 8, 512, generator=g).bfloat16(), kv=_k(6, g),
-               k_cache=torch.zeros(2, 37440, dtype=torch.uint8), slot_mapping=torch.tensor([3, 70, -1, 0, 127]),
-               positions=torch.tensor([0, 1, 77, 300, 511, 64]), cos_sin=build_cos_sin_cache(10000.0, 512))
+               k_cache=torch.zeros(2, 64, 584, dtype=torch.uint8), slot_mapping=torch.tensor([3, 70, -1, 0, 127]),
+               positions=torch.tensor([0, 1, 77, 300, 511, 64], dtype=torch.int32),
+               cos_sin=build_cos_sin_cache(10000.0, 512).bfloat16())
 
     def run(i):
         c = i["k_cache"].clone()
-        qp = ops.fused_qnorm_rope_kv_rope_quant_insert(i["q"], i["kv"], c, i["slot_mapping"], i["positions"],
-                                                       i["cos_sin"], 64, 1e-6, 64)
+        qp = ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(i["q"], i["kv"], c.view(c.shape[0], -1),
+                                                                   i["slot_mapping"], i["positions"], i["cos_sin"],
+                                                                   64, 1e-6, 64)
         return dict(q_padded=qp, k_cache=c)
     return inp, run, (0, 2 ** -8)
+
+
+def case_qnorm_rope_and_insert_full_k_cache():
+    g = _g(13)
+    inp = dict(q=torch.randn(5, 4, 512, generator=g).bfloat16(), kv=_k(5, g), slot_mapping=torch.tensor([9, -1, 0, 31]),
+               positions=torch.tensor([3, 0, 200, 511, 17]), cos_sin=build_cos_sin_cache(10000.0, 512),
+               kv_scale=torch.tensor([0.25]), q_scale_inv=torch.tensor([16.0]))
+
+    def run(i):
+        c = torch.zeros(2, 16, 512, dtype=torch.float8_e4m3fn, device=i["q"].device)
+        q8 = torch.empty(5, 4, 512, dtype=torch.float8_e4m3fn, device=i["q"].device)
+        ops.qnorm_rope_and_insert_full_k_cache(i["q"], i["kv"], c, i["slot_mapping"], i["positions"], i["cos_sin"],
+                                               1e-6, 16, i["kv_scale"], q8, i["q_scale_inv"])
+        return dict(k_cache=c.view(torch.uint8), q_fp8=q8.float())
+    # q_fp8: an RMSNorm sum order that differs from the reference's moves a value by at most one e4m3 step
+    return inp, run, (2 ** -3, 2 ** -9)
 
 
 def case_fused_q_kv_rmsnorm():
@@ -73,10 +91,29 @@ def case_fused_q_kv_rmsnorm():
 
 def case_dequantize_and_gather_k_cache():
     g = _g(4)
-    c = torch.zeros(3, 1728, dtype=torch.uint8)
+    c = torch.zeros(3, 2, 584, dtype=torch.uint8)
     rc.quantize_and_insert_k_cache(_k(6, g), c, torch.arange(6), 2)
-    inp = dict(k_cache=c, slots=torch.tensor([5, -1, 0, 3, 2]))
-    return inp, lambda i: dict(rows=ops.dequantize_and_gather_k_cache(i["k_cache"], i["slots"], 2)), (0, 0)
+    inp = dict(k_cache=c, seq_lens=torch.tensor([5, 3], dtype=torch.int32), gather_lens=torch.tensor([4, 3]),
+               block_table=torch.tensor([[2, 0, 1], [1, 2, -1]], dtype=torch.int32))
+
+    def run(i):
+        out = torch.zeros(2, 6, 512, dtype=torch.bfloat16, device=i["k_cache"].device)
+        ops.dequantize_and_gather_k_cache(out, i["k_cache"], i["seq_lens"], i["gather_lens"], i["block_table"], 2, 1)
+        return dict(rows=out)
+    return inp, run, (0, 0)
+
+
+def case_dequantize_global_slots_k_cache():
+    g = _g(14)
+    c = torch.zeros(3, 37440, dtype=torch.uint8)
+    rc.quantize_and_insert_k_cache(_k(9, g), c, torch.tensor([0, 5, 64, 70, 128, 190, 191, 3, 100]), 64)
+    inp = dict(k_cache=c, slot_ids=torch.tensor([[0, 5, -1, 190], [191, 100, 64, 3]], dtype=torch.int32))
+
+    def run(i):
+        out = torch.zeros(2, 4, 512, dtype=torch.bfloat16, device=i["k_cache"].device)
+        ops.dequantize_global_slots_k_cache(out, rc.flash_mla_view(i["k_cache"], 64), i["slot_ids"], 64)
+        return dict(rows=out)
+    return inp, run, (0, 0)
 
 
 def _compressor_case(ratio, target, seed):

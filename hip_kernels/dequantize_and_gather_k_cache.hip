@@ -1,65 +1,52 @@
-// dequantize_and_gather_k_cache: fp8_ds_mla records at slots -> bf16 rows [N, 512] (exact: the
-// dequantized values are bf16). Negative slots give zero rows; slots are checked against the cache
-// capacity by the caller. One 32-lane group per row: lanes 0..27 decode 16 NoPE bytes with their
-// block's UE8M0 scale, lanes 28..31 copy 16 RoPE bf16 values.
+// dequantize_and_gather_k_cache (vLLM's op): for request b (blockIdx.x) and i < gather_len_b,
+//   out[b, offset + i] = bf16 K of the token at position p = seq_len_b - gather_len_b + i, read from page
+//   block_table[b, p / bs] of the fp8_ds_mla cache (exact: the dequantized values are bf16).
+// gather_len_b = gather_lens[b], or seq_lens[b] when gather_lens is NULL. Rows past out's `rows` are not
+// written; a row whose position is negative or whose block-table entry is missing, negative or past the
+// cache is written as zeros. The blocks of one request (gridDim.y of them, 8 row groups each) stride over
+// its rows; each 32-lane group gathers ROWS rows with all loads issued before the first store.
+#include "dsv4/args.h"
 #include "dsv4/record.h"
 
 #define ROWS 2
 
-__device__ __forceinline__ void dsv4_decode_row(const uint4& p, uint8_t sb, float v[16]) {
-  uint32_t w[4] = {p.x, p.y, p.z, p.w};
-  float scale = sb == 0xff ? __uint_as_float(0x7fc00000u) : dsv4_exp2i((int)sb - 127);
+__global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_gather_block_table_kernel(dsv4_gather_args a) {
+  const int b = blockIdx.x;
+  const int lane = threadIdx.x % DSV4_GROUP;
+  const int64_t group = (int64_t)blockIdx.y * (blockDim.x / DSV4_GROUP) + threadIdx.x / DSV4_GROUP;
+  const int64_t groups = (int64_t)gridDim.y * (blockDim.x / DSV4_GROUP);
+  const int64_t seq = dsv4_index(a.seq_lens, b, a.seq64);
+  const int64_t gl = a.gather_lens ? dsv4_index(a.gather_lens, b, a.gl64) : seq;
+  int64_t n = gl < a.rows - a.offset ? gl : a.rows - a.offset;   // rows of out this request writes
+  const uint8_t* cache = (const uint8_t*)a.cache;
+  uint16_t* out = (uint16_t*)a.out + (int64_t)b * a.out_s0 + a.offset * a.out_s1;
+  for (int64_t i0 = group * ROWS; i0 < n; i0 += groups * ROWS) {
+    uint4 p[ROWS][2];
+    uint8_t sb[ROWS];
+    bool ok[ROWS];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(dsv4_fp8_decode((uint8_t)(w[i / 4] >> (8 * (i % 4)))), scale);
-}
-
-// Each group gathers ROWS rows, all loads issued before the first store.
-__global__ void DSV4_LAUNCH_BOUNDS(256)
-dsv4_gather_kernel(const uint8_t* __restrict__ cache, int64_t page_stride, const int64_t* __restrict__ slots,
-                   uint16_t* __restrict__ out, int n, int bs) {
-  int64_t g0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / DSV4_GROUP * ROWS;
-  int lane = threadIdx.x % DSV4_GROUP;
-  uint4 p[ROWS][2];
-  uint8_t sb[ROWS];
-  int64_t slot[ROWS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    slot[r] = g0 + r < n ? slots[g0 + r] : -1;
-    p[r][0] = p[r][1] = make_uint4(0, 0, 0, 0);
-    sb[r] = 0;
-    if (slot[r] < 0) continue;
-    const uint8_t* page = cache + (slot[r] / bs) * page_stride;
-    int64_t off = slot[r] % bs;
-    if (lane < DSV4_NOPE_LANES) {
-      p[r][0] = *reinterpret_cast<const uint4*>(page + off * 576 + lane * 16);
-      sb[r] = page[(int64_t)bs * 576 + off * 8 + (lane >> 2)];
-    } else {
-      const uint4* src = reinterpret_cast<const uint4*>(page + off * 576 + 448 + (lane - DSV4_NOPE_LANES) * 32);
-      p[r][0] = src[0];
-      p[r][1] = src[1];
+    for (int r = 0; r < ROWS; ++r) {
+      int64_t i = i0 + r, pos = seq - gl + i, page = -1;
+      if (i < n && pos >= 0 && pos / a.bs < a.bt_cols) page = dsv4_index(a.block_table, b * a.bt_s0 + pos / a.bs, a.bt64);
+      ok[r] = page >= 0 && page < a.num_blocks;
+      dsv4_load_record_lane(cache + (ok[r] ? page : 0) * a.page_stride, ok[r] ? pos % a.bs : 0, a.bs, lane, ok[r],
+                            p[r], sb[r]);
     }
-  }
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    if (g0 + r >= n) break;
-    uint16_t* dst = out + (g0 + r) * 512 + lane * 16;
-    uint4* d4 = reinterpret_cast<uint4*>(dst);
-    if (slot[r] < 0 || lane >= DSV4_NOPE_LANES) {       // zero row, or RoPE bf16 copied verbatim
-      d4[0] = p[r][0];
-      d4[1] = p[r][1];
-    } else {
-      float v[16];
-      dsv4_decode_row(p[r][0], sb[r], v);
-      dsv4_store_bf16x16(dst, v);
-    }
+    for (int r = 0; r < ROWS; ++r)
+      if (i0 + r < n) dsv4_store_record_lane(out + (i0 + r) * a.out_s1, p[r], sb[r], lane, ok[r]);
   }
 }
 
-extern "C" int dsv4_dequantize_and_gather_k_cache(const void* cache, int64_t page_stride, const int64_t* slots,
-                                                  void* out, int n, int bs, void* stream) {
-  if (n <= 0) return 0;
+extern "C" int dsv4_dequantize_and_gather_k_cache(const dsv4_gather_args* a, void* stream) {
+  if (a->R <= 0 || a->rows <= a->offset) return 0;
+  // enough blocks to fill the GPU whatever the batch (fixed by shapes only: graph-capturable), no more
+  // than the rows of out need
   const int threads = 256, per_block = threads / DSV4_GROUP * ROWS;
-  hipLaunchKernelGGL(dsv4_gather_kernel, dim3((n + per_block - 1) / per_block), dim3(threads), 0, (hipStream_t)stream,
-                     (const uint8_t*)cache, page_stride, slots, (uint16_t*)out, n, bs);
+  int64_t need = (a->rows - a->offset + per_block - 1) / per_block;
+  int64_t want = (1024 + a->R - 1) / a->R;
+  int64_t y = need < want ? need : want;
+  hipLaunchKernelGGL(dsv4_gather_block_table_kernel, dim3((unsigned)a->R, (unsigned)(y > 65535 ? 65535 : y)),
+                     dim3(threads), 0, (hipStream_t)stream, *a);
   return (int)hipGetLastError();
 }

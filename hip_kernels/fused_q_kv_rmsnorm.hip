@@ -1,6 +1,7 @@
-// fused_q_kv_rmsnorm: qr [T, Dq] and kv [T, Dkv] bf16 rows -> bf(x * rsqrt(mean(x^2) + eps) * w), fp32
-// inside, one launch for both. One 32-lane group per row, 8 values (16 bytes) per lane per step.
+// fused_q_kv_rmsnorm (vLLM's op): qr [T, Dq] and kv [T, Dkv] bf16 rows -> bf(x * rsqrt(mean(x^2) + eps) * w),
+// fp32 inside, one launch for both. One 32-lane group per row, 8 values (16 bytes) per lane per step.
 // Row lengths must be multiples of 8 (q_lora 1024/1536 and 512 are).
+#include "dsv4/args.h"
 #include "dsv4/portable.h"
 
 __device__ __forceinline__ void dsv4_rmsnorm_row(const uint16_t* x, const uint16_t* w, uint16_t* y, int D,
@@ -32,25 +33,21 @@ __device__ __forceinline__ void dsv4_rmsnorm_row(const uint16_t* x, const uint16
   }
 }
 
-__global__ void DSV4_LAUNCH_BOUNDS(256)
-dsv4_q_kv_rmsnorm_kernel(const uint16_t* __restrict__ qr, int64_t qr_stride, const uint16_t* __restrict__ qw,
-                         uint16_t* __restrict__ qr_out, int Dq, const uint16_t* __restrict__ kv, int64_t kv_stride,
-                         const uint16_t* __restrict__ kw, uint16_t* __restrict__ kv_out, int Dkv, int T, float eps) {
+__global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_q_kv_rmsnorm_kernel(dsv4_rmsnorm_args a) {
   int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / DSV4_GROUP;
   int lane = threadIdx.x % DSV4_GROUP;
-  if (g < T)
-    dsv4_rmsnorm_row(qr + g * qr_stride, qw, qr_out + g * Dq, Dq, eps, lane);
-  else if (g < 2 * (int64_t)T)
-    dsv4_rmsnorm_row(kv + (g - T) * kv_stride, kw, kv_out + (g - T) * Dkv, Dkv, eps, lane);
+  if (g < a.T)
+    dsv4_rmsnorm_row((const uint16_t*)a.qr + g * a.qr_stride, (const uint16_t*)a.qw, (uint16_t*)a.qr_out + g * a.Dq,
+                     a.Dq, a.eps, lane);
+  else if (g < 2 * (int64_t)a.T)
+    dsv4_rmsnorm_row((const uint16_t*)a.kv + (g - a.T) * a.kv_stride, (const uint16_t*)a.kw,
+                     (uint16_t*)a.kv_out + (g - a.T) * a.Dkv, a.Dkv, a.eps, lane);
 }
 
-extern "C" int dsv4_fused_q_kv_rmsnorm(const void* qr, int64_t qr_stride, const void* qw, void* qr_out, int Dq,
-                                       const void* kv, int64_t kv_stride, const void* kw, void* kv_out, int Dkv, int T,
-                                       float eps, void* stream) {
-  if (T <= 0) return 0;
+extern "C" int dsv4_fused_q_kv_rmsnorm(const dsv4_rmsnorm_args* a, void* stream) {
+  if (a->T <= 0) return 0;
   const int threads = 256, groups = threads / DSV4_GROUP;
-  hipLaunchKernelGGL(dsv4_q_kv_rmsnorm_kernel, dim3((2 * T + groups - 1) / groups), dim3(threads), 0,
-                     (hipStream_t)stream, (const uint16_t*)qr, qr_stride, (const uint16_t*)qw, (uint16_t*)qr_out, Dq,
-                     (const uint16_t*)kv, kv_stride, (const uint16_t*)kw, (uint16_t*)kv_out, Dkv, T, eps);
+  hipLaunchKernelGGL(dsv4_q_kv_rmsnorm_kernel, dim3((unsigned)((2 * (int64_t)a->T + groups - 1) / groups)),
+                     dim3(threads), 0, (hipStream_t)stream, *a);
   return (int)hipGetLastError();
 }

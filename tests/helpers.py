@@ -53,3 +53,42 @@ def cos_diff(a, b):
     a, b = a.double().flatten(), b.double().flatten()
     denom = (a * a + b * b).sum()
     return float(1 - 2 * (a * b).sum() / denom) if denom > 0 else 0.0
+
+
+def every_cache_view(num_blocks, block_size, record=584, seed=0, device="cpu"):
+    """{name: (view, backing)}: the same random page bytes held as each view of a paged cache an engine
+    holds (dsv4_rocm/cache_views.py). ``backing`` is the allocation (page padding included, random too,
+    so a write past a page's records shows up). Views:
+      vllm_3d        [nb, bs, R] with pages padded to a multiple of 576 B (vLLM's allocation)
+      vllm_2d        its .view(nb, -1): [nb, bs*R], stride(0) = the padded page
+      flashmla_4d    its .unsqueeze(-2): [nb, bs, 1, R]
+      padded_2d      [nb, round_up(bs*R, 576)] (reference.cache.new_cache's allocation)
+      unpadded_2d    [nb, bs*R] contiguous (vLLM's tests)
+      unpadded_3d    [nb, bs, R] contiguous
+      fp8_3d         the float8_e4m3fn view of vllm_3d"""
+    g = torch.Generator().manual_seed(seed)
+    used = block_size * record
+    padded = L.round_up(used, L.PAGE_ALIGN)
+    page = torch.randint(0, 256, (num_blocks, padded), generator=g, dtype=torch.uint8).to(device)
+    views = {}
+    b = page.clone()
+    views["vllm_3d"] = (torch.as_strided(b, (num_blocks, block_size, record), (padded, record, 1)), b)
+    b = page.clone()
+    views["vllm_2d"] = (torch.as_strided(b, (num_blocks, block_size, record), (padded, record, 1)).view(num_blocks, -1), b)
+    b = page.clone()
+    views["flashmla_4d"] = (torch.as_strided(b, (num_blocks, block_size, record), (padded, record, 1)).unsqueeze(-2), b)
+    b = page.clone()
+    views["padded_2d"] = (b, b)
+    b = page[:, :used].contiguous()
+    views["unpadded_2d"] = (b, b)
+    b = page[:, :used].contiguous()
+    views["unpadded_3d"] = (b.view(num_blocks, block_size, record), b)
+    b = page.clone()
+    views["fp8_3d"] = (torch.as_strided(b, (num_blocks, block_size, record), (padded, record, 1)).view(
+        torch.float8_e4m3fn), b)
+    return views
+
+
+def page_records(backing, block_size, record=584):
+    """The [nb, bs*R] record bytes of a backing allocation (its padding excluded)."""
+    return backing[:, :block_size * record]

@@ -17,16 +17,16 @@ def test_qnorm_insert_checks():
     pos = torch.arange(4)
     s = torch.arange(4)
     with pytest.raises(ValueError, match="padded_heads"):
-        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos, CS, 32, 1e-6, 64)
+        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos, CS, 4, 1e-6, 64)
     with pytest.raises(ValueError, match="kv must have shape"):
-        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv[:3], cache, s, pos, CS, 64, 1e-6, 64)
+        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv[:3], cache, s, pos, CS, 64, 1e-6, 64)
     with pytest.raises(ValueError, match="positions must lie"):
-        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos + 61, CS, 64, 1e-6, 64)
+        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos + 61, CS, 64, 1e-6, 64)
     with pytest.raises(ValueError, match="cos_sin_cache must have dtype"):
-        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos, CS.double(), 64, 1e-6, 64)
+        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s, pos, CS.double(), 64, 1e-6, 64)
     before = cache.clone()
     with pytest.raises(ValueError, match="outside the cache"):
-        ops.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s + 61, pos, CS, 64, 1e-6, 64)
+        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s + 61, pos, CS, 64, 1e-6, 64)
     assert torch.equal(cache, before)                      # nothing written before the error
 
 

@@ -6,9 +6,11 @@ for the device: ``hip`` (dsv4_rocm._C) > ``triton`` > ``reference`` among those 
 """
 from ._dispatch import (BACKENDS, backend_for, implementation, machine_backends, registered_ops,  # noqa: F401
                         use_backend, validation, value_checks)
-from .cache_qkv import *  # noqa: F401,F403
+from .cache import *  # noqa: F401,F403
+from .qkv import *  # noqa: F401,F403
 from .compressor import *  # noqa: F401,F403
 from .indexer import *  # noqa: F401,F403
 from .metadata import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .output import *  # noqa: F401,F403
+from . import library  # noqa: F401,E402  (torch.ops.dsv4_rocm.*: vLLM's custom-op schemas)

@@ -3,10 +3,16 @@
 A record is 584 bytes: [448 e4m3 NoPE][64 bf16 RoPE as 128 bytes][7 UE8M0 scales][1 pad byte = 0].
 In a page the first 576 bytes of every record sit at ``off*576`` and the last 8 at
 ``bs*576 + off*8`` (see ``dsv4_rocm.layout``). The indexer-K cache (C4 layers) stores 128 e4m3 bytes at
-``off*128`` and the fp32 scale 2^e at ``bs*128 + off*4``.
+``off*128`` and the fp32 scale 2^e at ``bs*128 + off*4``. Caches come in any view of
+``dsv4_rocm.cache_views``; the page stride is ``stride(0)``.
+
+Invalid indices (negative, or past the cache / block table / output) are padding here: a writer skips
+them, a reader yields zero rows (docs/conventions.md). The public ops reject them before calling these
+where value checks run.
 """
 import torch
 
+from .. import cache_views as V
 from .. import layout as L
 from .quant import (dequantize_blocks, exponent_to_ue8m0, quantize_blocks, ue8m0_to_exponent)
 
@@ -15,50 +21,28 @@ KV_EPS = 1e-4
 
 # ---- page views ---------------------------------------------------------------------------------
 def as_pages(cache: torch.Tensor, block_size: int, name: str = "k_cache", indexer: bool = False) -> torch.Tensor:
-    """A [num_blocks, page_stride] uint8 view of a cache given as [nb, page_bytes] or as FlashMLA's
-    [nb, bs, 1, 584] (page stride = stride(0))."""
-    need = L.indexer_page_bytes(block_size) if indexer else L.page_bytes(block_size)
-    rec = L.INDEXER_TOKEN_BYTES if indexer else L.TOKEN_BYTES
-    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8:
-        raise ValueError(f"{name} must be a uint8 tensor")
-    if cache.dim() == 2:
-        if cache.shape[1] != need or cache.stride(1) != 1:
-            raise ValueError(f"{name}: expected pages of {need} bytes for block_size {block_size}, "
-                             f"got shape {tuple(cache.shape)} stride {cache.stride()}")
-        return cache
-    if cache.dim() == 4:
-        if cache.shape[1] != block_size or cache.shape[2] != 1 or cache.shape[3] != rec:
-            raise ValueError(f"{name}: expected shape [nb, {block_size}, 1, {rec}], got {tuple(cache.shape)}")
-        if cache.stride(0) < block_size * rec:
-            raise ValueError(f"{name}: page stride {cache.stride(0)} smaller than {block_size * rec}")
-        if not indexer and cache.stride(0) % L.PAGE_ALIGN:
-            raise ValueError(f"{name}: page stride {cache.stride(0)} is not a multiple of {L.PAGE_ALIGN} B")
-        return torch.as_strided(cache, (cache.shape[0], cache.stride(0)), (cache.stride(0), 1),
-                                cache.storage_offset())
-    raise ValueError(f"{name} must be 2-D [nb, page_bytes] or 4-D [nb, bs, 1, {rec}], got {cache.dim()}-D")
+    """The ``cache_views.pages`` view. FlashMLA's 4-D view of an fp8_ds_mla cache must also have a page
+    stride that is a multiple of 576 B (FlashMLA reads pages at that alignment)."""
+    p = V.pages(cache, block_size, name, V.INDEXER_K if indexer else V.FP8_DS_MLA)
+    if cache.dim() == 4 and not indexer and cache.shape[0] > 1 and cache.stride(0) % L.PAGE_ALIGN:
+        raise ValueError(f"{name}: page stride {cache.stride(0)} is not a multiple of {L.PAGE_ALIGN} B")
+    return p
 
 
 def new_cache(num_blocks: int, block_size: int, device=None, indexer: bool = False) -> torch.Tensor:
-    """An empty (zeroed) cache of [num_blocks, page_bytes] uint8."""
-    pb = L.indexer_page_bytes(block_size) if indexer else L.page_bytes(block_size)
-    return torch.zeros(num_blocks, pb, dtype=torch.uint8, device=device)
+    """An empty (zeroed) cache of [num_blocks, page_bytes] uint8 (pages padded to a multiple of 576 B)."""
+    return V.new_pages(num_blocks, block_size, V.INDEXER_K if indexer else V.FP8_DS_MLA, device)
 
 
 def flash_mla_view(pages: torch.Tensor, block_size: int) -> torch.Tensor:
     """FlashMLA's [nb, bs, 1, 584] view over [nb, page_bytes] pages (shape carrier, page stride kept)."""
-    nb, stride = pages.shape
+    nb, stride = pages.shape[0], pages.stride(0)
     return torch.as_strided(pages, (nb, block_size, 1, L.TOKEN_BYTES), (stride, L.TOKEN_BYTES, L.TOKEN_BYTES, 1),
                             pages.storage_offset())
 
 
-def _check_slots(slots: torch.Tensor, pages: torch.Tensor, block_size: int, name: str) -> torch.Tensor:
-    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
-    cap = pages.shape[0] * block_size
-    valid = slots >= 0
-    if bool((slots[valid] >= cap).any()):
-        raise ValueError(f"{name}: a slot is >= the cache capacity {cap} ({pages.shape[0]} blocks x {block_size})")
-    return valid
+def _valid(slots: torch.Tensor, cap: int) -> torch.Tensor:
+    return (slots >= 0) & (slots < cap)
 
 
 # ---- 584-byte records -----------------------------------------------------------------------------
@@ -80,82 +64,109 @@ def decode_k_records(rec: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1)
 
 
-def _byte_index(slots: torch.Tensor, block_size: int, page_stride: int):
-    s = slots.long()
-    blk, off = s // block_size, s % block_size
-    data = (blk * page_stride + off * L.DATA_BYTES).unsqueeze(1) + torch.arange(L.DATA_BYTES, device=s.device)
-    scal = (blk * page_stride + block_size * L.DATA_BYTES + off * L.SCALE_BYTES).unsqueeze(1) \
-        + torch.arange(L.SCALE_BYTES, device=s.device)
-    return data, scal
+def _write_records(rec, cache, slots, block_size, fmt):
+    """Write rows of ``rec`` ([n, record bytes]) at ``slots``; invalid slots are skipped."""
+    pages = V.pages(cache, block_size, "k_cache", fmt)
+    ok = _valid(slots, V.capacity(pages, block_size))
+    data, scale = V.record_byte_index(slots[ok], block_size, pages.stride(0), fmt)
+    flat = V.flat_bytes(pages)
+    rec = rec[ok]
+    flat[data.reshape(-1)] = rec[:, :fmt.data_bytes].reshape(-1)
+    flat[scale.reshape(-1)] = rec[:, fmt.data_bytes:].reshape(-1)
 
 
-def _flat(pages: torch.Tensor) -> torch.Tensor:
-    return torch.as_strided(pages, (pages.shape[0] * pages.shape[1],), (1,), pages.storage_offset())
+def _read_records(cache, slots, block_size, fmt):
+    """uint8 [*slots.shape, record bytes] records at slots; zero rows for invalid slots."""
+    pages = V.pages(cache, block_size, "k_cache", fmt)
+    s = slots.reshape(-1)
+    ok = _valid(s, V.capacity(pages, block_size))
+    data, scale = V.record_byte_index(torch.where(ok, s, torch.zeros_like(s)), block_size, pages.stride(0), fmt)
+    flat = V.flat_bytes(pages)
+    if flat.numel() == 0:
+        rec = torch.zeros(s.shape[0], fmt.record_bytes, dtype=torch.uint8, device=s.device)
+    else:
+        rec = torch.cat([flat[data], flat[scale]], dim=1)
+    rec = torch.where(ok.unsqueeze(1), rec, torch.zeros_like(rec))
+    return rec.reshape(*slots.shape, fmt.record_bytes)
 
 
 def insert_k_records(rec: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
-    """Write records at slots (slot < 0 skipped); only the first len(slot_mapping) records are used."""
-    pages = as_pages(k_cache, block_size)
-    if pages.stride(0) != pages.shape[1]:
-        raise ValueError("k_cache pages must be contiguous for the reference writer")
-    valid = _check_slots(slot_mapping, pages, block_size, "slot_mapping")
-    if slot_mapping.shape[0] > rec.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {rec.shape[0]} tokens")
-    rec = rec[:slot_mapping.shape[0]][valid]
-    data, scal = _byte_index(slot_mapping[valid], block_size, pages.stride(0))
-    flat = _flat(pages)
-    flat[data.reshape(-1)] = rec[:, :L.DATA_BYTES].reshape(-1)
-    flat[scal.reshape(-1)] = rec[:, L.DATA_BYTES:].reshape(-1)
+    """Write records at slots (invalid slots skipped); only the first len(slot_mapping) records are used."""
+    n = slot_mapping.shape[0]
+    _write_records(rec[:n], k_cache, slot_mapping, block_size, V.FP8_DS_MLA)
 
 
 def gather_k_records(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """uint8 [N, 584] records at slots; rows of invalid (negative) slots are zero."""
-    pages = as_pages(k_cache, block_size)
-    valid = _check_slots(slots, pages, block_size, "slots")
-    data, scal = _byte_index(torch.where(valid, slots, torch.zeros_like(slots)), block_size, pages.stride(0))
-    flat = _flat(pages)
-    rec = torch.cat([flat[data], flat[scal]], dim=1)
-    return torch.where(valid.unsqueeze(1), rec, torch.zeros_like(rec))
+    """uint8 [*slots.shape, 584] records at slots; rows of invalid slots are zero."""
+    return _read_records(k_cache, slots, block_size, V.FP8_DS_MLA)
+
+
+def _decoded_bf16(k_cache, slots, block_size):
+    """bf16 [*slots.shape, 512] values at slots, zero rows for invalid slots. Exact: an fp8 value times a
+    power of two is a bf16 value (the one fp32 -> bf16 rounding only touches results below 2^-126)."""
+    rec = gather_k_records(k_cache, slots, block_size)
+    out = decode_k_records(rec.reshape(-1, L.TOKEN_BYTES)).to(torch.bfloat16)
+    ok = _valid(slots.reshape(-1), V.capacity(V.pages(k_cache, block_size), block_size))
+    out = torch.where(ok.unsqueeze(1), out, torch.zeros_like(out))
+    return out.reshape(*slots.shape, L.HEAD_DIM)
 
 
 def quantize_and_insert_k_cache(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                                block_size: int) -> None:
+                                block_size: int = L.SWA_BLOCK_SIZE) -> None:
     """vLLM's op: UE8M0-quantize bf16 k [T, 512] (RoPE applied) and write it at slot_mapping."""
-    insert_k_records(encode_k_records(k), k_cache, slot_mapping, block_size)
+    n = slot_mapping.shape[0]
+    insert_k_records(encode_k_records(k[:n]), k_cache, slot_mapping, block_size)
 
 
-def dequantize_and_gather_k_cache(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """bf16 [N, 512] rows for slots (zeros for negative slots). Exact: dequant values are bf16."""
-    valid = slots >= 0
-    out = decode_k_records(gather_k_records(k_cache, slots, block_size))
-    return torch.where(valid.unsqueeze(1), out, torch.zeros_like(out)).to(torch.bfloat16)
+def gather_rows_and_slots(seq_lens, gather_lens, block_table, block_size: int, offset: int, rows: int):
+    """Where ``dequantize_and_gather_k_cache`` writes: for request b and output row j, it writes row j when
+    ``offset <= j < offset + gather_len_b`` (and j < rows), taking the token at position
+    ``p = seq_len_b - gather_len_b + (j - offset)`` from page ``block_table[b, p // bs]``.
+    Returns (written bool [R, rows], slot int64 [R, rows], -1 where p or its page is invalid)."""
+    R = seq_lens.shape[0]
+    dev = seq_lens.device
+    seq = seq_lens.long().unsqueeze(1)
+    gl = seq if gather_lens is None else gather_lens.long().unsqueeze(1)
+    i = torch.arange(rows, device=dev).unsqueeze(0) - offset
+    written = (i >= 0) & (i < gl)
+    pos = seq - gl + i
+    col = torch.div(pos, block_size, rounding_mode="floor")
+    ok = written & (pos >= 0) & (col < block_table.shape[1])
+    bt = block_table.long() if block_table.shape[1] else torch.full((R, 1), -1, device=dev)
+    page = torch.gather(bt, 1, torch.where(ok, col, torch.zeros_like(col)))
+    slot = torch.where(ok & (page >= 0), page * block_size + pos % block_size, torch.full_like(pos, -1))
+    return written, slot
+
+
+def dequantize_and_gather_k_cache(out: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor, gather_lens,
+                                  block_table: torch.Tensor, block_size: int, offset: int) -> None:
+    """vLLM's op: ``out[b, offset + i]`` = the bf16 K of request b's token at position
+    ``seq_lens[b] - gather_lens[b] + i`` for ``i < gather_lens[b]`` (all ``seq_lens[b]`` tokens when
+    gather_lens is None), through ``block_table``. Other rows of ``out`` are not written; a row whose
+    position or page is invalid is written as zeros."""
+    written, slot = gather_rows_and_slots(seq_lens, gather_lens, block_table, block_size, offset, out.shape[1])
+    vals = _decoded_bf16(k_cache, slot, block_size)
+    R = seq_lens.shape[0]
+    out[:R][written] = vals[written]
+
+
+def dequantize_global_slots_k_cache(out: torch.Tensor, k_cache: torch.Tensor, slot_ids: torch.Tensor,
+                                    block_size: int) -> None:
+    """``out[..., :] = `` the bf16 K at each slot of ``slot_ids`` (``out.shape = (*slot_ids.shape, 512)``);
+    zero rows for invalid slots."""
+    out.copy_(_decoded_bf16(k_cache, slot_ids, block_size))
 
 
 # ---- indexer K cache ------------------------------------------------------------------------------
 def indexer_k_insert(q_bytes: torch.Tensor, scale: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                      block_size: int) -> None:
-    """Write 128 fp8 bytes + fp32 scale per entry at slot_mapping (negative skipped)."""
-    pages = as_pages(cache, block_size, "indexer_k_cache", indexer=True)
-    valid = _check_slots(slot_mapping, pages, block_size, "slot_mapping")
-    s = slot_mapping[valid].long()
-    blk, off = s // block_size, s % block_size
-    base = blk * pages.stride(0)
-    flat = _flat(pages)
-    ar = torch.arange(L.INDEXER_DIM, device=s.device)
-    flat[((base + off * L.INDEXER_DIM).unsqueeze(1) + ar).reshape(-1)] = q_bytes[:slot_mapping.shape[0]][valid].reshape(-1)
-    sb = scale[:slot_mapping.shape[0]][valid].float().contiguous().view(torch.uint8).reshape(-1, 4)
-    flat[((base + block_size * L.INDEXER_DIM + off * 4).unsqueeze(1) + torch.arange(4, device=s.device)).reshape(-1)] = sb.reshape(-1)
+    """Write 128 fp8 bytes + fp32 scale per entry at slot_mapping (invalid slots skipped)."""
+    n = slot_mapping.shape[0]
+    sb = scale[:n].float().contiguous().view(torch.uint8).reshape(-1, 4)
+    _write_records(torch.cat([q_bytes[:n], sb], dim=1), cache, slot_mapping, block_size, V.INDEXER_K)
 
 
 def indexer_k_gather(cache: torch.Tensor, slots: torch.Tensor, block_size: int):
-    """(fp8 bytes uint8 [N, 128], fp32 scale [N]) at slots; zeros for negative slots."""
-    pages = as_pages(cache, block_size, "indexer_k_cache", indexer=True)
-    valid = _check_slots(slots, pages, block_size, "slots")
-    s = torch.where(valid, slots, torch.zeros_like(slots)).long()
-    blk, off = s // block_size, s % block_size
-    base = blk * pages.stride(0)
-    flat = _flat(pages)
-    q = flat[(base + off * L.INDEXER_DIM).unsqueeze(1) + torch.arange(L.INDEXER_DIM, device=s.device)]
-    sc = flat[(base + block_size * L.INDEXER_DIM + off * 4).unsqueeze(1) + torch.arange(4, device=s.device)]
-    sc = sc.contiguous().view(torch.float32).reshape(-1)
-    return torch.where(valid.unsqueeze(1), q, torch.zeros_like(q)), torch.where(valid, sc, torch.zeros_like(sc))
+    """(fp8 bytes uint8 [N, 128], fp32 scale [N]) at slots; zeros for invalid slots."""
+    rec = _read_records(cache, slots, block_size, V.INDEXER_K)
+    return rec[:, :L.INDEXER_DIM], rec[:, L.INDEXER_DIM:].contiguous().view(torch.float32).reshape(-1)

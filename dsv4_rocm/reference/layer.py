@@ -25,7 +25,7 @@ PREFILL_CHUNK_REQUESTS = 4
 REFERENCE_IMPL = SimpleNamespace(
     fp8_linear=output.fp8_linear,
     fused_q_kv_rmsnorm=norm.fused_q_kv_rmsnorm,
-    fused_qnorm_rope_kv_rope_quant_insert=qkv.fused_qnorm_rope_kv_rope_quant_insert,
+    fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert=qkv.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
     compressor_kv_score=compressor.compressor_kv_score,
     fused_compress_norm_rope_insert=compressor.compress_norm_rope_insert,
     fused_indexer_q_rope_quant=indexer.indexer_q_rope_quant,
@@ -211,8 +211,8 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
     qr_kv = impl.fp8_linear(x, W.wqkv8, W.wqkv_s)
     qr, kv = impl.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], W.q_norm, W.kv_norm, eps)
     q = impl.fp8_linear(qr, W.wq_b8, W.wq_b_s).view(T, H, 512)
-    q_pad = impl.fused_qnorm_rope_kv_rope_quant_insert(q, kv, cache_.swa, slot_mapping, positions, cos_sin_cache,
-                                                       Hp, eps, L.SWA_BLOCK_SIZE)
+    q_pad = impl.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, cache_.swa, slot_mapping, positions,
+                                                                   cos_sin_cache, Hp, eps, L.SWA_BLOCK_SIZE)
     # compressor and indexer
     bs_c = L.compressed_block_size(r) if r > 1 else 0
     if r > 1:
@@ -274,15 +274,13 @@ def _prefill_attention(cfg, layer_type, impl, W, cache_, batch, q_pad, positions
         glens = metadata.prefill_gather_lens(qlens, slens, Wn)
         M = N + Wn + int(qlens.max())
         ws = torch.zeros(len(chunk) * M, 512, dtype=torch.bfloat16, device=dev)
+        ws3, rows = ws.view(len(chunk), M, 512), torch.tensor(chunk, device=dev)
+        if r > 1:
+            impl.dequantize_and_gather_k_cache(ws3, cache_.comp, slens // r, None,
+                                               batch.compressed_block_table[rows], bs_c, 0)
+        impl.dequantize_and_gather_k_cache(ws3, cache_.swa, slens, glens, batch.swa_block_table[rows], 64, N)
         toks, req_in_chunk = [], []
         for i, b in enumerate(chunk):
-            if r > 1:
-                j = torch.arange(int(slens[i]) // r, device=dev)
-                slots = batch.compressed_block_table[b, j // bs_c].long() * bs_c + j % bs_c
-                ws[i * M:i * M + j.numel()] = impl.dequantize_and_gather_k_cache(cache_.comp, slots, bs_c)
-            p = torch.arange(int(slens[i] - glens[i]), int(slens[i]), device=dev)
-            slots = batch.swa_block_table[b, p // 64].long() * 64 + p % 64
-            ws[i * M + N:i * M + N + p.numel()] = impl.dequantize_and_gather_k_cache(cache_.swa, slots, 64)
             t = torch.arange(int(qsl[b]), int(qsl[b + 1]), device=dev)
             toks.append(t)
             req_in_chunk.append(torch.full_like(t, i))

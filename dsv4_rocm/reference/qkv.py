@@ -1,9 +1,28 @@
-"""Fused Q norm + RoPE and KV RoPE + quant + SWA insert (DSV4_SPEC §3-4), one vLLM op."""
+"""Q norm + RoPE and KV RoPE + quant + cache insert (DSV4_SPEC §3-4), as vLLM's fused ops do them.
+
+Both ops work per token t: every q head gets a weightless RMSNorm over its 512 dims and GPT-J RoPE on
+dims 448..511 (fp32 inside); kv gets the same RoPE. What they store differs:
+
+    fp8_ds_mla op   q -> bf16 [T, padded_heads, 512] (heads past H zero); kv -> bf16 -> 584-byte record
+                    (UE8M0 block quant, ``reference.cache``) at slot_mapping[t]
+    full-cache op   q -> e4m3 (q * q_fp8_scale_inv) [T, H, 512]; kv -> e4m3 (kv * (1 / fp8_scale)) row
+                    of 512 bytes at k_cache[slot // bs, slot % bs]   (per-tensor scales, no bf16 step)
+
+Only the first len(slot_mapping) tokens are inserted; slots < 0 or past the cache are skipped. A
+position outside the cos/sin table makes the token invalid: its q rows are zero and its kv is not
+inserted (the public ops reject such positions where value checks run).
+"""
 import torch
 
 from .cache import quantize_and_insert_k_cache
 from .norm import rmsnorm
+from .quant import FP8_NAN, e4m3_encode
 from .rope import rope_fwd
+
+
+def _valid_positions(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    ok = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    return ok, torch.where(ok, positions, torch.zeros_like(positions))
 
 
 def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, eps: float) -> torch.Tensor:
@@ -16,13 +35,47 @@ def kv_rope(kv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tens
     return rope_fwd(kv, positions, cos_sin_cache).to(torch.bfloat16)
 
 
-def fused_qnorm_rope_kv_rope_quant_insert(q, kv, swa_kv_cache_2d, slot_mapping, positions, cos_sin_cache,
-                                          padded_heads: int, eps: float, block_size: int) -> torch.Tensor:
-    """Returns q_padded bf16 [T, padded_heads, 512] (heads past H are zero) and writes the SWA cache."""
-    T, H, _ = q.shape
-    out = torch.zeros(T, padded_heads, q.shape[2], dtype=torch.bfloat16, device=q.device)
-    out[:, :H] = q_norm_rope(q, positions, cos_sin_cache, eps)
+def _insert_slots(slot_mapping: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     n = slot_mapping.shape[0]
-    quantize_and_insert_k_cache(kv_rope(kv[:n], positions[:n], cos_sin_cache), swa_kv_cache_2d, slot_mapping,
+    return torch.where(ok[:n], slot_mapping, torch.full_like(slot_mapping, -1))
+
+
+def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
+                                                      padded_heads: int, eps: float, block_size: int, q_out=None):
+    """Writes q_out bf16 [T, padded_heads, 512] (allocated when None) and the fp8_ds_mla cache; returns q_out."""
+    T, H, D = q.shape
+    if q_out is None:
+        q_out = torch.empty(T, padded_heads, D, dtype=torch.bfloat16, device=q.device)
+    ok, pos = _valid_positions(positions, cos_sin_cache)
+    qn = q_norm_rope(q, pos, cos_sin_cache, eps)
+    q_out[:, :H] = torch.where(ok.view(T, 1, 1), qn, torch.zeros_like(qn))
+    q_out[:, H:] = 0
+    n = slot_mapping.shape[0]
+    quantize_and_insert_k_cache(kv_rope(kv[:n], pos[:n], cos_sin_cache), k_cache, _insert_slots(slot_mapping, ok),
                                 block_size)
-    return out
+    return q_out
+
+
+def _encode_scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes of fp32(x * scale), saturating at +-448; a non-finite x gives 0x7F (NaN), never a
+    clipped finite value (docs/conventions.md, numerics)."""
+    b = e4m3_encode(x * scale)
+    return torch.where(torch.isfinite(x), b, torch.full_like(b, FP8_NAN))
+
+
+def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
+                                       cache_block_size: int, fp8_scale, q_fp8, q_fp8_scale_inv) -> None:
+    """The FlashInfer full-cache form: q_fp8 [T, H, 512] e4m3 and k_cache [nb, bs, 512] e4m3 rows."""
+    T = q.shape[0]
+    ok, pos = _valid_positions(positions, cos_sin_cache)
+    qf = rope_fwd(rmsnorm(q, None, eps), pos, cos_sin_cache)
+    qb = _encode_scaled(qf, q_fp8_scale_inv.reshape(()).float())
+    q_fp8.view(torch.uint8).copy_(torch.where(ok.view(T, 1, 1), qb, torch.zeros_like(qb)))
+    n = slot_mapping.shape[0]
+    slots = _insert_slots(slot_mapping, ok).long()
+    nb, bs = k_cache.shape[0], cache_block_size
+    valid = (slots >= 0) & (slots < nb * bs)
+    inv = 1.0 / fp8_scale.reshape(()).float()
+    rows = _encode_scaled(rope_fwd(kv[:n][valid], pos[:n][valid], cos_sin_cache), inv)
+    s = slots[valid]
+    k_cache.view(torch.uint8)[s // bs, s % bs] = rows

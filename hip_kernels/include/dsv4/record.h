@@ -30,18 +30,41 @@ __device__ __forceinline__ void dsv4_store_bf16x16(uint16_t* p, const float v[16
   p4[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-// GPT-J rotation of this lane's 8 (even, odd) pairs when it holds RoPE dims (lanes 28..31);
-// inverse = false: e' = e c - o s, o' = e s + o c. Each product and sum rounded separately.
-__device__ __forceinline__ void dsv4_rope_lane(float v[16], int lane, const float* cs_row) {
+// Entry i of an index tensor stored as int32 or int64 (the engine's dtype, read without a conversion copy).
+__device__ __forceinline__ int64_t dsv4_index(const void* p, int64_t i, int is64) {
+  return is64 ? reinterpret_cast<const int64_t*>(p)[i] : (int64_t)reinterpret_cast<const int32_t*>(p)[i];
+}
+
+// Value j (0..63) of row `pos` of a cos/sin table [max_pos, 64] stored as fp32 or bf16 (cos | sin).
+__device__ __forceinline__ float dsv4_cos_sin(const void* cs, int64_t pos, int j, int bf16) {
+  return bf16 ? dsv4_bf16_to_float(reinterpret_cast<const uint16_t*>(cs)[pos * 64 + j])
+              : reinterpret_cast<const float*>(cs)[pos * 64 + j];
+}
+
+// GPT-J rotation of this lane's 8 (even, odd) pairs when it holds RoPE dims (lanes 28..31), by the angles
+// of table row `pos`: e' = e c - o s, o' = e s + o c, each product and sum rounded separately.
+__device__ __forceinline__ void dsv4_rope_lane(float v[16], int lane, const void* cs, int64_t pos, int cs_bf16) {
   if (lane < DSV4_NOPE_LANES) return;
   int pair0 = (lane - DSV4_NOPE_LANES) * 8;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
-    float c = cs_row[pair0 + k], s = cs_row[32 + pair0 + k];
+    float c = dsv4_cos_sin(cs, pos, pair0 + k, cs_bf16), s = dsv4_cos_sin(cs, pos, 32 + pair0 + k, cs_bf16);
     float e = v[2 * k], o = v[2 * k + 1];
     v[2 * k] = dsv4_sub(dsv4_mul(e, c), dsv4_mul(o, s));
     v[2 * k + 1] = dsv4_add(dsv4_mul(e, s), dsv4_mul(o, c));
   }
+}
+
+// Weightless RMSNorm of the group's 512 values (16 per lane), fp32: v * (1 / sqrt(sum(v^2) / 512 + eps)).
+// All 32 lanes must call this.
+__device__ __forceinline__ void dsv4_rmsnorm512(float v[16], float eps) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) ss = dsv4_add(ss, dsv4_mul(v[i], v[i]));
+  ss = dsv4_group_sum(ss, DSV4_GROUP);
+  float r = 1.0f / dsv4_sqrtf(dsv4_add(ss * (1.0f / 512.0f), eps));
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(v[i], r);
 }
 
 // v: bf16-exact values of the whole group's vector (16 per lane). All 32 lanes must call this.
@@ -84,4 +107,61 @@ __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, u
   } else {
     dsv4_store_bf16x16(reinterpret_cast<uint16_t*>(data + 448 + (lane - DSV4_NOPE_LANES) * 32), v);
   }
+}
+
+// ---- reading records back -------------------------------------------------------------------------
+// This lane's part of the record at (page, off): lanes 0..27 load 16 fp8 NoPE bytes and their block's
+// UE8M0 byte, lanes 28..31 load 16 bf16 RoPE values (32 bytes). `valid` false: zeros, nothing read.
+__device__ __forceinline__ void dsv4_load_record_lane(const uint8_t* page, int64_t off, int bs, int lane, bool valid,
+                                                      uint4 p[2], uint8_t& sb) {
+  p[0] = p[1] = make_uint4(0, 0, 0, 0);
+  sb = 0;
+  if (!valid) return;
+  if (lane < DSV4_NOPE_LANES) {
+    p[0] = *reinterpret_cast<const uint4*>(page + off * 576 + lane * 16);
+    sb = page[(int64_t)bs * 576 + off * 8 + (lane >> 2)];
+  } else {
+    const uint4* src = reinterpret_cast<const uint4*>(page + off * 576 + 448 + (lane - DSV4_NOPE_LANES) * 32);
+    p[0] = src[0];
+    p[1] = src[1];
+  }
+}
+
+// Store this lane's 16 bf16 values of a row loaded by dsv4_load_record_lane (dst = the row's first value):
+// NoPE lanes dequantize (fp8 * 2^(sb - 127), exact in bf16; sb 0xFF gives NaN), RoPE lanes copy their bf16
+// verbatim; an invalid row is all zeros (its loads were zero).
+__device__ __forceinline__ void dsv4_store_record_lane(uint16_t* dst, const uint4 p[2], uint8_t sb, int lane,
+                                                       bool valid) {
+  uint4* d4 = reinterpret_cast<uint4*>(dst + lane * 16);
+  if (!valid || lane >= DSV4_NOPE_LANES) {
+    d4[0] = p[0];
+    d4[1] = p[1];
+    return;
+  }
+  uint32_t w[4] = {p[0].x, p[0].y, p[0].z, p[0].w};
+  // 2^(sb - 127): sb 0 is the one subnormal scale (2^-127); sb 0xFF is UE8M0 NaN
+  float scale = sb == 0xff ? __uint_as_float(0x7fc00000u) : sb == 0 ? __uint_as_float(1u << 22) : dsv4_exp2i((int)sb - 127);
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(dsv4_fp8_decode((uint8_t)(w[i / 4] >> (8 * (i % 4)))), scale);
+  dsv4_store_bf16x16(dst + lane * 16, v);
+}
+
+// ---- per-tensor fp8 (the full-cache form) -----------------------------------------------------------
+// e4m3 byte of x * s (RNE, saturating at +-448); a non-finite x, or a NaN product, gives 0x7F (NaN).
+__device__ __forceinline__ uint8_t dsv4_fp8_scaled(float x, float s) {
+  float y = dsv4_mul(x, s);
+  return (!dsv4_isfinite(x) || y != y) ? (uint8_t)0x7f : dsv4_fp8_encode(y);
+}
+
+__device__ __forceinline__ uint4 dsv4_fp8_scaled_x16(const float v[16], float s) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) word |= (uint32_t)dsv4_fp8_scaled(v[4 * j + b], s) << (8 * b);
+    w[j] = word;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }

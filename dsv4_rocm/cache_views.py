@@ -1,0 +1,115 @@
+"""Every view of a paged cache that an engine holds, reduced to one form (docs/conventions.md, "Call forms").
+
+A page holds ``block_size`` records split over two regions (``dsv4_rocm.layout``): the data bytes of
+record ``o`` at ``o * data_bytes``, its scale bytes at ``block_size * data_bytes + o * scale_bytes``.
+Two formats use this split:
+
+    fp8_ds_mla   584 B a record: 576 data (448 e4m3 NoPE, 64 bf16 RoPE), 8 scale (7 UE8M0 + 1 pad)
+    indexer_k    132 B a record: 128 data (e4m3), 4 scale (one fp32)
+
+A cache is accepted as any of these (uint8 bytes, or a float8_e4m3fn view of them):
+
+    [nb, bs, R]               vLLM's allocation (R = record bytes); stride(0) is the page stride
+    [nb, bs * R]              its ``.view(nb, -1)``, or an unpadded buffer as vLLM's tests allocate
+    [nb, round_up(bs*R, 576)] a padded page, as ``reference.cache.new_cache`` allocates
+    [nb, bs, 1, R]            FlashMLA's ``unsqueeze(-2)`` of the 3-D view
+
+The page stride is always ``stride(0)``, whatever the shape says; the first ``bs * R`` bytes of a page are
+the records, and bytes past them (page padding) are never read or written. ``pages`` returns a uint8
+``[nb, bs * R]`` view with strides ``(page stride, 1)`` over the same memory: the only form the ops and
+kernels see. Page strides and the cache's start are multiples of 16 bytes (every allocation an engine
+makes is): the GPU kernels move records 16 bytes at a time.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from . import layout as L
+
+ALIGN = 16
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    name: str
+    data_bytes: int      # bytes of one record in the data region of a page
+    scale_bytes: int     # bytes of one record in the scale region
+
+    @property
+    def record_bytes(self) -> int:
+        return self.data_bytes + self.scale_bytes
+
+
+FP8_DS_MLA = CacheFormat("fp8_ds_mla", L.DATA_BYTES, L.SCALE_BYTES)
+INDEXER_K = CacheFormat("indexer_k", L.INDEXER_DIM, L.INDEXER_TOKEN_BYTES - L.INDEXER_DIM)
+
+
+def _fail(name, cache, what):
+    raise ValueError(f"{name}: {what} (got shape {tuple(cache.shape)}, stride {cache.stride()}, "
+                     f"dtype {cache.dtype})")
+
+
+def pages(cache, block_size: int, name: str = "k_cache", fmt: CacheFormat = FP8_DS_MLA) -> torch.Tensor:
+    """The uint8 ``[nb, block_size * R]`` view (page stride = ``cache.stride(0)``) of any accepted view."""
+    if not isinstance(cache, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"{name} must have dtype torch.uint8 or torch.float8_e4m3fn, got {cache.dtype}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    rec = fmt.record_bytes
+    used = block_size * rec
+    nb = cache.shape[0] if cache.dim() else 0
+    if cache.dim() == 2:
+        if cache.shape[1] not in (used, L.round_up(used, L.PAGE_ALIGN)) or cache.stride(1) != 1:
+            _fail(name, cache, f"a 2-D {fmt.name} cache must be [nb, {used}] or [nb, "
+                               f"{L.round_up(used, L.PAGE_ALIGN)}] bytes with unit inner stride for block_size "
+                               f"{block_size}")
+    elif cache.dim() in (3, 4):
+        want = (block_size, rec) if cache.dim() == 3 else (block_size, 1, rec)
+        if tuple(cache.shape[1:]) != want:
+            _fail(name, cache, f"a {cache.dim()}-D {fmt.name} cache must be [nb, "
+                               f"{', '.join(map(str, want))}] for block_size {block_size}")
+        if cache.stride(-1) != 1 or (block_size > 1 and cache.stride(1) != rec):
+            _fail(name, cache, f"the records of a {cache.dim()}-D {fmt.name} cache must be dense ({rec} B apart)")
+    else:
+        _fail(name, cache, f"a {fmt.name} cache must be 2-D, 3-D or 4-D")
+    stride = cache.stride(0)
+    if nb > 1 and stride < used:
+        _fail(name, cache, f"page stride {stride} is smaller than the {used} bytes of a page's records")
+    if nb > 1 and stride % ALIGN:
+        _fail(name, cache, f"page stride {stride} is not a multiple of {ALIGN} bytes")
+    if (cache.storage_offset() * cache.element_size()) % ALIGN:
+        _fail(name, cache, f"the cache must start at a multiple of {ALIGN} bytes of its storage")
+    raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+    return torch.as_strided(raw, (nb, used), (max(stride, used) if nb <= 1 else stride, 1), raw.storage_offset())
+
+
+def capacity(p: torch.Tensor, block_size: int) -> int:
+    """Slots of a ``pages`` view: ``num_blocks * block_size``."""
+    return p.shape[0] * block_size
+
+
+def flat_bytes(p: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view from the first byte of page 0 to the last record byte of the last page."""
+    nb, used = p.shape
+    n = (nb - 1) * p.stride(0) + used if nb else 0
+    return torch.as_strided(p, (n,), (1,), p.storage_offset())
+
+
+def record_byte_index(slots: torch.Tensor, block_size: int, page_stride: int, fmt: CacheFormat = FP8_DS_MLA):
+    """Byte offsets (into ``flat_bytes``) of the data and scale bytes of the records at valid ``slots``:
+    (int64 [n, data_bytes], int64 [n, scale_bytes])."""
+    s = slots.long()
+    base = (s // block_size) * page_stride
+    off = s % block_size
+    data = (base + off * fmt.data_bytes).unsqueeze(1) + torch.arange(fmt.data_bytes, device=s.device)
+    scale = (base + block_size * fmt.data_bytes + off * fmt.scale_bytes).unsqueeze(1) \
+        + torch.arange(fmt.scale_bytes, device=s.device)
+    return data, scale
+
+
+def new_pages(num_blocks: int, block_size: int, fmt: CacheFormat = FP8_DS_MLA, device=None, fill: int = 0):
+    """A ``[num_blocks, round_up(bs * R, 576)]`` uint8 cache filled with ``fill``."""
+    pb = L.round_up(block_size * fmt.record_bytes, L.PAGE_ALIGN)
+    return torch.full((num_blocks, pb), fill, dtype=torch.uint8, device=device)

@@ -1,0 +1,119 @@
+"""The fp8_ds_mla cache ops in vLLM's call forms: write K records, read them back as bf16.
+
+Caches are accepted in every view vLLM holds (``dsv4_rocm.cache_views``); index tensors are int32 or
+int64. Bad input is a ValueError naming the argument before anything is written (docs/conventions.md).
+
+Two vLLM flags select cache encodings that dsv4_rocm does not write, and are rejected rather than
+honoured with other bytes: ``is_ue8m0=False`` (vLLM has no other scale encoding either) and
+``use_fnuz=True`` (gfx942's FNUZ e4m3 bytes; dsv4_rocm's caches hold OCP e4m3fn bytes on every GPU,
+gfx942 included, so a reader must not be told to decode FNUZ).
+"""
+import torch
+
+from .. import _checks as C
+from .. import cache_views as V
+from .. import layout as L
+from ..reference import cache as _rc
+from ._dispatch import register, run as _run, value_checks
+
+__all__ = ["quantize_and_insert_k_cache", "dequantize_and_gather_k_cache", "dequantize_global_slots_k_cache",
+           "indexer_k_gather"]
+
+register("quantize_and_insert_k_cache", _rc.quantize_and_insert_k_cache,
+         hip="dsv4_rocm.hip_ops:quantize_and_insert_k_cache")
+register("dequantize_and_gather_k_cache", _rc.dequantize_and_gather_k_cache,
+         hip="dsv4_rocm.hip_ops:dequantize_and_gather_k_cache")
+register("dequantize_global_slots_k_cache", _rc.dequantize_global_slots_k_cache,
+         hip="dsv4_rocm.hip_ops:dequantize_global_slots_k_cache")
+register("indexer_k_gather", _rc.indexer_k_gather)
+
+
+def encoding_flags(is_ue8m0=True, use_fnuz=False):
+    if is_ue8m0 is not True:
+        raise ValueError(f"is_ue8m0={is_ue8m0!r}: the fp8_ds_mla cache stores UE8M0 (power-of-two) scales "
+                         "only; no other scale encoding is implemented")
+    if use_fnuz is not False:
+        raise ValueError(f"use_fnuz={use_fnuz!r}: dsv4_rocm caches hold OCP e4m3fn bytes on every GPU (gfx942 "
+                         "included); FNUZ-encoded caches are not written or read (docs/conventions.md)")
+
+
+def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int = 64, is_ue8m0: bool = True,
+                                use_fnuz: bool = False) -> None:
+    """k bf16 [T, 512] (RoPE applied) -> UE8M0 fp8_ds_mla records at slot_mapping[:n] (n =
+    len(slot_mapping) <= T; vLLM passes fewer slots than rows under DP padding). A slot < 0 is padding."""
+    C.tensor("k", k, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM))
+    encoding_flags(is_ue8m0, use_fnuz)
+    C.positive_int("block_size", block_size)
+    pages = V.pages(k_cache, block_size, "k_cache")
+    C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1)
+    if slot_mapping.shape[0] > k.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
+    C.same_device(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
+    C.slots_inside("slot_mapping", slot_mapping, V.capacity(pages, block_size),
+                   f"({pages.shape[0]} pages x {block_size})")
+    _run("quantize_and_insert_k_cache", k.device, k, k_cache, slot_mapping, block_size)
+
+
+def _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_size, offset):
+    """Value checks of dequantize_and_gather_k_cache: every row it would gather exists."""
+    if not value_checks(seq_lens) or seq_lens.numel() == 0:
+        return
+    seq = seq_lens.long()
+    if int(seq.min()) < 0:
+        raise ValueError(f"seq_lens must be >= 0, got {int(seq.min())}")
+    gl = seq if gather_lens is None else gather_lens.long()
+    if gather_lens is not None and bool(((gl < 0) | (gl > seq)).any()):
+        raise ValueError("gather_lens must lie in [0, seq_lens]")
+    if offset + int(gl.max()) > out.shape[1]:
+        raise ValueError(f"offset {offset} + gather_lens {int(gl.max())} exceeds the {out.shape[1]} rows of out")
+    written, slot = _rc.gather_rows_and_slots(seq_lens, gather_lens, block_table, block_size, offset, out.shape[1])
+    if bool((written & (slot < 0)).any()):
+        raise ValueError(f"block_table does not cover the gathered positions (a column past its {block_table.shape[1]} "
+                         "columns, or a negative entry)")
+    if bool((slot >= V.capacity(pages, block_size)).any()):
+        raise ValueError(f"block_table names a page >= {pages.shape[0]} (the pages of k_cache)")
+
+
+def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size: int, offset: int,
+                                  use_fnuz: bool = False) -> None:
+    """vLLM's op: for request b and i < gather_lens[b] (seq_lens[b] when gather_lens is None),
+    ``out[b, offset + i]`` = bf16 K of request b's token at position ``seq_lens[b] - gather_lens[b] + i``,
+    read through ``block_table[b]`` (exact: the dequantized values are bf16). Other rows of out are not
+    written. out bf16 [R, M, 512]; seq_lens, gather_lens [R]; block_table [R, max_blocks]."""
+    encoding_flags(True, use_fnuz)
+    C.tensor("seq_lens", seq_lens, dtype=C.INDEX, dim=1)
+    R = seq_lens.shape[0]
+    C.tensor("out", out, dtype=torch.bfloat16, shape=(R, None, L.HEAD_DIM))
+    if gather_lens is not None:
+        C.tensor("gather_lens", gather_lens, dtype=C.INDEX, shape=(R,))
+    C.tensor("block_table", block_table, dtype=C.INDEX, shape=(R, None))
+    C.positive_int("block_size", block_size)
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= out.shape[1]:
+        raise ValueError(f"offset must be an int in [0, {out.shape[1]}] (rows of out), got {offset!r}")
+    pages = V.pages(k_cache, block_size, "k_cache")
+    C.same_device(out=out, k_cache=k_cache, seq_lens=seq_lens, gather_lens=gather_lens, block_table=block_table)
+    _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_size, offset)
+    _run("dequantize_and_gather_k_cache", out.device, out, k_cache, seq_lens, gather_lens, block_table, block_size,
+         offset)
+
+
+def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int) -> None:
+    """``out[n, k]`` = bf16 K at cache slot ``slot_ids[n, k]`` (exact); a slot < 0 gives a zero row.
+    out bf16 [N, K, 512] (any strides with a unit last one, as vLLM's column slices of a workspace),
+    slot_ids int32/int64 [N, K]; also [N, 512] with [N]."""
+    C.tensor("slot_ids", slot_ids, dtype=C.INDEX)
+    if slot_ids.dim() not in (1, 2):
+        raise ValueError(f"slot_ids must be 1-D or 2-D, got shape {tuple(slot_ids.shape)}")
+    C.tensor("out", out, dtype=torch.bfloat16, shape=(*slot_ids.shape, L.HEAD_DIM))
+    C.positive_int("block_size", block_size)
+    pages = V.pages(k_cache, block_size, "k_cache")
+    C.same_device(out=out, k_cache=k_cache, slot_ids=slot_ids)
+    C.slots_inside("slot_ids", slot_ids, V.capacity(pages, block_size), f"({pages.shape[0]} pages x {block_size})")
+    _run("dequantize_global_slots_k_cache", out.device, out, k_cache, slot_ids, block_size)
+
+
+def indexer_k_gather(kv_cache, slots, block_size: int):
+    """(fp8 bytes uint8 [N, 128], fp32 scale [N]) of the indexer-K cache at slots; zeros for slots < 0."""
+    C.positive_int("block_size", block_size)
+    C.slots("slots", slots, kv_cache, block_size, indexer=True)
+    return _run("indexer_k_gather", kv_cache.device, kv_cache, slots, block_size)

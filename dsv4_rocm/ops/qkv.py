@@ -1,0 +1,121 @@
+"""The Q/KV ops in vLLM's call forms: the q_lora / kv norms, and the fused q norm + RoPE with kv RoPE +
+quant + cache insert (fp8_ds_mla pages, or FlashInfer's full-width per-tensor fp8 cache).
+
+cos_sin_cache is fp32 or bf16 [max_pos, 64]; positions and slots are int32 or int64; caches come in
+every view vLLM holds (``dsv4_rocm.cache_views``). Bad input is a ValueError naming the argument before
+anything is written (docs/conventions.md).
+"""
+import torch
+
+from .. import _checks as C
+from .. import cache_views as V
+from .. import layout as L
+from ..reference import norm as _rn, qkv as _rq
+from ._dispatch import register, run as _run, value_checks
+
+__all__ = ["fused_q_kv_rmsnorm", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert",
+           "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out", "qnorm_rope_and_insert_full_k_cache"]
+
+register("fused_q_kv_rmsnorm", _rn.fused_q_kv_rmsnorm, hip="dsv4_rocm.hip_ops:fused_q_kv_rmsnorm")
+register("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", _rq.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
+         hip="dsv4_rocm.hip_ops:fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert")
+register("qnorm_rope_and_insert_full_k_cache", _rq.qnorm_rope_and_insert_full_k_cache,
+         hip="dsv4_rocm.hip_ops:qnorm_rope_and_insert_full_k_cache")
+
+COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fused_q_kv_rmsnorm(qr, kv, q_weight, kv_weight, eps: float):
+    """(bf(RMSNorm(qr; q_weight)), bf(RMSNorm(kv; kv_weight))) as new tensors; qr [T, Dq], kv [T, Dkv]
+    bf16 (column slices of one buffer are fine)."""
+    C.tensor("qr", qr, dtype=torch.bfloat16, dim=2)
+    C.tensor("kv", kv, dtype=torch.bfloat16, shape=(qr.shape[0], None))
+    if qr.shape[1] % 8 or kv.shape[1] % 8:
+        raise ValueError(f"qr and kv rows must be multiples of 8 values, got {qr.shape[1]} and {kv.shape[1]}")
+    C.tensor("q_weight", q_weight, shape=(qr.shape[1],))
+    C.tensor("kv_weight", kv_weight, shape=(kv.shape[1],))
+    C.finite_float("eps", eps, minimum=0.0)
+    C.same_device(qr=qr, kv=kv, q_weight=q_weight, kv_weight=kv_weight)
+    return _run("fused_q_kv_rmsnorm", qr.device, qr, kv, q_weight, kv_weight, eps)
+
+
+def _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps):
+    C.tensor("q", q, dtype=torch.bfloat16, shape=(None, None, L.HEAD_DIM))
+    C.tensor("kv", kv, dtype=torch.bfloat16, shape=(q.shape[0], L.HEAD_DIM))
+    C.cos_sin(cos_sin_cache, positions, COS_SIN_DTYPES, n_tokens=q.shape[0])
+    C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1)
+    if slot_mapping.shape[0] > q.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {q.shape[0]} tokens")
+    C.finite_float("eps", eps, minimum=0.0)
+
+
+def _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size, q_out):
+    _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps)
+    if not isinstance(padded_heads, int) or isinstance(padded_heads, bool) or padded_heads < max(q.shape[1], 1):
+        raise ValueError(f"padded_heads must be an int >= the {q.shape[1]} heads of q, got {padded_heads!r}")
+    C.positive_int("block_size", block_size)
+    pages = V.pages(k_cache, block_size, "k_cache")
+    if q_out is not None:
+        C.tensor("q_out", q_out, dtype=torch.bfloat16, shape=(q.shape[0], padded_heads, L.HEAD_DIM))
+    C.same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,
+                  cos_sin_cache=cos_sin_cache, q_out=q_out)
+    C.slots_inside("slot_mapping", slot_mapping, V.capacity(pages, block_size),
+                   f"({pages.shape[0]} pages x {block_size})")
+    return _run("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", q.device, q, kv, k_cache, slot_mapping,
+                positions, cos_sin_cache, padded_heads, eps, block_size, q_out)
+
+
+def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
+                                                      padded_heads: int, eps: float, block_size: int):
+    """vLLM's torch.ops._C op: returns q_padded bf16 [T, padded_heads, 512] (per-head weightless RMSNorm,
+    RoPE on dims 448..511; heads past H are zero) and writes the first len(slot_mapping) tokens' kv
+    (RoPE, bf16, UE8M0 fp8_ds_mla record) at slot_mapping into k_cache (vLLM passes ``cache.view(nb, -1)``).
+    A slot < 0 is padding."""
+    return _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size,
+                         None)
+
+
+def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out(q, kv, q_out, k_cache, slot_mapping, positions,
+                                                          cos_sin_cache, padded_heads: int, eps: float,
+                                                          block_size: int):
+    """The same with a caller-provided q_out [T, padded_heads, 512] (written in place and returned), so a
+    captured graph keeps its address."""
+    return _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size,
+                         q_out)
+
+
+def _scalar(name, t):
+    C.tensor(name, t, dtype=torch.float32)
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold one fp32 value, got shape {tuple(t.shape)}")
+    if value_checks(t) and not (bool(torch.isfinite(t).all()) and float(t.reshape(())) > 0):
+        raise ValueError(f"{name} must be a finite positive scale, got {float(t.reshape(()))}")
+
+
+def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
+                                       cache_block_size: int, fp8_scale, q_fp8=None, q_fp8_scale_inv=None) -> None:
+    """vLLM's full-cache form (FlashInfer's sparse MLA, torch.ops._C's
+    fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert): q_fp8 e4m3 [T, H, 512] = RoPE(RMSNorm(q)) *
+    q_fp8_scale_inv; k_cache e4m3 [nb, bs, 512] row at slot_mapping[t] = RoPE(kv_t) / fp8_scale (as
+    kv * fp32(1 / fp8_scale)), for the first len(slot_mapping) tokens. Per-tensor scales, saturating at
+    +-448; a non-finite value is stored as NaN (0x7F)."""
+    _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps)
+    C.positive_int("cache_block_size", cache_block_size)
+    C.tensor("k_cache", k_cache, dtype=(torch.float8_e4m3fn, torch.uint8),
+             shape=(None, cache_block_size, L.HEAD_DIM))
+    if k_cache.stride(2) != 1 or (cache_block_size > 1 and k_cache.stride(1) < L.HEAD_DIM) or (
+            k_cache.shape[0] > 1 and k_cache.stride(0) < cache_block_size * k_cache.stride(1)):
+        raise ValueError(f"k_cache rows must be dense 512-byte rows that do not overlap, got stride {k_cache.stride()}")
+    if k_cache.stride(0) % 16 or k_cache.stride(1) % 16 or (k_cache.storage_offset() % 16):
+        raise ValueError(f"k_cache strides and start must be multiples of 16 bytes, got stride {k_cache.stride()}")
+    if q_fp8 is None or q_fp8_scale_inv is None:
+        raise ValueError("q_fp8 and q_fp8_scale_inv are required (the fp8 q output and its inverse scale)")
+    C.tensor("q_fp8", q_fp8, dtype=(torch.float8_e4m3fn, torch.uint8), shape=tuple(q.shape))
+    _scalar("fp8_scale", fp8_scale)
+    _scalar("q_fp8_scale_inv", q_fp8_scale_inv)
+    C.same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,
+                  cos_sin_cache=cos_sin_cache, fp8_scale=fp8_scale, q_fp8=q_fp8, q_fp8_scale_inv=q_fp8_scale_inv)
+    C.slots_inside("slot_mapping", slot_mapping, k_cache.shape[0] * cache_block_size,
+                   f"({k_cache.shape[0]} pages x {cache_block_size})")
+    _run("qnorm_rope_and_insert_full_k_cache", q.device, q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps,
+         cache_block_size, fp8_scale, q_fp8, q_fp8_scale_inv)

@@ -1,0 +1,52 @@
+// fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert (vLLM's op), one launch:
+//   q [T, H, 512] bf16 -> q_out [T, Hp, 512] bf16: per-head weightless RMSNorm, RoPE on dims 448..511, one
+//   bf16 rounding; heads H..Hp-1 are zeros;
+//   kv [T, 512] bf16 -> RoPE (fp32) -> bf16 -> UE8M0 fp8_ds_mla record at slots[t] for t < n_slots.
+// A token whose position is outside the cos/sin table gets zero q rows and no record; a slot < 0 or past
+// the cache is skipped. Groups 0 .. T*Hp-1 do the q heads, groups T*Hp .. T*Hp+n_slots-1 the kv rows.
+#include "dsv4/args.h"
+#include "dsv4/record.h"
+
+__global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_qnorm_rope_kv_insert_kernel(dsv4_qnorm_insert_args a) {
+  int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / DSV4_GROUP;
+  int lane = threadIdx.x % DSV4_GROUP;
+  int64_t nq = (int64_t)a.T * a.Hp;
+  float v[16];
+  if (g < nq) {
+    int64_t t = g / a.Hp;
+    int h = (int)(g % a.Hp);
+    int64_t pos = dsv4_index(a.positions, t, a.pos64);
+    uint16_t* dst = (uint16_t*)a.q_out + t * a.qo_st + h * a.qo_sh + lane * 16;
+    if (h >= a.H || pos < 0 || pos >= a.max_pos) {    // padding head or invalid token: zeros
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+      dsv4_store_bf16x16(dst, v);
+      return;
+    }
+    dsv4_load_bf16x16((const uint16_t*)a.q + t * a.q_st + h * a.q_sh + lane * 16, v);
+    dsv4_rmsnorm512(v, a.eps);
+    dsv4_rope_lane(v, lane, a.cos_sin, pos, a.cs_bf16);
+    dsv4_store_bf16x16(dst, v);
+    return;
+  }
+  int64_t t = g - nq;
+  if (t >= a.n_slots) return;
+  int64_t slot = dsv4_index(a.slots, t, a.slots64);
+  int64_t pos = dsv4_index(a.positions, t, a.pos64);
+  if (slot < 0 || slot >= a.num_blocks * a.bs || pos < 0 || pos >= a.max_pos) return;
+  dsv4_load_bf16x16((const uint16_t*)a.kv + t * a.kv_stride + lane * 16, v);
+  dsv4_rope_lane(v, lane, a.cos_sin, pos, a.cs_bf16);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = dsv4_bf16_to_float(dsv4_float_to_bf16(v[i]));
+  dsv4_write_record(v, lane, (uint8_t*)a.cache + (slot / a.bs) * a.page_stride, slot % a.bs, a.bs);
+}
+
+extern "C" int dsv4_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(const dsv4_qnorm_insert_args* a,
+                                                                      void* stream) {
+  int64_t groups_total = (int64_t)a->T * a->Hp + a->n_slots;
+  if (groups_total <= 0) return 0;
+  const int threads = 256, groups = threads / DSV4_GROUP;
+  hipLaunchKernelGGL(dsv4_qnorm_rope_kv_insert_kernel, dim3((unsigned)((groups_total + groups - 1) / groups)),
+                     dim3(threads), 0, (hipStream_t)stream, *a);
+  return (int)hipGetLastError();
+}
