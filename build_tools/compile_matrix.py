@@ -123,12 +123,16 @@ def compile_triton(k: TritonKernel, target: str) -> dict:
             row["problems"].append("s_trap")
         if rep["vgpr_spill"] or rep["scratch"]:
             row["problems"].append(f"VGPR spills {rep['vgpr_spill']}, scratch {rep['scratch']} B")
+        if rep["sgpr_spill"]:
+            row["problems"].append(f"SGPR spills {rep['sgpr_spill']}")
     else:
         ptx = c.asm["ptx"]
         regs, spill = _ptxas_report(ptx, arch)
         row.update(regs=str(regs), smem=c.metadata.shared, spills=str(spill))
         mma = "wgmma" if arch == 90 else "tcgen05"
-        if k.fp8_convert and "cvt.rn.f16x2.e4m3x2" not in ptx:
+        # fp8 readers decode with the hardware convert, or with the integer path (inline prmt with the
+        # sign-replicate selector, dsv4_rocm/triton/sparse_mla_decode.py): never a software float path
+        if k.fp8_convert and "cvt.rn.f16x2.e4m3x2" not in ptx and "0x9180" not in ptx:
             row["problems"].append("no hardware fp8 convert")
         if k.matrix and mma not in ptx:
             row["problems"].append(f"no {mma}")

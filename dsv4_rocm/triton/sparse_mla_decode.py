@@ -32,31 +32,73 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_keys(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS, FNUZ: tl.constexpr):
-    """Gather and dequantize the keys of one tile: (K bf16 [BN, 512] in the natural 448 + 64 order, valid [BN])."""
+def _e4m3_to_scaled_bf16(kb):
+    """OCP e4m3 bytes -> bf16 holding value * 2^-120, with integer ops only (NVIDIA).
+
+    bf16 and e4m3 differ only in exponent bias (127 vs 7) and field widths: sign-extend each byte to 16
+    bits (``prmt`` with the sign-replicate selector), shift left by 4 and keep the sign and the 7 low
+    bits, and the bf16 with those bits is exactly the e4m3 value times 2^-120, subnormals included (the
+    byte 0x7F, e4m3 NaN, reads as 480: the cache never holds it except in a block whose scale byte is
+    0xFF, which turns the product NaN). Four bytes per 32-bit register: 2 prmt, 2 shifts, 2 ands, for
+    four values, against e4m3 -> f16 -> f32 -> bf16 conversions on the slower conversion pipe.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1;
+        prmt.b32 t0, $2, 0, 0x9180;
+        prmt.b32 t1, $2, 0, 0xB3A2;
+        shl.b32 t0, t0, 4;
+        shl.b32 t1, t1, 4;
+        and.b32 $0, t0, 0x87F087F0;
+        and.b32 $1, t1, 0x87F087F0;
+        }""",
+        constraints="=r,=r,r", args=[kb], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _tile_addr(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS):
+    """Where the records of one tile are: (byte offsets of their data [BN], their 8 scale bytes as one int64
+    [BN], valid [BN]); invalid ids read nothing."""
     inb = n < n_valid
     idx = tl.load(idx_ptr + n, mask=inb, other=-1)
     valid = inb & (idx >= 0) & (idx < capacity)
     idx = tl.where(valid, idx, 0)
     page = (idx // BS).to(tl.int64) * page_stride
     off = (idx % BS).to(tl.int64)
-    data = page + off * 576
-    scal = page + BS * 576 + off * 8
+    # the 8 scale bytes of a record are one aligned 8-byte word: loaded with the indices, a tile ahead
+    scales = tl.load((cache_ptr + page + BS * 576 + off * 8).to(tl.pointer_type(tl.int64)), mask=valid, other=0)
+    return page + off * 576, scales, valid
+
+
+@triton.jit
+def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr):
+    """Gather and dequantize the keys of one tile: K bf16 [BN, 512] in the natural 448 + 64 order."""
     c8 = tl.arange(0, 8)
     d64 = tl.arange(0, 64)
     is_nope = (c8 < 7)[None, :, None]
     kb = tl.load(cache_ptr + data[:, None, None] + c8[None, :, None] * 64 + d64[None, None, :],
                  mask=valid[:, None, None] & is_nope, other=0)
-    sb = tl.load(cache_ptr + scal[:, None] + c8[None, :], mask=valid[:, None] & (c8 < 7)[None, :], other=127)
-    scale = ((sb.to(tl.int32) + FNUZ) << 23).to(tl.float32, bitcast=True)
+    sb = ((scal[:, None] >> (c8[None, :] * 8).to(tl.int64)) & 0xFF).to(tl.int32)
+    rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
+    kr = tl.load(rope_ptr[:, None] + d64[None, :], mask=valid[:, None], other=0.0)
+    if DEQ_INT:
+        # value * 2^-120 times 2^(byte - 7), as two exact bf16 multiplies: 2^(min(byte, 134) - 7) and
+        # 2^(max(byte, 134) - 134) are both representable (bf16 stops at 2^127); a scale byte of 0xFF
+        # (a poisoned block) multiplies by NaN. A branch on the rare large scales costs more registers
+        # than the second multiply.
+        sbi = sb
+        m1 = ((tl.minimum(sbi, 134) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        m2 = tl.where(sbi == 255, 0x7FC0, (tl.maximum(sbi, 134) - 7) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        kq = _e4m3_to_scaled_bf16(kb) * m1[:, :, None] * m2[:, :, None]
+        k3 = tl.where(is_nope, kq, kr[:, None, :])
+        return tl.reshape(k3, (kb.shape[0], 512))
+    scale = ((sb + FNUZ) << 23).to(tl.float32, bitcast=True)
     if FNUZ:
         kf = kb.to(tl.float8e4b8, bitcast=True).to(tl.float32)
     else:
         kf = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
-    kr = tl.load(rope_ptr[:, None] + d64[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    k3 = tl.where(is_nope, kf * scale[:, :, None], kr[:, None, :])
-    return tl.reshape(k3.to(tl.bfloat16), (kb.shape[0], 512)), valid
+    k3 = tl.where(is_nope, kf * scale[:, :, None], kr.to(tl.float32)[:, None, :])
+    return tl.reshape(k3.to(tl.bfloat16), (kb.shape[0], 512))
 
 
 @triton.jit
@@ -65,13 +107,15 @@ def _sparse_mla_paged_kernel(
         main_ptr, main_stride, main_cap, main_idx_ptr, stride_mi, main_len_ptr, main_topk,
         extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_ei, extra_len_ptr, extra_topk,
         sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
-        part_o_ptr, part_lse_ptr, num_tokens, num_heads, sm_log2,
+        part_o_ptr, part_lse_ptr, num_tokens, sm_log2,
         MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr,
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        NSPLIT: tl.constexpr, FNUZ: tl.constexpr):
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
-    sp = tl.program_id(2)
+        NSPLIT: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, HEADS: tl.constexpr):
+    # axis 0 = token * head blocks + head block: the head blocks of one token run side by side and share
+    # its keys through L2; axis 1 = split
+    t = tl.program_id(0) // (HEADS // BLOCK_H)
+    hb = tl.program_id(0) % (HEADS // BLOCK_H)
+    sp = tl.program_id(1)
     t64 = t.to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, 512)
@@ -98,24 +142,39 @@ def _sparse_mla_paged_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    # one loop over the tiles of both sets (two loops would hold two register allocations)
+    # one loop over the tiles of both sets (two loops would hold two register allocations); the indices of
+    # tile + 1 are loaded at the top of tile's iteration, so their latency hides behind its MMAs and the
+    # record loads of a tile depend only on loop-carried values (the pipeliner can issue them early)
+    in_main = lo < tiles_main
+    c_base = tl.where(in_main, main_ptr, extra_ptr)
+    c_data, c_scal, c_valid = _tile_addr(c_base, tl.where(in_main, main_stride, extra_stride),
+                                         tl.where(in_main, main_cap, extra_cap),
+                                         tl.where(in_main, main_idx_ptr + t64 * stride_mi, extra_idx_ptr + t64 * stride_ei),
+                                         tl.where(in_main, lo, lo - tiles_main) * BLOCK_N + offs_n,
+                                         tl.where(in_main, n_main, n_extra), tl.where(in_main, MAIN_BS, EXTRA_BS))
     for tile in range(lo, hi):
-        if tile < tiles_main:
-            cache, stride, cap, bs = main_ptr, main_stride, main_cap, MAIN_BS
-            idx_row, nv, n0 = main_idx_ptr + t64 * stride_mi, n_main, tile * BLOCK_N
-        else:
-            cache, stride, cap, bs = extra_ptr, extra_stride, extra_cap, EXTRA_BS
-            idx_row, nv, n0 = extra_idx_ptr + t64 * stride_ei, n_extra, (tile - tiles_main) * BLOCK_N
-        k, valid = _tile_keys(cache, stride, cap, idx_row, n0 + offs_n, nv, bs, FNUZ)
+        nx = tile + 1
+        nx_main = nx < tiles_main
+        n_base = tl.where(nx_main, main_ptr, extra_ptr)
+        n_data, n_scal, n_valid = _tile_addr(n_base, tl.where(nx_main, main_stride, extra_stride),
+                                             tl.where(nx_main, main_cap, extra_cap),
+                                             tl.where(nx_main, main_idx_ptr + t64 * stride_mi, extra_idx_ptr + t64 * stride_ei),
+                                             tl.where(nx_main, nx, nx - tiles_main) * BLOCK_N + offs_n,
+                                             tl.where(nx < hi, tl.where(nx_main, n_main, n_extra), 0),
+                                             tl.where(nx_main, MAIN_BS, EXTRA_BS))
+        k = _tile_keys(c_base, c_data, c_scal, c_valid, FNUZ, DEQ_INT)
+        valid = c_valid
         s = tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_blk = tl.max(s, 1)
+        m_new = tl.maximum(m_i, m_blk)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
         m_i = m_new
+        c_base, c_data, c_scal, c_valid = n_base, n_data, n_scal, n_valid
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
@@ -130,7 +189,7 @@ def _sparse_mla_paged_kernel(
         tl.store(o_row + cols[None, :], (acc * factor[:, None]).to(tl.bfloat16))
         tl.store(lse_ptr + t64 * stride_lt + heads, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
     else:
-        base = (sp * num_tokens + t64) * num_heads + heads
+        base = (sp * num_tokens + t64) * HEADS + heads
         po = part_o_ptr + base[:, None] * 512
         tl.store(po + cols[None, :], acc * inv_l[:, None])
         tl.store(part_lse_ptr + base, lse2)
@@ -163,14 +222,20 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ot, stri
 
 
 def default_config(arch: str, num_heads: int) -> dict:
-    """Tile shape per target. gfx942 has 64 KB of LDS per workgroup: smaller head and key tiles."""
-    if arch == "gfx942" or arch == "gfx90a":
-        return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    """Tile shape per target (BENCHMARKS.md has the sweeps and the compile-matrix reports).
+
+    AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 221-236
+    VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup. NVIDIA: 64 heads
+    x 64 keys, 8 warps, one CTA per SM; the integer dequantization (inline PTX) on Hopper and Blackwell;
+    two cp.async stages measured best on the H100.
+    """
+    if arch in ("gfx942", "gfx90a"):
+        return dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False)
     if arch == "gfx950":
-        return dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False)
     if arch == "sm_100":       # spill-free there (compile matrix); untimed: no Blackwell machine here
-        return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1)
-    return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)   # H100 sweep, BENCHMARKS.md
+        return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
+    return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,9 +247,10 @@ def _device_facts(index: int):
 
 
 def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
-    """Split the key tiles of each query when the grid would leave SMs idle: aim at ``waves`` programs
-    per SM (one CTA fits per SM), at most one split per tile and 16 in all. One wave measured best on the
-    H100 (BENCHMARKS.md): more splits add fp32 partial traffic and a second wave."""
+    """Split the key tiles of each query only when the grid would leave SMs idle: aim at ``waves``
+    programs per SM (one CTA fits per SM), at most one split per tile and 16 in all. Measured on the H100
+    (BENCHMARKS.md): one wave is best for small grids, and splitting a grid that already fills the GPU
+    (to trim its last partial wave) loses to the extra fp32 partial traffic."""
     if programs >= sm_count or max_tiles <= 1:
         return 1
     return int(min(max_tiles, max(1, (waves * sm_count) // programs), 16))
@@ -235,16 +301,17 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
         part_o = part_lse = out
     sink = attn_sink if attn_sink is not None else lse
     dummy_len = midx
-    _sparse_mla_paged_kernel[(T, h // BH, ns)](
+    _sparse_mla_paged_kernel[(T * (h // BH), ns)](
         qf, qf.stride(0), qf.stride(1),
         k_cache, mstride, mcap, midx, midx.stride(0), mlen if mlen is not None else dummy_len, midx.shape[1],
         extra_k_cache if has_extra else k_cache, estride, ecap, eidx, eidx.stride(0),
         elen if elen is not None else dummy_len, eidx.shape[1] if has_extra else 0,
-        sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), part_o, part_lse, T, h,
+        sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), part_o, part_lse, T,
         softmax_scale * LOG2E,
         MAIN_BS=mbs, EXTRA_BS=ebs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=mlen is not None,
         HAS_EXTRA_LEN=elen is not None, HAS_SINK=attn_sink is not None, BLOCK_H=BH, BLOCK_N=BN, NSPLIT=ns,
-        FNUZ=fnuz, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FNUZ=fnuz, DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if ns > 1:
         _combine_kernel[(T, h)](part_o, part_lse, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), T, h,
                                 HAS_SINK=attn_sink is not None, NSPLIT=ns, NSPLIT_P2=triton.next_power_of_2(ns),
@@ -256,7 +323,8 @@ def _matrix_constexprs(arch, split=False):
     c = default_config(arch, 64)
     return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-                NSPLIT=4 if split else 1, FNUZ=arch == "gfx942")
+                NSPLIT=4 if split else 1, FNUZ=arch == "gfx942",
+                DEQ_INT=c.get("DEQ_INT", False), HEADS=64)
 
 
 def _matrix_options(arch):
