@@ -266,12 +266,12 @@ _INTERPRETED_ENTRY = textwrap.dedent("""
 
     @triton.jit
     def entry(state, s0, s1, nb, bt, ncols, sbs, pos, w, eps, cs, y_buf, yh_out, ro_out, D: tl.constexpr,
-              LOG2D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, NSPLIT: tl.constexpr):
+              RATIO: tl.constexpr, OVERLAP: tl.constexpr, NSPLIT: tl.constexpr):
         for s in tl.static_range(NSPLIT):                    # pooled in column slices, as the C128 path does
             cols = s * (D // NSPLIT) + tl.arange(0, D // NSPLIT)
             tl.store(y_buf + cols, K._pool(state, s0, s1, nb, bt, ncols, sbs, pos, cols, D, RATIO, OVERLAP))
         y = tl.load(y_buf + tl.arange(0, D))
-        yh, ro = K._norm_rope(y, w, eps, cs + ((pos // RATIO) * RATIO) * 64, D, LOG2D)
+        yh, ro = K._norm_rope(y, w, eps, cs + ((pos // RATIO) * RATIO) * 64, D)
         tl.store(yh_out + tl.arange(0, D), yh)
         tl.store(ro_out + tl.arange(0, D), ro)
 
@@ -286,7 +286,7 @@ _INTERPRETED_ENTRY = textwrap.dedent("""
         cs = build_cos_sin_cache(160000.0, 512)
         yh, ro = torch.zeros(D), torch.zeros(D)
         entry[(1,)](state, state.stride(0), state.stride(1), ns, bt, ns, sbs, pos, w, 1e-6, cs, torch.zeros(D), yh,
-                    ro, D=D, LOG2D=D.bit_length() - 1, RATIO=ratio, OVERLAP=int(ratio == 4), NSPLIT=K._splits(D, ratio))
+                    ro, D=D, RATIO=ratio, OVERLAP=int(ratio == 4), NSPLIT=K._splits(D, ratio))
         sc, kv = rc._window_rows(state, bt.view(1, -1), torch.tensor([0]), torch.tensor([pos]), ratio, sbs,
                                  rc.coff(ratio) * D, D)
         ryh = rc.rms_normalize(rc.pool(sc, kv), w, 1e-6)
@@ -346,6 +346,41 @@ def test_save_partial_states_kernel_equals_the_oracle_under_the_interpreter(tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     assert len(rows) == 3 and all(x[2] == "0" for x in rows), rows
+
+
+_INTERPRETED_ENTRIES = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from dsv4_rocm.triton.compressor_entries import compressor_entries
+    g = torch.Generator().manual_seed(0)
+    for ratio in (4, 128):
+        n = 3000
+        pos = torch.randint(-2, 5000, (n,), generator=g)
+        pos[::7] = (pos[::7] // ratio) * ratio + ratio - 1              # plenty of boundary tokens
+        sslots = torch.randint(-1, 100, (n,), generator=g)
+        kslots = torch.randint(-1, 60, (n,), generator=g)
+        t2r = torch.randint(-1, 9, (n,), generator=g).to(torch.int32)
+        want = ((sslots >= 0) & (pos >= 0) & (pos < 4096) & ((pos + 1) % ratio == 0) & (t2r >= 0) & (t2r < 8)
+                & (kslots >= 0) & (kslots < 50))
+        want[n - 5:] = False                                            # num_actual stops before them
+        for cap in (n, int(want.sum()) - 3):
+            lst, cnt = compressor_entries(pos, sslots, kslots, t2r, n - 5, ratio, 4096, 8, 50, cap)
+            got = sorted(lst[:min(int(cnt), cap)].tolist())
+            expect = torch.nonzero(want).flatten().tolist()
+            ok = int(cnt) == len(expect) and set(got) <= set(expect) and len(set(got)) == min(cap, len(expect))
+            print(ratio, cap, int(cnt), len(expect), ok)
+""")
+
+
+def test_entry_list_kernel_under_the_interpreter(tmp_path):
+    """The boundary-token list (integer work, exact under the interpreter): every entry listed once, the
+    count exact, nothing written past the capacity."""
+    r = _interpret(_INTERPRETED_ENTRIES, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.strip().splitlines()]
+    print(rows)
+    assert len(rows) == 4 and all(x[4] == "True" for x in rows)
 
 
 # ---- GPU: Triton vs the oracle, byte for byte --------------------------------------------------------

@@ -22,8 +22,8 @@ The record goes to ``k_cache_metadata.slot_mapping[t]`` of ``kv_cache`` ([nb, bs
 region ``[bs x token_stride]`` then scale region ``[bs x scale_dim]`` per page, page stride = stride(0)).
 
 Exact fp32 arithmetic, shared with the Triton kernels so that cache bytes match on every device:
-    softmax   m = max_u s_u;  e_u = exp_neg(s_u - m);  sums over rows in chunks of 8 rows (a pairwise
-              tree inside a chunk, chunks added in order onto +0);  y = num / den (IEEE division)
+    softmax   m = max_u s_u;  e_u = exp_neg(s_u - m);  num = sum_u e_u * kv_u and den = sum_u e_u, each a
+              pairwise tree over the W rows ((u0 + u1) + (u2 + u3)) + ...;  y = num / den (IEEE division)
     exp_neg   Cody-Waite reduction by ln 2 and a degree-7 Taylor polynomial in plain IEEE mul / add
               (no fused multiply-add), 2^k from the exponent bits; 0 below -80
     RMSNorm   sum of squares by a pairwise tree over the D values; rrms = 1 / sqrt(sum / D + eps)
@@ -38,7 +38,6 @@ from .quant import exponent_to_ue8m0, mxfp4_quantize, quantize_blocks
 from .rope import rope_fwd
 
 KV_EPS = 1e-4
-CHUNK = 8                          # window rows summed as one pairwise tree
 EXP_FLUSH = -80.0                  # exp_neg(x) = 0 below this (no subnormal arithmetic anywhere)
 LOG2E = 1.4426950408889634
 LN2_HI = 0.693145751953125         # 16 significant bits: k * LN2_HI is exact for |k| < 256
@@ -124,16 +123,8 @@ def pairwise_sum(v: torch.Tensor) -> torch.Tensor:
 
 def pool(score: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Softmax over the window rows (dim -2) of score, applied to kv: [..., W, D] -> [..., D]."""
-    m = score.amax(-2, keepdim=True)
-    e = exp_neg(score - m)
-    ek = e * kv
-    W = score.shape[-2]
-    den = torch.zeros_like(m[..., 0, :])
-    num = torch.zeros_like(den)
-    for c in range(0, W, CHUNK):
-        den = den + pairwise_sum(e[..., c:c + CHUNK, :].transpose(-1, -2))
-        num = num + pairwise_sum(ek[..., c:c + CHUNK, :].transpose(-1, -2))
-    return num / den
+    e = exp_neg(score - score.amax(-2, keepdim=True))
+    return pairwise_sum((e * kv).transpose(-1, -2)) / pairwise_sum(e.transpose(-1, -2))
 
 
 def rms_normalize(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

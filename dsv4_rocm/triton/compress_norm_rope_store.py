@@ -8,8 +8,10 @@ state block ``block_table[req, pos_u // bs]`` at offset ``pos_u % bs`` (``[kv | 
 columns, eight rows at a time. A row whose position is negative or whose block-table entry is out of
 range is absent. C4 (8 rows) runs as one program per token. C128 (128 rows, 512 KB a window) runs in
 two launches of the same kernel so that a step with few boundary tokens still fills the GPU: STAGE 1
-pools 64-column slices of y in [tokens, D / 64] programs into a scratch row per token, STAGE 2 finishes
-each entry (norm, RoPE, quant, store) from it.
+pools 16-column slices of y in [programs, D / 16] programs into a scratch row per program, STAGE 2
+finishes each entry (norm, RoPE, quant, store) from it. A prefill-sized step (more than two tokens a
+request) first lists its boundary tokens (``compressor_entries``) and launches a program per listed
+entry instead of one per token.
 
 The arithmetic is exactly that of ``dsv4_rocm.reference.compressor`` (the module docstring there), in the
 same order and with plain IEEE operations: the kernel is compiled with fp fusion off (no contraction into
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from .compressor_entries import compressor_entries
 
 MAIN, INDEXER_FP8, INDEXER_MXFP4 = 0, 1, 2
 
@@ -54,64 +57,26 @@ def _exp_neg(x):
 
 
 @triton.jit
-def _pairwise_sum(v, N: tl.constexpr, LOG2N: tl.constexpr):
-    """Sum of a [N] vector as the tree of adjacent pairs ((v0+v1)+(v2+v3))+... (reference.pairwise_sum).
-    Each level is a sum over pairs: one addition of two values, whatever lanes hold them."""
-    for i in tl.static_range(LOG2N):
-        v = tl.sum(tl.reshape(v, (N >> (i + 1), 2)), axis=1)
+def _pairwise_sum(v):
+    """Sum of a [N] vector (N a power of two) as the tree of adjacent pairs ((v0+v1)+(v2+v3))+...
+    (reference.pairwise_sum). Each level is a sum over pairs: one addition of two values, whatever lanes
+    hold them, so the result does not depend on the layout Triton picks."""
+    N: tl.constexpr = v.shape[0]
+    for i in tl.static_range(16):
+        if (N >> i) > 1:
+            v = tl.sum(tl.reshape(v, (N >> (i + 1), 2)), axis=1)
     return tl.sum(v, axis=0)
 
 
 @triton.jit
-def _row(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, sbs, pos, cols, half: tl.constexpr,
-         STATE_WIDTH: tl.constexpr):
-    """(score, kv) of the window row at position pos; an absent row gives (-inf, 0)."""
-    ok = pos >= 0
-    col = tl.where(ok, pos // sbs, 0)
-    ok = ok & (col < bt_cols)
-    bn = tl.load(bt_row + col, mask=ok, other=-1).to(tl.int64)
-    ok = ok & (bn >= 0) & (bn < num_blocks)
-    base = state_ptr + tl.where(ok, bn, 0) * stride0 + tl.where(ok, pos % sbs, 0) * stride1 + half
-    m = (cols >= 0) & ok
-    sc = tl.load(base + STATE_WIDTH + cols, mask=m, other=float("-inf"))
-    kv = tl.load(base + cols, mask=m, other=0.0)
-    return sc, kv
-
-
-@triton.jit
-def _load_chunk(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0, cols, H4: tl.constexpr, SW: tl.constexpr):
-    """Scores and kv of the 8 window rows at positions p0 .. p0 + 7 (rows 4..7 offset by H4 floats)."""
-    a0, k0 = _row(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0, cols, 0, SW)
-    a1, k1 = _row(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0 + 1, cols, 0, SW)
-    a2, k2 = _row(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0 + 2, cols, 0, SW)
-    a3, k3 = _row(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0 + 3, cols, 0, SW)
-    a4, k4 = _row(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0 + 4, cols, H4, SW)
-    a5, k5 = _row(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0 + 5, cols, H4, SW)
-    a6, k6 = _row(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0 + 6, cols, H4, SW)
-    a7, k7 = _row(state_ptr, s0, s1, nb, bt_row, bt_cols, sbs, p0 + 7, cols, H4, SW)
-    return (a0, a1, a2, a3, a4, a5, a6, a7), (k0, k1, k2, k3, k4, k5, k6, k7)
-
-
-@triton.jit
-def _max8(a):
-    return tl.maximum(tl.maximum(tl.maximum(a[0], a[1]), tl.maximum(a[2], a[3])),
-                      tl.maximum(tl.maximum(a[4], a[5]), tl.maximum(a[6], a[7])))
-
-
-@triton.jit
-def _sums8(a, k, m):
-    """(sum_u e_u, sum_u e_u * kv_u) over 8 rows as a pairwise tree, e_u = exp(score_u - m)."""
-    e0 = _exp_neg(a[0] - m)
-    e1 = _exp_neg(a[1] - m)
-    e2 = _exp_neg(a[2] - m)
-    e3 = _exp_neg(a[3] - m)
-    e4 = _exp_neg(a[4] - m)
-    e5 = _exp_neg(a[5] - m)
-    e6 = _exp_neg(a[6] - m)
-    e7 = _exp_neg(a[7] - m)
-    den = ((e0 + e1) + (e2 + e3)) + ((e4 + e5) + (e6 + e7))
-    num = ((e0 * k[0] + e1 * k[1]) + (e2 * k[2] + e3 * k[3])) + ((e4 * k[4] + e5 * k[5]) + (e6 * k[6] + e7 * k[7]))
-    return den, num
+def _pairwise_sum_rows(x):
+    """Column sums of x [R, C] (R a power of two) as the tree of adjacent rows, ((r0+r1)+(r2+r3))+..."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    for i in tl.static_range(16):
+        if (R >> i) > 1:
+            x = tl.sum(tl.reshape(x, (R >> (i + 1), 2, C)), axis=1)
+    return tl.reshape(x, (C,))
 
 
 @triton.jit
@@ -199,40 +164,32 @@ def _store_indexer_mxfp4(page, off, cache_bs, roped, D: tl.constexpr):
 @triton.jit
 def _pool(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, sbs, pos, cols, D: tl.constexpr,
           RATIO: tl.constexpr, OVERLAP: tl.constexpr):
-    """Softmax pooling y[cols] (fp32) of the window ending at pos: the max over the rows, then the sums of
-    e_u and e_u * kv_u in chunks of 8 rows added onto +0 in order, then num / den. Columns are independent,
-    so a program may take any subset of them."""
-    SW: tl.constexpr = (1 + OVERLAP) * D                 # state_width
-    H4: tl.constexpr = OVERLAP * D                       # offset of rows 4..7 of a C4 window
-    NCH: tl.constexpr = (1 + OVERLAP) * RATIO // 8
-    start = pos + 1 - (1 + OVERLAP) * RATIO
-    if NCH == 1:                                         # C4: the 8 rows are loaded once
-        a, k = _load_chunk(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, sbs, start, cols, H4, SW)
-        den, num = _sums8(a, k, _max8(a))
-        den = den + 0.0
-        num = num + 0.0
-    else:
-        m = tl.full(cols.shape, float("-inf"), tl.float32)
-        for c in range(NCH):
-            a, _ = _load_chunk(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, sbs, start + c * 8, cols, H4,
-                               SW)
-            m = tl.maximum(m, _max8(a))
-        den = tl.zeros(cols.shape, tl.float32)
-        num = tl.zeros(cols.shape, tl.float32)
-        for c in range(NCH):
-            a, k = _load_chunk(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, sbs, start + c * 8, cols, H4,
-                               SW)
-            d, n = _sums8(a, k, m)
-            den = den + d
-            num = num + n
-    return tl.math.div_rn(num, den)
+    """Softmax pooling y[cols] (fp32) of the window ending at pos, loaded as one [W, len(cols)] tile: the
+    max over the rows, e_u = exp(s_u - max), the sums of e_u and e_u * kv_u as pairwise trees over the rows,
+    then num / den. Columns are independent, so a program may take any subset of them."""
+    W: tl.constexpr = (1 + OVERLAP) * RATIO
+    u = tl.arange(0, W)
+    wp = pos + 1 - W + u                                 # positions of the window rows
+    ok = wp >= 0
+    blk = tl.where(ok, wp // sbs, 0)
+    ok = ok & (blk < bt_cols)
+    bn = tl.load(bt_row + blk, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (bn >= 0) & (bn < num_blocks)
+    row = tl.where(ok, bn, 0) * stride0 + tl.where(ok, wp % sbs, 0) * stride1 + (u >= RATIO).to(tl.int64) * (
+        OVERLAP * D)                                     # C4: rows 4..7 read the second D floats of each half
+    ptr = state_ptr + row[:, None] + cols[None, :]
+    mask = ok[:, None] & (cols >= 0)[None, :]
+    sc = tl.load(ptr + (1 + OVERLAP) * D, mask=mask, other=float("-inf"))
+    kv = tl.load(ptr, mask=mask, other=0.0)
+    e = _exp_neg(sc - tl.max(sc, axis=0)[None, :])
+    return tl.math.div_rn(_pairwise_sum_rows(e * kv), _pairwise_sum_rows(e))
 
 
 @triton.jit
-def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr, LOG2D: tl.constexpr):
+def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr):
     """(yh, RoPE(yh)) fp32 [D]: RMSNorm of the pooled y (a non-finite sum of squares poisons every value),
     then GPT-J RoPE of the last 64 dims on the fp32 yh (cs_row_ptr: the cos/sin row of the entry)."""
-    var = tl.math.div_rn(_pairwise_sum(y * y, D, LOG2D), D * 1.0)
+    var = tl.math.div_rn(_pairwise_sum(y * y), D * 1.0)
     rrms = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     rrms = tl.where(var < float("inf"), rrms, float("nan"))
     yh = (y * rrms) * tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
@@ -250,12 +207,19 @@ def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr, LOG2D: tl.constexpr):
 def _compress_norm_rope_store_kernel(
         state_ptr, state_stride0, state_stride1, num_state_blocks, t2r_ptr, pos_ptr, sslot_ptr, bt_ptr, bt_stride,
         bt_cols, num_reqs, state_bs, w_ptr, eps, cs_ptr, cs_stride, cs_rows, cache_ptr, kslot_ptr, cache_bs,
-        page_stride, num_cache_slots, scratch_ptr,
-        D: tl.constexpr, LOG2D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, TARGET: tl.constexpr,
-        FNUZ: tl.constexpr, STAGE: tl.constexpr, NSPLIT: tl.constexpr):
+        page_stride, num_cache_slots, scratch_ptr, list_ptr, count_ptr,
+        D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, TARGET: tl.constexpr,
+        FNUZ: tl.constexpr, STAGE: tl.constexpr, NSPLIT: tl.constexpr, USE_LIST: tl.constexpr):
     """STAGE 0: the whole entry in one program. STAGE 1 (grid [tokens, NSPLIT]): the pooled y of a slice of
-    D / NSPLIT columns into scratch[t]. STAGE 2: y from scratch[t], then norm, RoPE, quant and store."""
-    t = tl.program_id(0).to(tl.int64)
+    D / NSPLIT columns into scratch[t]. STAGE 2: y from scratch[t], then norm, RoPE, quant and store.
+    With USE_LIST, program i takes the i-th token of the entry list (compressor_entries) instead of token i."""
+    row = tl.program_id(0).to(tl.int64)                 # also this program's scratch row
+    if USE_LIST:
+        if row >= tl.load(count_ptr):
+            return
+        t = tl.load(list_ptr + row).to(tl.int64)
+    else:
+        t = row
     sslot = tl.load(sslot_ptr + t)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     if (sslot < 0) | (pos < 0) | (pos >= cs_rows) | ((pos + 1) % RATIO != 0):
@@ -269,15 +233,15 @@ def _compress_norm_rope_store_kernel(
         cols = tl.program_id(1) * (D // NSPLIT) + tl.arange(0, D // NSPLIT)
         y = _pool(state_ptr, state_stride0, state_stride1, num_state_blocks, bt_row, bt_cols, state_bs, pos, cols, D,
                   RATIO, OVERLAP)
-        tl.store(scratch_ptr + t * D + cols, y)
+        tl.store(scratch_ptr + row * D + cols, y)
     else:
         cols = tl.arange(0, D)
         if STAGE == 2:
-            y = tl.load(scratch_ptr + t * D + cols)
+            y = tl.load(scratch_ptr + row * D + cols)
         else:
             y = _pool(state_ptr, state_stride0, state_stride1, num_state_blocks, bt_row, bt_cols, state_bs, pos,
                       cols, D, RATIO, OVERLAP)
-        yh, roped = _norm_rope(y, w_ptr, eps, cs_ptr + ((pos // RATIO) * RATIO) * cs_stride, D, LOG2D)
+        yh, roped = _norm_rope(y, w_ptr, eps, cs_ptr + ((pos // RATIO) * RATIO) * cs_stride, D)
         page = cache_ptr + (kslot // cache_bs) * page_stride
         off = kslot % cache_bs
         if TARGET == 0:
@@ -295,13 +259,14 @@ def _fnuz(device) -> bool:
 
 
 def _splits(head_dim: int, ratio: int) -> int:
-    """Column slices of the pooling stage: C128 windows (128 rows) are split over programs of 64 columns;
-    a C4 window (8 rows) is pooled by the program that stores the entry."""
-    return head_dim // 64 if ratio == 128 else 1
+    """Column slices of the pooling stage: a C128 window (128 rows) is split over programs of 16 columns
+    (a [128, 16] tile of scores and of kv each, 64 B of every row); a C4 window (8 rows) is pooled by the
+    program that stores the entry."""
+    return head_dim // 16 if ratio == 128 else 1
 
 
 def _num_warps(head_dim: int, stage: int) -> int:
-    return 1 if stage == 1 else (8 if head_dim == 512 else 2)
+    return 8 if stage == 1 or head_dim == 512 else 2
 
 
 def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, positions, slot_mapping, block_table,
@@ -314,36 +279,45 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
     target = MAIN if head_dim == 512 else (INDEXER_MXFP4 if use_fp4_cache else INDEXER_FP8)
     kbs = kv_cache.shape[1]
     nsplit = _splits(head_dim, compress_ratio)
-    scratch = torch.empty(num_actual, head_dim, dtype=torch.float32, device=state_cache.device) if nsplit > 1 \
+    programs, use_list = num_actual, num_actual > 2 * block_table.shape[0]
+    entries = count = slot_mapping
+    if use_list:                       # prefill-sized step: at most N // r + (one per request) entries
+        programs = min(num_actual, num_actual // compress_ratio + block_table.shape[0])
+        entries, count = compressor_entries(positions, slot_mapping, k_cache_metadata.slot_mapping,
+                                            token_to_req_indices, num_actual, compress_ratio, cos_sin_cache.shape[0],
+                                            block_table.shape[0], kv_cache.shape[0] * kbs, programs)
+    scratch = torch.empty(programs, head_dim, dtype=torch.float32, device=state_cache.device) if nsplit > 1 \
         else state_cache
     args = (state_cache, state_cache.stride(0), state_cache.stride(1), state_cache.shape[0], token_to_req_indices,
             positions, slot_mapping, block_table, block_table.stride(0), block_table.shape[1], block_table.shape[0],
             block_size, rms_norm_weight, rms_norm_eps, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
             kv_cache.view(torch.uint8), k_cache_metadata.slot_mapping, kbs, kv_cache.stride(0),
-            kv_cache.shape[0] * kbs, scratch)
-    meta = dict(D=head_dim, LOG2D=head_dim.bit_length() - 1, RATIO=compress_ratio, OVERLAP=int(overlap),
-                TARGET=target, FNUZ=_fnuz(state_cache.device), NSPLIT=nsplit, num_stages=1, enable_fp_fusion=False)
-    for stage, grid in (((1, (num_actual, nsplit)), (2, (num_actual,))) if nsplit > 1 else ((0, (num_actual,)),)):
+            kv_cache.shape[0] * kbs, scratch, entries, count)
+    meta = dict(D=head_dim, RATIO=compress_ratio, OVERLAP=int(overlap), TARGET=target, FNUZ=_fnuz(state_cache.device),
+                NSPLIT=nsplit, USE_LIST=use_list, num_stages=1, enable_fp_fusion=False)
+    for stage, grid in (((1, (programs, nsplit)), (2, (programs,))) if nsplit > 1 else ((0, (programs,)),)):
         _compress_norm_rope_store_kernel[grid](*args, STAGE=stage, num_warps=_num_warps(head_dim, stage), **meta)
 
 
-def _spec(name, d, ratio, target, stage):
+def _spec(name, d, ratio, target, stage, use_list):
     nsplit = _splits(d, ratio)
     return dict(
         name=name, fn=_compress_norm_rope_store_kernel,
         pointers=dict(state_ptr="*fp32", t2r_ptr="*i32", pos_ptr="*i64", sslot_ptr="*i64", bt_ptr="*i32",
-                      w_ptr="*bf16", cs_ptr="*fp32", cache_ptr="*u8", kslot_ptr="*i64", scratch_ptr="*fp32"),
+                      w_ptr="*bf16", cs_ptr="*fp32", cache_ptr="*u8", kslot_ptr="*i64", scratch_ptr="*fp32",
+                      list_ptr="*i32", count_ptr="*i32"),
         floats=("eps",),
-        constexprs=lambda arch: dict(D=d, LOG2D=d.bit_length() - 1, RATIO=ratio, OVERLAP=int(ratio == 4),
-                                     TARGET=target, FNUZ=arch == "gfx942", STAGE=stage, NSPLIT=nsplit),
+        constexprs=lambda arch: dict(D=d, RATIO=ratio, OVERLAP=int(ratio == 4), TARGET=target, FNUZ=arch == "gfx942",
+                                     STAGE=stage, NSPLIT=nsplit, USE_LIST=use_list),
         options=lambda arch: dict(num_warps=_num_warps(d, stage), num_stages=1, enable_fp_fusion=False),
         matrix=False, fp8_encode=target != INDEXER_MXFP4 and stage != 1, exact_fp32=True)
 
 
 COMPILE_SPECS = [
-    _spec("compress_norm_rope_store[c4 main]", 512, 4, MAIN, 0),
-    _spec("compress_norm_rope_store[c128 main, pool]", 512, 128, MAIN, 1),
-    _spec("compress_norm_rope_store[c128 main, finish]", 512, 128, MAIN, 2),
-    _spec("compress_norm_rope_store[c4 indexer fp8]", 128, 4, INDEXER_FP8, 0),
-    _spec("compress_norm_rope_store[c4 indexer mxfp4]", 128, 4, INDEXER_MXFP4, 0),
+    _spec("compress_norm_rope_store[c4 main]", 512, 4, MAIN, 0, False),
+    _spec("compress_norm_rope_store[c4 main, listed]", 512, 4, MAIN, 0, True),
+    _spec("compress_norm_rope_store[c128 main, pool]", 512, 128, MAIN, 1, True),
+    _spec("compress_norm_rope_store[c128 main, finish]", 512, 128, MAIN, 2, True),
+    _spec("compress_norm_rope_store[c4 indexer fp8]", 128, 4, INDEXER_FP8, 0, False),
+    _spec("compress_norm_rope_store[c4 indexer mxfp4]", 128, 4, INDEXER_MXFP4, 0, False),
 ]
