@@ -38,7 +38,7 @@ from .quant import exponent_to_ue8m0, mxfp4_quantize, quantize_blocks
 from .rope import rope_fwd
 
 KV_EPS = 1e-4
-EXP_FLUSH = -80.0                  # exp_neg(x) = 0 below this (no subnormal arithmetic anywhere)
+EXP_FLUSH = -80.0                  # exp_neg(x) = 0 below this: it never returns a subnormal
 LOG2E = 1.4426950408889634
 LN2_HI = 0.693145751953125         # 16 significant bits: k * LN2_HI is exact for |k| < 256
 LN2_LO = 1.4286067653302226e-06
