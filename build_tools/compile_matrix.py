@@ -10,11 +10,17 @@ using the tile configuration each kernel module picks for that arch, then checke
   * AMD: ``v_mfma`` present in matrix kernels, no ``s_trap``, no VGPR spills or scratch, LDS within the
     workgroup limit (64 KB gfx942, 160 KB gfx950);
   * NVIDIA: ``wgmma`` (sm_90a) / ``tcgen05`` (sm_100a) present in matrix kernels, no spills (ptxas -v
-    with the ptxas Triton ships), shared memory within 227 KB.
+    with the ptxas Triton ships), shared memory within 227 KB;
+  * kernels that write fp8 bytes use the hardware encode (``v_cvt_[scalef32_]pk_fp8_f32`` /
+    ``cvt.rn.satfinite.e4m3x2.f32``); kernels whose fp32 arithmetic must be exact have no fma in their PTX.
+Each target is compiled in a process of its own: Triton 3.6 keeps per-arch lowering decisions for AMD
+targets process-wide (a gfx942 compile after a gfx950 one picks gfx950's fp8 conversions, and fails).
 ``python -m build_tools.compile_matrix`` prints kernel x target -> status, registers, LDS/shared, spills,
 and exits non-zero on any failure.
 """
 import argparse
+import functools
+import json
 import os
 import re
 import subprocess
@@ -40,6 +46,8 @@ class TritonKernel:
     options: Callable                    # (arch) -> dict(num_warps=..., num_stages=...)
     matrix: bool                         # must use the matrix units
     fp8_convert: bool = False            # must decode fp8 with the hardware convert (no software path)
+    fp8_encode: bool = False             # must encode fp8 with the hardware convert
+    exact_fp32: bool = False             # compiled with fp fusion off: no fma may appear in the PTX
 
     def signature(self):
         sig = {}
@@ -101,7 +109,40 @@ def _amd_report(asm: str):
                 lds=get("group_segment_fixed_size"))
 
 
-def compile_triton(k: TritonKernel, target: str) -> dict:
+def compile_triton(k: TritonKernel, target: str, only: str = None) -> dict:
+    """The matrix row of kernel k on target, compiled in that target's own process (with every kernel
+    whose name contains ``only``)."""
+    rows = _target_rows(target, only)
+    if k.name not in rows:
+        raise RuntimeError(f"{k.name}: not compiled for {target} (worker rows: {sorted(rows)})")
+    return rows[k.name]
+
+
+@functools.lru_cache(maxsize=None)
+def _target_rows(target: str, only: str = None) -> dict:
+    r = subprocess.run([sys.executable, "-m", "build_tools.compile_matrix", "--worker", target]
+                       + (["--only", only] if only else []), cwd=ROOT, capture_output=True, text=True)
+    out = r.stdout.strip().splitlines()
+    if r.returncode or not out:
+        raise RuntimeError(f"compile worker for {target} failed: {r.stderr[-2000:]}")
+    return {row["kernel"]: row for row in json.loads(out[-1])}
+
+
+def _worker(target: str, only: str = None) -> None:
+    rows = []
+    for k in triton_kernels():
+        if only and only not in k.name:
+            continue
+        try:
+            rows.append(_compile_triton_here(k, target))
+        except Exception as e:          # a compile error is a result of the matrix, not a crash of it
+            msg = str(e).splitlines()[-1][:160] if str(e) else type(e).__name__
+            rows.append(dict(kernel=k.name, target=target, regs="-", smem=0, spills="-",
+                             problems=[f"compile error: {msg}"]))
+    print(json.dumps(rows))
+
+
+def _compile_triton_here(k: TritonKernel, target: str) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -119,6 +160,8 @@ def compile_triton(k: TritonKernel, target: str) -> dict:
             row["problems"].append("no v_mfma")
         if k.fp8_convert and not re.search(r"v_cvt_(scalef32_)?pk_f32_fp8", asm):
             row["problems"].append("no hardware fp8 convert")
+        if k.fp8_encode and not re.search(r"v_cvt_(scalef32_)?pk_fp8_f32", asm):
+            row["problems"].append("no hardware fp8 encode")
         if "s_trap" in asm:
             row["problems"].append("s_trap")
         if rep["vgpr_spill"] or rep["scratch"]:
@@ -134,6 +177,10 @@ def compile_triton(k: TritonKernel, target: str) -> dict:
         # sign-replicate selector, dsv4_rocm/triton/sparse_mla_decode.py): never a software float path
         if k.fp8_convert and "cvt.rn.f16x2.e4m3x2" not in ptx and "0x9180" not in ptx:
             row["problems"].append("no hardware fp8 convert")
+        if k.fp8_encode and "cvt.rn.satfinite.e4m3x2.f32" not in ptx:
+            row["problems"].append("no hardware fp8 encode")
+        if k.exact_fp32 and re.search(r"\bfma\.", ptx):
+            row["problems"].append("fma in an exact-fp32 kernel")
         if k.matrix and mma not in ptx:
             row["problems"].append(f"no {mma}")
         if spill:
@@ -224,11 +271,7 @@ def run(targets=None, only=None, quiet=False, workdir=None):
         if only and only not in k.name:
             continue
         for t in targets or TARGETS:
-            try:
-                rows.append(compile_triton(k, t))
-            except Exception as e:          # a compile error is a result of the matrix, not a crash of it
-                rows.append(dict(kernel=k.name, target=t, regs="-", smem=0, spills="-",
-                                 problems=[f"compile error: {str(e).splitlines()[-1][:160] if str(e) else type(e).__name__}"]))
+            rows.append(compile_triton(k, t, only))
     if not quiet:
         print(f"{'kernel':40s} {'target':8s} {'status':6s} {'regs':>10s} {'LDS/smem':>9s} {'spills':>8s}  problems")
         for r in rows:
@@ -242,7 +285,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", action="append", choices=sorted(TARGETS))
     p.add_argument("--only", default=None, help="substring of kernel names")
+    p.add_argument("--worker", choices=sorted(TARGETS), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.worker:
+        _worker(a.worker, a.only)
+        return 0
     rows = run(a.target, a.only)
     return 1 if any(r["problems"] for r in rows) else 0
 

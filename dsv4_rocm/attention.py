@@ -3,7 +3,7 @@
 It owns the layer's weights and paged caches and runs the step order of ``reference.layer`` with the
 public ops (``dsv4_rocm.ops``), so each stage runs on the fastest implementation this platform has
 (``ops.backend_for``; ``DSV4_BACKEND`` / ``ops.use_backend`` override it). The serving engine supplies
-the step's batch (positions, block tables, compressor state slots) as a ``StepBatch``.
+the step's batch (positions, block tables, compressor state block table) as a ``StepBatch``.
 """
 from typing import Optional
 
@@ -18,7 +18,7 @@ from .reference.rope import build_cos_sin_cache
 
 class DeepseekV4Attention(torch.nn.Module):
     def __init__(self, cfg: AttentionConfig, layer: int, weights: LayerWeights, num_blocks: int,
-                 num_state_slots: int, max_model_len: int, cos_sin_cache: Optional[torch.Tensor] = None,
+                 num_state_blocks: int, max_model_len: int, cos_sin_cache: Optional[torch.Tensor] = None,
                  device=None):
         super().__init__()
         self.cfg, self.layer = cfg, layer
@@ -27,7 +27,7 @@ class DeepseekV4Attention(torch.nn.Module):
         device = torch.device(device) if device is not None else weights.wqkv8.device
         self.platform = detect(device)
         self.weights = weights.to(device)
-        self.cache = LayerCache.allocate(self.layer_type, num_blocks, num_state_slots, device)
+        self.cache = LayerCache.allocate(self.layer_type, num_blocks, num_state_blocks, device)
         if cos_sin_cache is None:
             cos_sin_cache = build_cos_sin_cache(cfg.rope_base(self.layer_type), max_model_len + 1, device=device)
         self.register_buffer("cos_sin_cache", cos_sin_cache.to(device), persistent=False)

@@ -10,9 +10,11 @@ H100) produced the same bytes and both passed.
 import hashlib
 import json
 import os
+from types import SimpleNamespace
 
 import torch
 
+from . import layout as L
 from . import ops
 from .config import LayerType, tiny_config
 from .reference import cache as rc
@@ -117,32 +119,41 @@ def case_dequantize_global_slots_k_cache():
 
 
 def _compressor_case(ratio, target, seed):
-    """kv / score are inputs (computed once on the CPU): the projection GEMM's summation order is
-    device-specific, the pooling + norm + RoPE + quant + insert after it is what must match bit for bit."""
+    """kv_score is an input (computed once on the CPU: the projection GEMM's summation order is
+    device-specific); the state save, pooling, norm, RoPE, quant and insert after it must match bit for bit
+    on every device. Two chunks, so the second reads windows back from the state cache."""
     g = _g(seed)
     D = 512 if target == "main" else 128
-    c = rcomp.coff(ratio)
-    n = 20 if ratio == 4 else 200
-    x = torch.randn(n, 64, generator=g).bfloat16()
-    w = (torch.randn(2 * c * D, 64, generator=g) * 0.3).bfloat16()
-    ape = torch.randn(ratio, c * D, generator=g)
-    kv, sc = rcomp.compressor_kv_score(x, w, ape, torch.arange(n), ratio)
-    inp = dict(kv=kv.clone(), score=sc.clone(), norm_w=(1 + 0.1 * torch.randn(D, generator=g)).bfloat16(),
-               cos_sin=build_cos_sin_cache(160000.0, 512), bt=torch.tensor([[1, 0, 2]], dtype=torch.int32))
+    c, sbs = rcomp.coff(ratio), rcomp.state_block_size(ratio)
+    n = 20 if ratio == 4 else 260
+    ns = -(-n // sbs) + 4
+    inp = dict(kv_score=torch.randn(n, 2 * c * D, generator=g), ape=torch.randn(ratio, c * D, generator=g),
+               norm_w=(1 + 0.1 * torch.randn(D, generator=g)).bfloat16(), cos_sin=build_cos_sin_cache(160000.0, 512),
+               state_bt=torch.randperm(ns, generator=g)[:ns - 4].view(1, -1).to(torch.int32),
+               comp_bt=torch.tensor([[1, 0, 2]], dtype=torch.int32))
+    bs = 256 // ratio if target == "main" else 64
+    (ts, sd), qb = {"main": ((576, 8), 64), "indexer": ((128, 4), 128), "indexer_mxfp4": ((64, 4), 32)}[target]
 
     def run(i):
-        bs = 64 if ratio == 4 else 2
-        out = rc.new_cache(3, bs, indexer=target == "indexer", device=i["kv"].device)
-        state = rcomp.new_state(1, ratio, D, device=i["kv"].device)
+        dev = i["kv_score"].device
+        state = rcomp.new_state_cache(ns, ratio, D, device=dev)
+        pages = torch.zeros(3, L.round_up(bs * (ts + sd), L.PAGE_ALIGN), dtype=torch.uint8, device=dev)
         half = n // 2 + 1
         for a, e in ((0, half), (half, n)):
-            pos = torch.arange(a, e, device=i["kv"].device)
-            slots = ops.get_compressed_slot_mapping(pos, torch.zeros_like(pos), i["bt"], ratio, bs)
-            ops.fused_compress_norm_rope_insert(i["kv"][a:e], i["score"][a:e], pos,
-                                                torch.tensor([0, e - a], device=pos.device), state,
-                                                torch.tensor([0], device=pos.device), i["norm_w"], i["cos_sin"], slots,
-                                                out, bs, ratio, target)
-        return dict(cache=out, state=state) if ratio == 4 else dict(cache=out)
+            pos = torch.arange(a, e, device=dev)
+            sslots = i["state_bt"][0, pos // sbs].long() * sbs + pos % sbs
+            j = pos // ratio
+            kslots = torch.where((pos + 1) % ratio == 0, i["comp_bt"][0, j // bs].long() * bs + j % bs, -1)
+            kv, score = i["kv_score"][a:e].split([c * D, c * D], dim=-1)
+            ops.save_partial_states(kv, score, i["ape"], pos, state, sslots, sbs, c * D, ratio)
+            ops.compress_norm_rope_store(
+                state_cache=state, num_actual=e - a, token_to_req_indices=torch.zeros_like(pos), positions=pos,
+                slot_mapping=sslots, block_table=i["state_bt"], block_size=sbs, state_width=c * D,
+                cos_sin_cache=i["cos_sin"], kv_cache=rcomp.kv_cache_view(pages, bs, ts + sd),
+                k_cache_metadata=SimpleNamespace(slot_mapping=kslots), pdl_kwargs={}, head_dim=D, rope_head_dim=64,
+                compress_ratio=ratio, overlap=ratio == 4, use_fp4_cache=target == "indexer_mxfp4",
+                rms_norm_weight=i["norm_w"], rms_norm_eps=1e-6, quant_block=qb, token_stride=ts, scale_dim=sd)
+        return dict(cache=pages, state=state.contiguous().view(torch.int32))
     return inp, run, (0, 0)
 
 
@@ -156,6 +167,10 @@ def case_compressor_c128_main():
 
 def case_compressor_c4_indexer():
     return _compressor_case(4, "indexer", 7)
+
+
+def case_compressor_c4_indexer_mxfp4():
+    return _compressor_case(4, "indexer_mxfp4", 13)
 
 
 def case_indexer():

@@ -11,6 +11,7 @@ import torch
 
 from . import layout as L
 from .config import AttentionConfig, LayerType
+from .reference.compressor import state_block_size
 from .reference.layer import LayerCache, LayerWeights, StepBatch, layer_forward, REFERENCE_IMPL
 from .reference.rope import build_cos_sin_cache
 
@@ -31,13 +32,19 @@ class SyntheticServer:
         self.swa_pages = math.ceil(self.max_model_len / L.SWA_BLOCK_SIZE)
         self.comp_pages = math.ceil(self.max_model_len / L.LOGICAL_BLOCK_TOKENS)
         nb = self.num_requests * max(self.swa_pages, self.comp_pages)
+        ratio = {LayerType.C4: 4, LayerType.C128: 128}.get(self.layer_type, 128)
+        self.state_pages = math.ceil(self.max_model_len / state_block_size(ratio))
+        ns = self.num_requests * self.state_pages
         self.weights = LayerWeights.random(self.cfg, self.layer_type, self.seed, self.device)
-        self.cache = LayerCache.allocate(self.layer_type, nb, self.num_requests, self.device)
+        self.cache = LayerCache.allocate(self.layer_type, nb, ns, self.device)
         # interleave pages of different requests so that a wrong block-table read shows up
         perm = torch.randperm(nb, generator=torch.Generator().manual_seed(self.seed + 7))
         self.swa_bt = perm[:self.num_requests * self.swa_pages].view(self.num_requests, self.swa_pages)
         self.comp_bt = perm[:self.num_requests * self.comp_pages].view(self.num_requests, self.comp_pages)
-        self.swa_bt, self.comp_bt = (t.to(torch.int32).to(self.device) for t in (self.swa_bt, self.comp_bt))
+        sperm = torch.randperm(ns, generator=torch.Generator().manual_seed(self.seed + 11))
+        self.state_bt = sperm.view(self.num_requests, self.state_pages)
+        self.swa_bt, self.comp_bt, self.state_bt = (t.to(torch.int32).to(self.device)
+                                                    for t in (self.swa_bt, self.comp_bt, self.state_bt))
         self.cos_sin = build_cos_sin_cache(self.cfg.rope_base(self.layer_type), self.max_model_len + 1,
                                            device=self.device)
         self.done = [0] * self.num_requests
@@ -57,7 +64,7 @@ class SyntheticServer:
         idx = torch.tensor(reqs, device=self.device)
         batch = StepBatch(qsl, torch.tensor([self.done[b] + n for b, n in zip(reqs, lens)], dtype=torch.int32,
                                             device=self.device),
-                          pos, self.swa_bt[idx], self.comp_bt[idx], idx.to(torch.int32))
+                          pos, self.swa_bt[idx], self.comp_bt[idx], self.state_bt[idx])
         x = torch.cat([tokens[b] for b in reqs]).to(self.device)
         y = layer_forward(self.cfg, self.layer_type, self.weights, self.cache, batch, x, self.cos_sin,
                           self.max_model_len, self.decode_threshold, self.impl)

@@ -155,13 +155,15 @@ def test_deepseek_v4_attention_module_equals_reference_layer():
     cfg = CFG
     layer = 1                                     # tiny config: layer 1 is C4
     s = SyntheticServer(cfg, LayerType.C4, 1, MAX_LEN)
-    m = DeepseekV4Attention(cfg, layer, s.weights, s.cache.swa.shape[0], 1, MAX_LEN, s.cos_sin)
+    m = DeepseekV4Attention(cfg, layer, s.weights, s.cache.swa.shape[0], s.cache.comp_state.shape[0], MAX_LEN,
+                            s.cos_sin)
     assert m.layer_type == LayerType.C4 and m.backends["sparse_mla_decode"] == "reference"
     x = _xs([50], 50)[0]
     batch = StepBatch(torch.tensor([0, 50], dtype=torch.int32), torch.tensor([50], dtype=torch.int32),
-                      torch.arange(50), s.swa_bt, s.comp_bt, torch.tensor([0], dtype=torch.int32))
+                      torch.arange(50), s.swa_bt, s.comp_bt, s.state_bt)
     y_ws = m(x, batch, paged_prefill=False)
     assert torch.equal(y_ws, s.step({0: x})[0])
-    m2 = DeepseekV4Attention(cfg, layer, s.weights, s.cache.swa.shape[0], 1, MAX_LEN, s.cos_sin)
+    m2 = DeepseekV4Attention(cfg, layer, s.weights, s.cache.swa.shape[0], s.cache.comp_state.shape[0], MAX_LEN,
+                             s.cos_sin)
     y_pages = m2(x, batch)                      # prefill straight from the fp8 pages, no workspace
     assert rel_err(y_pages.float(), y_ws.float()) < 2e-3

@@ -4,7 +4,6 @@ import torch
 
 from dsv4_rocm import ops
 from dsv4_rocm.reference import cache as rc
-from dsv4_rocm.reference.compressor import new_state
 from dsv4_rocm.reference.rope import build_cos_sin_cache
 
 CS = build_cos_sin_cache(10000.0, 64)
@@ -28,22 +27,6 @@ def test_qnorm_insert_checks():
     with pytest.raises(ValueError, match="outside the cache"):
         ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, cache, s + 61, pos, CS, 64, 1e-6, 64)
     assert torch.equal(cache, before)                      # nothing written before the error
-
-
-def test_compressor_checks():
-    kv = torch.randn(8, 1024)
-    state = new_state(1, 4, 512)
-    args = dict(positions=torch.arange(8), query_start_loc=torch.tensor([0, 8]), state=state,
-                state_indices=torch.tensor([0]), norm_weight=torch.ones(512), cos_sin_cache=CS,
-                compressed_slot_mapping=torch.full((8,), -1), out_cache=rc.new_cache(1, 64), block_size=64)
-    with pytest.raises(ValueError, match="ratio"):
-        ops.fused_compress_norm_rope_insert(kv, kv, ratio=8, **args)
-    with pytest.raises(ValueError, match="target"):
-        ops.fused_compress_norm_rope_insert(kv, kv, ratio=4, target="both", **args)
-    with pytest.raises(ValueError, match="state_indices"):
-        ops.fused_compress_norm_rope_insert(kv, kv, ratio=4, **dict(args, state_indices=torch.tensor([3])))
-    with pytest.raises(ValueError, match="query_start_loc ends"):
-        ops.fused_compress_norm_rope_insert(kv, kv, ratio=4, **dict(args, query_start_loc=torch.tensor([0, 7])))
 
 
 def test_output_and_indexer_checks():

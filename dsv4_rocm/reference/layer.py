@@ -27,7 +27,8 @@ REFERENCE_IMPL = SimpleNamespace(
     fused_q_kv_rmsnorm=norm.fused_q_kv_rmsnorm,
     fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert=qkv.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
     compressor_kv_score=compressor.compressor_kv_score,
-    fused_compress_norm_rope_insert=compressor.compress_norm_rope_insert,
+    save_partial_states=compressor.save_partial_states,
+    compress_norm_rope_store=compressor.compress_norm_rope_store,
     fused_indexer_q_rope_quant=indexer.indexer_q_rope_quant,
     fp8_mqa_logits=indexer.fp8_mqa_logits,
     fp8_paged_mqa_logits=indexer.fp8_paged_mqa_logits,
@@ -107,7 +108,7 @@ class LayerWeights:
 @dataclass
 class LayerCache:
     """Paged caches of one layer: SWA (block 64), compressed (64 for C4, 2 for C128), indexer K (64),
-    and the compressor state rings (one per request slot)."""
+    and the compressor state caches (fp32, 4 tokens a block for C4, 8 for C128)."""
     swa: torch.Tensor
     comp: Optional[torch.Tensor] = None
     idx: Optional[torch.Tensor] = None
@@ -115,15 +116,15 @@ class LayerCache:
     idx_state: Optional[torch.Tensor] = None
 
     @classmethod
-    def allocate(cls, layer_type: LayerType, num_blocks: int, num_state_slots: int, device=None) -> "LayerCache":
+    def allocate(cls, layer_type: LayerType, num_blocks: int, num_state_blocks: int, device=None) -> "LayerCache":
         c = cls(swa=cache.new_cache(num_blocks, L.SWA_BLOCK_SIZE, device))
         if layer_type != LayerType.SWA:
             r = 4 if layer_type == LayerType.C4 else 128
             c.comp = cache.new_cache(num_blocks, L.compressed_block_size(r), device)
-            c.comp_state = compressor.new_state(num_state_slots, r, 512, device)
+            c.comp_state = compressor.new_state_cache(num_state_blocks, r, 512, device)
         if layer_type == LayerType.C4:
             c.idx = cache.new_cache(num_blocks, 64, device, indexer=True)
-            c.idx_state = compressor.new_state(num_state_slots, 4, 128, device)
+            c.idx_state = compressor.new_state_cache(num_state_blocks, 4, 128, device)
         return c
 
 
@@ -131,14 +132,16 @@ class LayerCache:
 class StepBatch:
     """One scheduler step. Tokens are grouped by request; positions are absolute.
     swa_block_table: logical 64-token blocks; compressed_block_table: logical 256-position blocks
-    (entry j of a compressed cache lives at page bt[j // (256/r)]); state_indices: ring per request."""
+    (entry j of a compressed cache lives at page bt[j // (256/r)]); state_block_table: the compressor
+    state's blocks (4 positions a block for C4, 8 for C128), read back for windows begun in earlier steps."""
     query_start_loc: torch.Tensor      # int32 [B + 1]
     seq_lens: torch.Tensor             # int32 [B], tokens of each request after this step
     positions: torch.Tensor            # int64 [T]
     swa_block_table: torch.Tensor      # int32 [B, nb]
     compressed_block_table: torch.Tensor
-    state_indices: torch.Tensor        # int32 [B]
+    state_block_table: torch.Tensor    # int32 [B, ns]
     slot_mapping: Optional[torch.Tensor] = None  # int64 [T]; derived from swa_block_table if None
+    state_slot_mapping: Optional[torch.Tensor] = None  # int64 [T]; derived from state_block_table if None
 
     @property
     def query_lens(self):
@@ -149,15 +152,31 @@ def _layer_ratio(layer_type: LayerType) -> int:
     return {LayerType.SWA: 1, LayerType.C4: 4, LayerType.C128: 128}[layer_type]
 
 
-def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mapping, is_dec_tok, cos_sin):
+def _compress(cfg, impl, x, w, ape, norm_w, positions, t2r, state, batch, sslots, cos_sin, pages, kslots, ratio, dim):
+    """vLLM's DeepseekCompressor.forward: projection (ape added by the state save), state save, then the
+    fused compress + RMSNorm + RoPE + quant + insert of the boundary tokens."""
+    c, sbs, main = compressor.coff(ratio), compressor.state_block_size(ratio), dim == 512
+    rec = L.TOKEN_BYTES if main else L.INDEXER_TOKEN_BYTES
+    kv, score = impl.compressor_kv_score(x, w).split([c * dim, c * dim], dim=-1)
+    impl.save_partial_states(kv, score, ape, positions, state, sslots, sbs, c * dim, ratio)
+    bs = L.compressed_block_size(ratio) if main else 64
+    impl.compress_norm_rope_store(
+        state_cache=state, num_actual=sslots.shape[0], token_to_req_indices=t2r, positions=positions,
+        slot_mapping=sslots, block_table=batch.state_block_table, block_size=sbs, state_width=c * dim,
+        cos_sin_cache=cos_sin, kv_cache=compressor.kv_cache_view(pages, bs, rec),
+        k_cache_metadata=SimpleNamespace(slot_mapping=kslots), pdl_kwargs={}, head_dim=dim, rope_head_dim=64,
+        compress_ratio=ratio, overlap=ratio == 4, use_fp4_cache=False, rms_norm_weight=norm_w,
+        rms_norm_eps=cfg.rms_norm_eps, quant_block=64 if main else 128, token_stride=576 if main else 128,
+        scale_dim=8 if main else 4)
+
+
+def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mapping, sslots, is_dec_tok, cos_sin):
     """Lightning indexer of a C4 layer: writes the indexer K cache, returns local top-k [T, K]."""
     T = x.shape[0]
     nh = cfg.index_n_heads
-    kvi, sci = impl.compressor_kv_score(x, W.idx_comp_w, W.idx_comp_ape, positions, 4)
     islots = impl.get_compressed_slot_mapping(positions, t2r, batch.compressed_block_table, 4, 64, slot_mapping)
-    impl.fused_compress_norm_rope_insert(kvi, sci, positions, batch.query_start_loc, cache_.idx_state,
-                                         batch.state_indices, W.idx_comp_norm, cos_sin, islots, cache_.idx, 64, 4,
-                                         "indexer", cfg.rms_norm_eps)
+    _compress(cfg, impl, x, W.idx_comp_w, W.idx_comp_ape, W.idx_comp_norm, positions, t2r, cache_.idx_state, batch,
+              sslots, cos_sin, cache_.idx, islots, 4, 128)
     qi = impl.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, nh, 128)
     wi = (x.float() @ W.idx_wproj.float().t()).to(torch.bfloat16)
     q8, wq = impl.fused_indexer_q_rope_quant(qi, positions, cos_sin, wi)
@@ -215,16 +234,18 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
                                                                    cos_sin_cache, Hp, eps, L.SWA_BLOCK_SIZE)
     # compressor and indexer
     bs_c = L.compressed_block_size(r) if r > 1 else 0
+    sslots = None
     if r > 1:
         cslots = impl.get_compressed_slot_mapping(positions, t2r, batch.compressed_block_table, r, bs_c, slot_mapping)
-        kvc, scc = impl.compressor_kv_score(x, W.comp_w, W.comp_ape, positions, r)
-        impl.fused_compress_norm_rope_insert(kvc, scc, positions, batch.query_start_loc, cache_.comp_state,
-                                             batch.state_indices, W.comp_norm, cos_sin_cache, cslots, cache_.comp,
-                                             bs_c, r, "main", eps)
+        sslots = batch.state_slot_mapping if batch.state_slot_mapping is not None else torch.where(
+            valid_tok, metadata.slot_mapping_from_block_table(positions, t2r, batch.state_block_table,
+                                                              compressor.state_block_size(r)), -1)
+        _compress(cfg, impl, x, W.comp_w, W.comp_ape, W.comp_norm, positions, t2r, cache_.comp_state, batch, sslots,
+                  cos_sin_cache, cache_.comp, cslots, r, 512)
     topk_local = None
     if layer_type == LayerType.C4:
-        topk_local = _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mapping, is_dec_tok,
-                                   cos_sin_cache)
+        topk_local = _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mapping, sslots,
+                                   is_dec_tok, cos_sin_cache)
 
     # sparse attention
     sm = cfg.softmax_scale

@@ -12,6 +12,7 @@ and output paths):
 
 Non-finite input (a block holding NaN or +-inf) is poisoned: scale byte 0xFF (UE8M0 NaN), every fp8
 byte 0x7F (e4m3fn NaN), so dequantization yields NaN for the whole block instead of wrong finite values.
+An MXFP4 block is poisoned the same way: scale byte 0xFF, every nibble 0x7.
 """
 import torch
 
@@ -113,11 +114,13 @@ def mxfp4_quantize(x: torch.Tensor):
     if n % 32:
         raise ValueError(f"MXFP4 needs a multiple of 32 values, got {n}")
     xb = x.float().reshape(*x.shape[:-1], n // 32, 32)
-    amax = xb.abs().amax(-1).clamp(min=6.0 * 2.0 ** -126)
+    bad = ~torch.isfinite(xb).all(-1)           # poisoned block: scale 0xFF, every nibble 0x7 (+6)
+    amax = torch.where(bad, torch.ones_like(xb[..., 0]), xb.abs().amax(-1)).clamp(min=6.0 * 2.0 ** -126)
     e = ceil_log2(amax / 6.0).clamp(-127, 127)
-    nib = e2m1_encode(torch.ldexp(xb, -e.unsqueeze(-1).float())).reshape(*x.shape[:-1], n)
+    nib = e2m1_encode(torch.ldexp(xb, -e.unsqueeze(-1).float()))
+    nib = torch.where(bad.unsqueeze(-1), torch.full_like(nib, 7), nib).reshape(*x.shape[:-1], n)
     packed = nib[..., 0::2] | (nib[..., 1::2] << 4)
-    return packed, exponent_to_ue8m0(e)
+    return packed, torch.where(bad, torch.full_like(e, UE8M0_NAN - 127), e).add(127).to(torch.uint8)
 
 
 def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
