@@ -88,7 +88,7 @@ def test_opcheck_hip_launchers(gpu):
     c = cases(gpu)
     k, cache, slots = c["quantize_and_insert_k_cache"]
     pages = V.pages(cache, 64)
-    q, _, _, _, _, pos, cs, _, _, _ = c["fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"]
+    q, _, _, _, pos, cs, _, _, _ = c["fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"]
     checks = [
         (hip.quantize_and_insert_k_cache, (k, pages, slots, 64)),
         (hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
