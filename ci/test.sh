@@ -26,7 +26,8 @@ fi
 if ! command -v nvcc >/dev/null; then
   say "installing nvcc (pip wheels) for the sm_90a/sm_100a compile tests"
   python3 -m pip install -q --disable-pip-version-check nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 \
-    nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 || cannot "pip could not install nvcc; those tests will skip"
+    nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88 \
+    || cannot "pip could not install nvcc; those tests will skip"
 fi
 
 exec python3 -m pytest -q "${@:-tests}"

@@ -14,7 +14,7 @@ from build_tools import compile_matrix as cm
 
 CLANG_PKGS = "apt-get install clang-22 lld-22 llvm-22"
 NVCC_PKGS = ("pip install nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 "
-             "nvidia-nvvm==13.0.88")
+             "nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88")
 
 
 def _pip_nvcc_bin():
