@@ -17,7 +17,7 @@ try:
     import torch
 except ImportError:
     torch = None
-if torch is not None and os.environ.get("DSV4_NO_EXTENSION") != "1":
+if torch is not None:
     from build_tools import extension as ext
     if ext.gpu_torch():
         from torch.utils.cpp_extension import BuildExtension, CUDAExtension

@@ -200,3 +200,13 @@ def test_bench_run_writes_json_and_plot(tmp_path, monkeypatch, capsys):
     assert [r["case"] for r in json.loads(js.read_text())["rows"]] == ["case_a", "case_b"]
     assert out["rows"][0]["ratio"] == pytest.approx(2.0)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ci_runs_the_readme_test_command():
+    """CI must run what a new user runs: the README's test command, word for word, is .ci/run's command."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    after = readme.split("Set up and run the tests:", 1)[1]
+    command = next(line.strip() for line in after.splitlines() if line.startswith("    "))
+    ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run")) if line.strip()
+          and not line.startswith("#") and not line.startswith(("set ", "cd "))]
+    assert ci == [command]
