@@ -1,22 +1,30 @@
-"""Build entry (DESIGN.md §5): ROCm torch -> hipcc on hip_kernels/*.hip; CUDA torch -> hip2cuda then nvcc;
-no GPU torch -> pure-Python install (the extension can still be built on first use on a GPU machine)."""
+"""Build entry. The HIP extension dsv4_rocm._C is compiled only where the torch that pip's build sees is a
+GPU build: ROCm torch -> hipcc on hip_kernels/*.hip; CUDA torch -> hip2cuda then nvcc
+(build_tools/extension.py). That needs ``pip install --no-build-isolation`` with the GPU torch already
+installed (an isolated build environment has no torch). Anything else (a CPU torch, no torch) is a
+pure-Python install; on a GPU machine the extension is then built on first use from the source checkout,
+and ``python -m dsv4_rocm info`` says which of these holds."""
 import os
+import sys
 
 from setuptools import setup
 
+# build_tools/ sits beside this file; the PEP 517 backend does not put this directory on sys.path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 ext_modules, cmdclass = [], {}
-if os.environ.get("DSV4_NO_EXTENSION") != "1":
-    try:
-        import torch  # noqa: F401
-        from build_tools import extension as ext
-        if ext.gpu_torch():
-            from torch.utils.cpp_extension import BuildExtension, CUDAExtension
-            ext_modules = [CUDAExtension("dsv4_rocm._C", ext.sources(os.path.join("build")),
-                                         include_dirs=[ext.INCLUDE],
-                                         extra_compile_args={"cxx": ext.CXX_FLAGS,
-                                                             "nvcc": ext.extra_cuda_cflags()})]
-            cmdclass = {"build_ext": BuildExtension}
-    except ImportError:
-        pass
+try:
+    import torch
+except ImportError:
+    torch = None
+if torch is not None:
+    from build_tools import extension as ext
+    if ext.gpu_torch():
+        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+        ext_modules = [CUDAExtension("dsv4_rocm._C", ext.sources(os.path.join("build")),
+                                     include_dirs=[ext.INCLUDE],
+                                     extra_compile_args={"cxx": ext.CXX_FLAGS,
+                                                         "nvcc": ext.extra_cuda_cflags()})]
+        cmdclass = {"build_ext": BuildExtension}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,54 +1,228 @@
-"""Command line: ``python -m dsv4_rocm {run,bench,parity,info}``."""
+"""Command line: ``python -m dsv4_rocm {run,bench,parity,info}``.
+
+A user error (a bad argument, a device the machine lacks, a file that is not there) is reported as one
+line on stderr naming what is wrong and what to do, with exit status 2 and no traceback.
+"""
 import argparse
+import importlib.util
+import os
+import shutil
 import sys
 
+LAYER_TYPES = ("swa", "c4a", "c128a")
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dsv4_rocm", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+
+class UsageError(Exception):
+    """A mistake in the command line or in what it asks of this machine; the message is the one line
+    printed to the user, after the command (``prog``) it concerns."""
+
+    def __init__(self, message, prog=None):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors raised as one-line ``UsageError``s instead of usage text + exit."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)", prog=self.prog)
+
+
+def _positive(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _layers(text):
+    names = [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in LAYER_TYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown layer type {bad[0]!r} in {text!r}; give a comma-separated "
+                                         f"list of {', '.join(LAYER_TYPES)}")
+    return names
+
+
+def _config_names():
+    from .config import PRESETS
+    return sorted(PRESETS) + ["tiny"]
+
+
+def _parser():
+    from .ops import BACKENDS
+    p = _Parser(prog="python -m dsv4_rocm",
+                description="DeepSeek-V4 attention kernels: the main job, benchmarks, parity reports, platform info.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="{run,bench,parity,info}")
     r = sub.add_parser("run", help="run a DeepSeek-V4 layer of each type over a synthetic serving batch")
-    r.add_argument("--config", default="v4-flash", help="v4-flash | v4-pro | tiny")
-    r.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
-    r.add_argument("--backend", default=None, help="reference | triton | hip (default: fastest present)")
-    r.add_argument("--requests", type=int, default=4)
-    r.add_argument("--prompt-len", type=int, default=160)
-    r.add_argument("--decode-steps", type=int, default=8)
-    r.add_argument("--heads", type=int, default=None, help="local heads (default: the config's; CPU default 8)")
-    r.add_argument("--layers", default="swa,c4a,c128a")
-    b = sub.add_parser("bench", help="time the kernels against the measured floor and FlashMLA")
-    b.add_argument("--device", default="cuda")
-    b.add_argument("--json", default=None)
+    r.add_argument("--config", default="v4-flash", choices=_config_names())
+    r.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present, else cpu)")
+    r.add_argument("--backend", default=None, choices=BACKENDS, help="default: the fastest present")
+    r.add_argument("--requests", type=_positive, default=4)
+    r.add_argument("--prompt-len", type=_positive, default=160)
+    r.add_argument("--decode-steps", type=_positive, default=8)
+    r.add_argument("--heads", type=_positive, default=None,
+                   help="local heads (default: the config's; CPU default 8)")
+    r.add_argument("--layers", type=_layers, default=list(LAYER_TYPES), help="comma-separated: swa,c4a,c128a")
+    b = sub.add_parser("bench", help="time the kernels against the measured floor and FlashMLA (needs a GPU)")
+    b.add_argument("--device", default="cuda", help="cuda | cuda:N")
+    b.add_argument("--json", default=None, help="write the report to this JSON file")
+    b.add_argument("--plot", default=None,
+                   help="PNG of fraction of floor and ratio to peers (default: beside --json, else dsv4_bench.png)")
     b.add_argument("--only", default=None, help="substring of the case names to run")
     b.add_argument("--sweep", action="store_true", help="time every tile configuration, not only the default")
     pr = sub.add_parser("parity", help="golden vectors and cross-vendor parity reports")
     pr.add_argument("--write-golden", action="store_true", help="regenerate tests/golden from the reference")
     pr.add_argument("--golden-dir", default=None)
     pr.add_argument("--only", default=None, help="with --write-golden: only the cases whose name contains this")
-    pr.add_argument("--device", default=None)
+    pr.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present, else cpu)")
     pr.add_argument("--report", default=None, help="write a JSON parity report of this device")
     pr.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two parity reports")
-    sub.add_parser("info", help="platform, backends and build")
-    a = p.parse_args(argv)
-    if a.cmd == "run":
-        from .main_job import main_job
-        return main_job(a)
-    if a.cmd == "bench":
-        from .bench.run import run
-        run(a.device, a.json, a.only, a.sweep)
-        return 0
-    if a.cmd == "parity":
-        from . import parity
-        return parity.cli(a)
-    if a.cmd == "info":
-        import torch
-        from . import ops
-        from .platform import detect
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        print(detect(dev))
-        print("backends:", ops.machine_backends(dev))
-        print("torch", torch.__version__, "hip", torch.version.hip, "cuda", torch.version.cuda)
-        return 0
-    return 1
+    sub.add_parser("info", help="platform, backends and the state of the HIP extension")
+    return p
+
+
+def _gpu_count():
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_device(flag, device, allow_cpu=True, needs=None):
+    """The device string, validated against this machine; raises UsageError. ``needs``: what to tell a
+    user who asked for a GPU this machine lacks (default: use --device cpu)."""
+    import torch
+    use = f"use {'cpu, ' if allow_cpu else ''}cuda or cuda:N (ROCm GPUs are cuda devices in torch)"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"{flag} {device!r} is not a device; {use}")
+    if dev.type == "cpu" and allow_cpu:
+        return device
+    if dev.type != "cuda":
+        raise UsageError(f"{flag} {device!r} is not supported; {use}")
+    n = _gpu_count()
+    if n == 0:
+        build = ("a CPU-only build" if torch.version.cuda is None and torch.version.hip is None
+                 else "which finds no device")
+        raise UsageError(f"{flag} {device}: this machine has no GPU visible to torch (torch {torch.__version__}, "
+                         f"{build}); {needs or 'use --device cpu'}")
+    if dev.index is not None and dev.index >= n:
+        raise UsageError(f"{flag} {device}: this machine has {n} GPU(s), cuda:0 to cuda:{n - 1}")
+    return device
+
+
+def _check_writable(flag, path):
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise UsageError(f"{flag} {path}: directory {d} does not exist; create it or choose another path")
+
+
+def cmd_run(a):
+    import torch
+    from .config import get_config
+    device = check_device("--device", a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = get_config(a.config)
+    heads = a.heads or (8 if device == "cpu" else cfg.local_heads)
+    if cfg.num_heads % heads or cfg.o_groups % (cfg.num_heads // heads):
+        divisors = [cfg.num_heads // tp for tp in range(1, cfg.o_groups + 1) if cfg.o_groups % tp == 0
+                    and cfg.num_heads % tp == 0]
+        raise UsageError(f"--heads {heads} does not split {a.config} ({cfg.num_heads} heads, {cfg.o_groups} "
+                         f"output groups) over tensor-parallel ranks; choose one of {divisors}")
+    from . import ops
+    have = ops.machine_backends(device)
+    env = os.environ.get("DSV4_BACKEND") or None
+    for name, flag in ((a.backend, "--backend"), (None if a.backend else env, "DSV4_BACKEND")):
+        if name is not None and name not in have:
+            raise UsageError(f"{flag} {name} is not available on {device} here (available: {', '.join(have)}); "
+                             f"pick one of those or leave {flag} unset")
+    a.device, a.heads, a.layers = device, heads, ",".join(a.layers)
+    from .main_job import main_job
+    return main_job(a)
+
+
+def cmd_bench(a):
+    if a.device.split(":")[0] == "cpu":
+        raise UsageError("bench times GPU kernels and cannot run on --device cpu (Triton has no CPU driver); "
+                         "run it on a GPU machine, or time a CPU run with python -m dsv4_rocm run --device cpu")
+    check_device("--device", a.device, allow_cpu=False,
+                 needs="bench times GPU kernels: run it on a machine with an AMD Instinct or NVIDIA GPU")
+    if a.json:
+        _check_writable("--json", a.json)
+    plot = a.plot or (os.path.splitext(a.json)[0] + ".png" if a.json else "dsv4_bench.png")
+    _check_writable("--plot", plot)
+    from .bench.run import run
+    rep = run(a.device, a.json, a.only, a.sweep, plot=plot)
+    if not rep["rows"]:
+        raise UsageError(f"--only {a.only!r} matches no benchmark case; run without --only to see the case names")
+    return 0
+
+
+BUILD_AT_INSTALL = "pip install --no-build-isolation -e . with the ROCm or CUDA torch installed first"
+
+
+def extension_status():
+    """Lines on dsv4_rocm._C: built, to be built on first use, or why not and where it gets built."""
+    import torch
+    spec = importlib.util.find_spec("dsv4_rocm._C")
+    if spec is not None:
+        return [f"HIP extension dsv4_rocm._C: built ({spec.origin})"]
+    from ._build import sources_present
+    if torch.version.hip is None and torch.version.cuda is None:
+        return ["HIP extension dsv4_rocm._C: not built: this torch is a CPU build, so the hip backend is absent "
+                "(the reference backend needs no extension)",
+                f"  it is built on a GPU machine, at install ({BUILD_AT_INSTALL}) or on first use of a hip op"]
+    compiler = "hipcc" if torch.version.hip is not None else "nvcc"
+    if not sources_present():
+        return ["HIP extension dsv4_rocm._C: not built, and this install has no kernel sources to build it from",
+                f"  build it from a source checkout: {BUILD_AT_INSTALL}"]
+    if shutil.which(compiler) is None:
+        return [f"HIP extension dsv4_rocm._C: not built, and {compiler} is not on PATH, so the hip backend is absent",
+                f"  install {'ROCm' if compiler == 'hipcc' else 'the CUDA toolkit'}; it is then built on first use"]
+    return [f"HIP extension dsv4_rocm._C: not built yet; {compiler} builds it on first use of a hip op (minutes, once)",
+            f"  or build it now: {BUILD_AT_INSTALL}"]
+
+
+def cmd_info(a):
+    import torch
+    from . import ops
+    from .platform import detect
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    print(detect(dev))
+    print("backends:", ", ".join(ops.machine_backends(dev)), f"(for {dev} tensors)")
+    print("torch", torch.__version__, "hip", torch.version.hip, "cuda", torch.version.cuda)
+    tr = importlib.util.find_spec("triton")
+    if tr is None:
+        print("triton: not installed (the Triton kernels need it: pip install triton)")
+    else:
+        import triton
+        print("triton", triton.__version__)
+    print("\n".join(extension_status()))
+    return 0
+
+
+def main(argv=None):
+    try:
+        a = _parser().parse_args(argv)
+        if a.cmd == "run":
+            return cmd_run(a)
+        if a.cmd == "bench":
+            return cmd_bench(a)
+        if a.cmd == "parity":
+            if a.device is not None:
+                check_device("--device", a.device)
+            from . import parity
+            try:
+                return parity.cli(a)
+            except parity.ReportError as e:
+                raise UsageError(str(e))
+        return cmd_info(a)
+    except UsageError as e:
+        prog = e.prog or "python -m dsv4_rocm" + (f" {a.cmd}" if "a" in locals() else "")
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -334,17 +334,46 @@ def compare(a, b):
     return lines
 
 
+class ReportError(Exception):
+    """A parity command asked for a file that is missing or is not what it should be (one-line message)."""
+
+
+def _load_report(path):
+    try:
+        with open(path) as f:
+            rep = json.load(f)
+    except OSError as e:
+        raise ReportError(f"--compare: cannot read {path} ({e.strerror}); write a report with "
+                          "python -m dsv4_rocm parity --report FILE")
+    except ValueError as e:
+        raise ReportError(f"--compare: {path} is not JSON ({e}); give a file written by parity --report")
+    if not isinstance(rep, dict) or not isinstance(rep.get("cases"), dict):
+        raise ReportError(f"--compare: {path} is not a parity report (no 'cases'); give a file written by "
+                          "parity --report")
+    return rep
+
+
 def cli(a):
     d = a.golden_dir or GOLDEN_DIR
+    if a.only and not a.write_golden:
+        raise ReportError("--only selects the cases to regenerate and needs --write-golden")
     if a.write_golden:
         names = write_golden(d, a.only)
+        if not names:
+            raise ReportError(f"--only {a.only!r} matches no golden case; choose from {', '.join(sorted(CASES))}")
         print(f"wrote {len(names)} golden cases to {d}")
         return 0
     if a.compare:
-        ra_, rb_ = (json.load(open(p)) for p in a.compare)
+        ra_, rb_ = (_load_report(p) for p in a.compare)
         diff = compare(ra_, rb_)
         print("\n".join(diff) if diff else f"parity: {a.compare[0]} and {a.compare[1]} agree")
         return 1 if diff else 0
+    missing = [n for n in sorted(CASES) if not os.path.exists(os.path.join(d, f"{n}.pt"))]
+    if missing:
+        raise ReportError(f"golden vectors missing in {d} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+                          "write them with python -m dsv4_rocm parity --write-golden")
+    if a.report and not os.path.isdir(os.path.dirname(os.path.abspath(a.report))):
+        raise ReportError(f"--report {a.report}: its directory does not exist; create it or choose another path")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rep = report(device, d)
     for name, c in rep["cases"].items():

@@ -1,7 +1,17 @@
-"""The command line: the main job runs end to end and reports; info and parity answer."""
+"""The command line: the main job runs end to end and reports; info and parity answer; every user error
+is one line on stderr naming what is wrong and what to do, exit status 2, no traceback; bench's plot."""
+import json
+import os
+import subprocess
+import sys
+import types
+
 import pytest
+import torch
 
 from dsv4_rocm.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_run_main_job_tiny(capsys):
@@ -13,14 +23,101 @@ def test_run_main_job_tiny(capsys):
     assert "decode tok/s" in out
 
 
-def test_run_rejects_bad_heads():
-    with pytest.raises(ValueError, match="--heads"):
-        main(["run", "--config", "tiny", "--heads", "3", "--device", "cpu"])
+def user_error(capsys, argv):
+    """Run the CLI on argv; assert it failed as a user error and return its one stderr line."""
+    rc = main(argv)
+    cap = capsys.readouterr()
+    print(cap.err)
+    assert rc == 2
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m dsv4_rocm")
+    assert "Traceback" not in cap.err
+    return lines[0]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """This machine as one without a GPU, whatever it has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+RUN = ["run", "--config", "tiny", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "--requests", "0"], "argument --requests: must be at least 1, got 0"),
+    (["run", "--requests", "-3"], "argument --requests: must be at least 1, got -3"),
+    (["run", "--prompt-len", "-1"], "argument --prompt-len: must be at least 1"),
+    (["run", "--decode-steps", "0"], "argument --decode-steps: must be at least 1"),
+    (["run", "--heads", "0"], "argument --heads: must be at least 1"),
+    (["run", "--requests", "two"], "argument --requests: must be a whole number"),
+    (["run", "--layers", "swa,foo"], "unknown layer type 'foo'"),
+    (["run", "--layers", "swa,"], "unknown layer type ''"),
+    (["run", "--config", "v5"], "invalid choice: 'v5'"),
+    (["run", "--backend", "cuda-magic"], "invalid choice: 'cuda-magic'"),
+    (RUN + ["--backend", "triton"], "--backend triton is not available on cpu"),
+    (RUN + ["--heads", "3"], "--heads 3 does not split tiny"),
+    (["run", "--device", "mps"], "--device 'mps' is not supported"),
+    (["run", "--device", "nonsense"], "is not a device"),
+    (["parity", "--only", "metadata"], "--only selects the cases to regenerate and needs --write-golden"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_user_errors_are_one_line_exit_2(capsys, argv, says):
+    assert says in user_error(capsys, argv)
+
+
+def test_backend_from_environment_checked(capsys, monkeypatch):
+    monkeypatch.setenv("DSV4_BACKEND", "hip")
+    assert "DSV4_BACKEND hip is not available on cpu" in user_error(capsys, RUN)
+
+
+def test_gpu_commands_without_a_gpu(capsys, no_gpu):
+    line = user_error(capsys, ["bench"])
+    assert "no GPU" in line and "--device cuda" in line
+    line = user_error(capsys, ["bench", "--device", "cpu"])
+    assert "cannot run on --device cpu" in line and "Triton has no CPU driver" in line
+    line = user_error(capsys, ["run", "--device", "cuda", "--config", "tiny"])
+    assert "no GPU" in line and "use --device cpu" in line
+    assert "no GPU" in user_error(capsys, ["parity", "--device", "cuda:1"])
+
+
+def test_parity_compare_bad_files(capsys, tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"cases": {}}))
+    line = user_error(capsys, ["parity", "--compare", str(tmp_path / "missing.json"), str(good)])
+    assert "cannot read" in line and "missing.json" in line and "parity --report" in line
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert "is not JSON" in user_error(capsys, ["parity", "--compare", str(good), str(bad)])
+    bad.write_text("[1, 2]")
+    assert "is not a parity report" in user_error(capsys, ["parity", "--compare", str(good), str(bad)])
+    assert main(["parity", "--compare", str(good), str(good)]) == 0
+    assert "agree" in capsys.readouterr().out
+
+
+def test_parity_missing_golden_dir(capsys, tmp_path):
+    line = user_error(capsys, ["parity", "--golden-dir", str(tmp_path / "none")])
+    assert "golden vectors missing" in line and "--write-golden" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_bench_without_gpu_as_a_process():
+    """What a user sees: the real process, its exit status and its whole stderr."""
+    r = subprocess.run([sys.executable, "-m", "dsv4_rocm", "bench"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    print(r.stderr)
+    assert r.returncode == 2
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("python -m dsv4_rocm bench: error: --device cuda: this machine has no GPU")
 
 
 def test_info_and_backend_errors(capsys, monkeypatch):
     assert main(["info"]) == 0
-    assert "backends" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "backends" in out and "HIP extension dsv4_rocm._C:" in out
+    if torch.version.hip is None and torch.version.cuda is None:
+        assert "CPU build" in out and "built on a GPU machine" in out
     from dsv4_rocm import ops
     monkeypatch.setenv("DSV4_BACKEND", "triton")
     with pytest.raises(ValueError, match="not available"):
@@ -33,3 +130,83 @@ def test_info_and_backend_errors(capsys, monkeypatch):
         assert ops.backend_for("sparse_mla_decode", "cpu") == "reference"
     with pytest.raises(ValueError, match="unknown op"):
         ops.backend_for("flash_attn", "cpu")
+
+
+# ---- bench's plot ----------------------------------------------------------------------------------
+
+def fabricated_report():
+    return dict(date="2026-11-22", device="AMD Instinct MI300X", arch="gfx942", copy_TBps=4.1, bf16_TFLOPs=650.0,
+                rows=[dict(case="sparse_mla_decode b=64", config="bh64", us=40.0, frac_floor=0.62,
+                           peer="FlashMLA", peer_us=50.0, ratio=1.25),
+                      dict(case="quantize_and_insert_k_cache", config="", us=8.0, frac_floor=0.81, peer=None,
+                           peer_us=None, ratio=None),
+                      dict(case="fp8_einsum", config="r4", us=20.0, frac_floor=0.30, peer="torch", peer_us=14.0,
+                           ratio=0.7)])
+
+
+def test_plot_series_from_report():
+    from dsv4_rocm.bench.plot import series
+    labels, fracs, ratios = series(fabricated_report())
+    assert labels == ["sparse_mla_decode b=64 [bh64]", "quantize_and_insert_k_cache", "fp8_einsum [r4]"]
+    assert fracs == [0.62, 0.81, 0.30] and ratios == [1.25, None, 0.7]
+
+
+def test_plot_renders_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install matplotlib); "
+                        "the plot cannot be rendered")
+    from matplotlib.image import imread
+    from dsv4_rocm.bench.plot import write_plot
+    path = str(tmp_path / "bench.png")
+    assert write_plot(fabricated_report(), path) == path
+    assert f"plot: {path}" in capsys.readouterr().out
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    img = imread(path)
+    assert img.shape[0] > 100 and img.shape[1] > 800
+    assert img[..., :3].std() > 0.05            # bars and text, not a blank canvas
+
+
+def test_plot_skipped_without_matplotlib(tmp_path, capsys, monkeypatch):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    from dsv4_rocm.bench.plot import write_plot
+    path = tmp_path / "bench.png"
+    assert write_plot(fabricated_report(), str(path)) is None
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["plot skipped: matplotlib is not installed (pip install matplotlib (or the package's 'plot' "
+                   "extra))"]
+    assert not path.exists()
+
+
+def test_bench_run_writes_json_and_plot(tmp_path, monkeypatch, capsys):
+    """bench.run wiring on a CPU: a stand-in suite adds rows; the report lands in the JSON and the PNG."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install matplotlib)")
+    from dsv4_rocm.bench import run as bench_run
+    from dsv4_rocm.bench.context import BenchContext
+
+    def measure(self):
+        self.bw, self.mm = 4e12, 6e14
+
+    def suite(ctx):
+        ctx.add("case_a", "cfg", 0.010, flop=1e9, nbytes=1e7, peer="torch", peer_ms=0.020)
+        ctx.add("case_b", "cfg", 0.005, nbytes=1e7)
+
+    rep = fabricated_report()
+    monkeypatch.setattr(BenchContext, "measure_ceilings", measure)
+    monkeypatch.setattr(BenchContext, "report", lambda self: dict(rep, rows=self.rows))
+    monkeypatch.setattr(bench_run, "suites", lambda: [types.SimpleNamespace(suite=suite)])
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    out = bench_run.run("cuda", str(js), plot=str(png))
+    assert [r["case"] for r in json.loads(js.read_text())["rows"]] == ["case_a", "case_b"]
+    assert out["rows"][0]["ratio"] == pytest.approx(2.0)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ci_runs_the_readme_test_command():
+    """CI must run what a new user runs: the README's test command, word for word, is .ci/run's command."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    after = readme.split("Set up and run the tests:", 1)[1]
+    command = next(line.strip() for line in after.splitlines() if line.startswith("    "))
+    ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run")) if line.strip()
+          and not line.startswith("#") and not line.startswith(("set ", "cd "))]
+    assert ci == [command]

@@ -1,6 +1,6 @@
 """Run every benchmark suite (``dsv4_rocm/bench/*.py`` modules with a ``suite(ctx)`` function) and print
 one table: time, TFLOP/s, TB/s, fraction of the measured floor, and the ratio to any peer timed in the
-same run. Results go to a JSON file."""
+same run. Results go to a JSON file and a PNG (``plot.py``)."""
 import importlib
 import json
 import pkgutil
@@ -19,7 +19,7 @@ def suites():
     return mods
 
 
-def run(device="cuda", out_json=None, only=None, sweep=False) -> dict:
+def run(device="cuda", out_json=None, only=None, sweep=False, plot=None) -> dict:
     ctx = BenchContext(device=device, only=only, sweep=sweep)
     ctx.measure_ceilings()
     for mod in suites():
@@ -29,6 +29,9 @@ def run(device="cuda", out_json=None, only=None, sweep=False) -> dict:
     if out_json:
         with open(out_json, "w") as f:
             json.dump(report, f, indent=1)
+    if plot and report["rows"]:
+        from .plot import write_plot
+        write_plot(report, plot)
     return report
 
 

@@ -1,0 +1,12 @@
+# Sourced by ci/test.sh and ci/run.sh (from the repository root, under set -e): put the Python packages
+# in a virtual environment, the active one if python3 is already in one, else ./.venv (created here),
+# and leave it active for the rest of the calling script.
+#   - torch==2.13.0: a CPU build where pip's index serves one; an unpinned torch is a ~4 GB CUDA build
+#   - triton==3.6.0, numpy, tqdm, and this package editable, with the extras named in $DSV4_EXTRAS
+say() { echo "ci/$(basename "$0"): $*"; }
+if ! python3 -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
+  [ -x .venv/bin/python3 ] || { say "creating .venv"; python3 -m venv .venv; }
+  . .venv/bin/activate
+fi
+say "installing torch==2.13.0 triton==3.6.0 dsv4_rocm${DSV4_EXTRAS:+[$DSV4_EXTRAS]} into $(python3 -c 'import sys; print(sys.prefix)')"
+python3 -m pip install -q --disable-pip-version-check torch==2.13.0 triton==3.6.0 -e ".${DSV4_EXTRAS:+[$DSV4_EXTRAS]}"
