@@ -242,8 +242,13 @@ def case_output_path():
     inp.update(w8=w8, ws=ws)
 
     def run(i):
-        a8, sa = ops.fused_inv_rope_fp8_quant(i["o"], i["pos"], i["cos_sin"], 2)
-        return dict(a8=a8, a_scale=sa, z=ops.fp8_einsum(a8, sa, i["w8"], i["ws"]))
+        a8, sa = ops.fused_inv_rope_fp8_quant(i["o"], i["pos"], i["cos_sin"], 2, 4)
+        _, packed = ops.fused_inv_rope_fp8_quant(i["o"], i["pos"], i["cos_sin"], 2, 4, tma_aligned_scales=True)
+        z = torch.empty(3, 2, 128, dtype=torch.bfloat16, device=a8.device)
+        ops.fp8_einsum("bhr,hdr->bhd", (a8, sa), (i["w8"], i["ws"]), z)
+        return dict(a8=a8.view(torch.uint8).contiguous(), a_scale=sa.contiguous(), a_scale_packed=packed.contiguous(),
+                    z=z)
+    # z: fp32 sums in another order, then one bf16 rounding (2^-8 relative)
     return inp, run, (1e-2, 1e-3)
 
 

@@ -77,8 +77,9 @@ def naive_layer(server, x):
                             W.attn_sink)
         attn[t] = o[0]
     attn = attn.bfloat16()
-    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H].contiguous(), pos, cs, cfg.local_groups)
-    z = O.fp8_einsum(a8, sa, W.wo_a8, W.wo_a_s)
+    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H], pos, cs, cfg.local_groups, cfg.heads_per_group)
+    z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16)
+    O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
     return O.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)
 
 

@@ -30,11 +30,13 @@ def test_qnorm_insert_checks():
 
 
 def test_output_and_indexer_checks():
-    a8 = torch.zeros(2, 1, 512, dtype=torch.uint8)
+    a8, z = torch.zeros(2, 1, 512, dtype=torch.uint8), torch.empty(2, 1, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="a_scale"):
-        ops.fp8_einsum(a8, torch.ones(2, 1, 3), torch.zeros(1, 128, 512, dtype=torch.uint8), torch.ones(1, 1, 4))
+        ops.fp8_einsum("bhr,hdr->bhd", (a8, torch.ones(2, 1, 3)), (torch.zeros(1, 128, 512, dtype=torch.uint8),
+                                                                    torch.ones(1, 1, 4)), z)
     with pytest.raises(ValueError, match="w must have shape"):
-        ops.fp8_einsum(a8, torch.ones(2, 1, 4), torch.zeros(2, 128, 512, dtype=torch.uint8), torch.ones(2, 1, 4))
+        ops.fp8_einsum("bhr,hdr->bhd", (a8, torch.ones(2, 1, 4)), (torch.zeros(2, 128, 512, dtype=torch.uint8),
+                                                                    torch.ones(2, 1, 4)), z)
     with pytest.raises(ValueError, match="q must have dtype"):
         ops.fp8_mqa_logits(torch.zeros(2, 4, 128), torch.zeros(3, 128, dtype=torch.uint8), torch.ones(3),
                            torch.ones(2, 4), torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))

@@ -274,8 +274,9 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
                            topk_local, max_model_len, attn)
 
     # output path
-    a8, sa = impl.fused_inv_rope_fp8_quant(attn[:, :H].contiguous(), positions, cos_sin_cache, cfg.local_groups)
-    z = impl.fp8_einsum(a8, sa, W.wo_a8, W.wo_a_s)
+    a8, sa = impl.fused_inv_rope_fp8_quant(attn[:, :H], positions, cos_sin_cache, cfg.local_groups, cfg.heads_per_group)
+    z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16, device=attn.device)
+    impl.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
     y = impl.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)
     return (y, attn) if return_attn else y
 
