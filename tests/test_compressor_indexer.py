@@ -55,7 +55,7 @@ def _run(x, w, ape, norm_w, ratio, D, cs, target, chunks, bs):
             continue
         pos = torch.arange(a, e)
         kv, sc = ops.compressor_kv_score(x[a:e], w, ape, pos, ratio)
-        slots = ops.get_compressed_slot_mapping(pos, torch.zeros_like(pos), bt, ratio, bs)
+        slots = ops.get_compressed_slot_mapping(e - a, torch.tensor([0, e - a]), torch.tensor([e]), bt, bs, ratio)
         ops.fused_compress_norm_rope_insert(kv, sc, pos, torch.tensor([0, e - a]), state, torch.tensor([0]), norm_w,
                                             cs, slots, out, bs, ratio, target)
         a = e
