@@ -190,26 +190,33 @@ def case_indexer():
 
 
 def case_metadata():
+    """A mixed step: request 0 decodes one token (position 299), request 1 prefills three (127..129), one
+    token is padding (slot -1); every metadata op in vLLM's form on it."""
     g = _g(9)
-    bt = torch.randperm(12, generator=g).view(2, 6).to(torch.int32)
-    pos = torch.tensor([0, 3, 127, 300, 5, 64, 255])
-    t2r = torch.tensor([0, 0, 0, 0, 1, 1, 1])
-    inp = dict(bt=bt, pos=pos, t2r=t2r, sm=torch.tensor([1, 1, -1, 1, 1, 1, 1]),
-               loc=torch.randint(-1, 70, (7, 8), generator=g).to(torch.int32),
-               is_decode=torch.tensor([1, 1, 1, 1, 0, 0, 0]).bool(), topk_lens=torch.tensor([3, 0, 8, 8, 2, 5, 1]),
-               gather_start=torch.tensor([0, 0]))
+    i32 = dict(dtype=torch.int32)
+    inp = dict(bt=torch.randperm(12, generator=g).view(2, 6).to(torch.int32), qsl=torch.tensor([0, 1, 4], **i32),
+               seq=torch.tensor([300, 130], **i32), pos=torch.tensor([299, 127, 128, 129]),
+               t2r=torch.tensor([0, 1, 1, 1], **i32), sm=torch.tensor([1, 1, -1, 1]),
+               loc=torch.randint(-1, 70, (4, 8), generator=g).to(torch.int32))
 
     def run(i):
-        out = {}
-        out["c4_slots"] = ops.get_compressed_slot_mapping(i["pos"], i["t2r"], i["bt"], 4, 64, i["sm"])
-        out["c128_slots"] = ops.get_compressed_slot_mapping(i["pos"], i["t2r"], i["bt"], 128, 2, i["sm"])
-        out["swa_idx"], out["swa_len"] = ops.compute_swa_indices_and_lens(i["pos"], i["t2r"], i["bt"], i["sm"], 128)
+        dev, out = i["bt"].device, {}
+        buf = torch.empty(6, dtype=torch.int64, device=dev)
+        out["c4_slots"] = ops.get_compressed_slot_mapping(4, i["qsl"], i["seq"], i["bt"], 64, 4, out=buf).clone()
+        out["c4_slots_buffer"] = buf
+        out["c128_slots"] = ops.get_compressed_slot_mapping(4, i["qsl"], i["seq"], i["bt"], 2, 128)
+        out["swa_idx"], out["swa_len"] = ops.compute_swa_indices_and_lens(
+            torch.empty(4, 1, 128, **i32, device=dev), torch.empty(4, **i32, device=dev), 128, i["qsl"], i["seq"],
+            i["t2r"], i["sm"] >= 0, i["bt"], 64)
+        out["gather_lens"] = ops.compute_prefill_gather_lens(torch.empty(2, **i32, device=dev), i["seq"], i["qsl"], 1,
+                                                             1, 128)
         out["g_idx"], out["g_len"] = ops.compute_global_topk_indices_and_lens(i["loc"], i["t2r"], i["bt"], 64,
                                                                               i["sm"] >= 0)
-        out["c128_idx"], out["c128_len"] = ops.build_c128a_topk_metadata(
-            i["pos"], i["t2r"], i["bt"], i["sm"], i["is_decode"], 2000)
+        out["c128_idx"], out["c128_len"], out["c128_prefill"] = ops.build_c128a_topk_metadata(
+            i["pos"], 128, 1, i["t2r"], i["bt"], 2, i["sm"], torch.empty(4, 128, **i32, device=dev),
+            torch.empty(4, **i32, device=dev), torch.empty(4, 128, **i32, device=dev), 128)
         out["comb_idx"], out["comb_len"] = ops.combine_topk_swa_indices(
-            i["loc"], i["topk_lens"], i["pos"], i["t2r"], i["gather_start"], 16, 600, 128)
+            i["loc"][1:], i["qsl"][1:], i["seq"][1:], out["gather_lens"][:1], 128, 4, 8, 211, 80)
         return out
     return inp, run, (0, 0)
 

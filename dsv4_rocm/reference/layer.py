@@ -37,6 +37,7 @@ REFERENCE_IMPL = SimpleNamespace(
     dequantize_and_gather_k_cache=cache.dequantize_and_gather_k_cache,
     get_compressed_slot_mapping=metadata.get_compressed_slot_mapping,
     compute_swa_indices_and_lens=metadata.compute_swa_indices_and_lens,
+    compute_prefill_gather_lens=metadata.compute_prefill_gather_lens,
     compute_global_topk_indices_and_lens=metadata.compute_global_topk_indices_and_lens,
     build_c128a_topk_metadata=metadata.build_c128a_topk_metadata,
     combine_topk_swa_indices=metadata.combine_topk_swa_indices,
@@ -174,7 +175,8 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
     """Lightning indexer of a C4 layer: writes the indexer K cache, returns local top-k [T, K]."""
     T = x.shape[0]
     nh = cfg.index_n_heads
-    islots = impl.get_compressed_slot_mapping(positions, t2r, batch.compressed_block_table, 4, 64, slot_mapping)
+    islots = impl.get_compressed_slot_mapping(T, batch.query_start_loc, batch.seq_lens, batch.compressed_block_table,
+                                              64, 4).masked_fill(slot_mapping < 0, -1)
     _compress(cfg, impl, x, W.idx_comp_w, W.idx_comp_ape, W.idx_comp_norm, positions, t2r, cache_.idx_state, batch,
               sslots, cos_sin, cache_.idx, islots, 4, 128)
     qi = impl.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, nh, 128)
@@ -236,7 +238,8 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
     bs_c = L.compressed_block_size(r) if r > 1 else 0
     sslots = None
     if r > 1:
-        cslots = impl.get_compressed_slot_mapping(positions, t2r, batch.compressed_block_table, r, bs_c, slot_mapping)
+        cslots = impl.get_compressed_slot_mapping(T, batch.query_start_loc, batch.seq_lens,
+                                                  batch.compressed_block_table, bs_c, r).masked_fill(slot_mapping < 0, -1)
         sslots = batch.state_slot_mapping if batch.state_slot_mapping is not None else torch.where(
             valid_tok, metadata.slot_mapping_from_block_table(positions, t2r, batch.state_block_table,
                                                               compressor.state_block_size(r)), -1)
@@ -253,16 +256,21 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
     from_pages = torch.ones_like(is_dec_tok) if paged_prefill else is_dec_tok
     dec = torch.nonzero(from_pages).flatten()
     if dec.numel():
-        swa_idx, swa_len = impl.compute_swa_indices_and_lens(positions[dec], t2r[dec], batch.swa_block_table,
-                                                             slot_mapping[dec], Wn, L.SWA_BLOCK_SIZE)
+        swa_idx, swa_len = impl.compute_swa_indices_and_lens(
+            torch.empty(T, Wn, dtype=torch.int32, device=x.device), torch.empty(T, dtype=torch.int32, device=x.device),
+            Wn, batch.query_start_loc, batch.seq_lens, t2r, valid_tok, batch.swa_block_table, L.SWA_BLOCK_SIZE)
+        swa_idx, swa_len = swa_idx[dec], swa_len[dec]
         extra_cache = extra_idx = extra_len = None
         if layer_type == LayerType.C4:
             extra_idx, extra_len = impl.compute_global_topk_indices_and_lens(
                 topk_local[dec], t2r[dec], batch.compressed_block_table, bs_c, valid_tok[dec])
         elif layer_type == LayerType.C128:
-            extra_idx, extra_len = impl.build_c128a_topk_metadata(
-                positions[dec], t2r[dec], batch.compressed_block_table, slot_mapping[dec],
-                torch.ones_like(dec, dtype=torch.bool), max_model_len, bs_c, r)
+            kmax, nd = metadata.c128_max_entries(max_model_len, r), dec.numel()
+            extra_idx, extra_len, _ = impl.build_c128a_topk_metadata(
+                positions[dec], r, nd, t2r[dec], batch.compressed_block_table, bs_c, slot_mapping[dec],
+                torch.empty(nd, kmax, dtype=torch.int32, device=x.device),
+                torch.empty(nd, dtype=torch.int32, device=x.device),
+                torch.empty(0, kmax, dtype=torch.int32, device=x.device), kmax)
         if extra_idx is not None:
             extra_cache = cache.flash_mla_view(cache_.comp, bs_c)
             extra_idx = extra_idx.unsqueeze(1)
@@ -293,7 +301,9 @@ def _prefill_attention(cfg, layer_type, impl, W, cache_, batch, q_pad, positions
         chunk = reqs[c0:c0 + PREFILL_CHUNK_REQUESTS]
         qlens = torch.stack([qsl[b + 1] - qsl[b] for b in chunk]).long()
         slens = torch.stack([batch.seq_lens[b] for b in chunk]).long()
-        glens = metadata.prefill_gather_lens(qlens, slens, Wn)
+        qsl_c = torch.cat([qlens.new_zeros(1), qlens.cumsum(0)])
+        glens = impl.compute_prefill_gather_lens(torch.empty(len(chunk), dtype=torch.int32, device=dev), slens, qsl_c,
+                                                 len(chunk), 0, Wn).long()
         M = N + Wn + int(qlens.max())
         ws = torch.zeros(len(chunk) * M, 512, dtype=torch.bfloat16, device=dev)
         ws3, rows = ws.view(len(chunk), M, 512), torch.tensor(chunk, device=dev)
@@ -301,24 +311,19 @@ def _prefill_attention(cfg, layer_type, impl, W, cache_, batch, q_pad, positions
             impl.dequantize_and_gather_k_cache(ws3, cache_.comp, slens // r, None,
                                                batch.compressed_block_table[rows], bs_c, 0)
         impl.dequantize_and_gather_k_cache(ws3, cache_.swa, slens, glens, batch.swa_block_table[rows], 64, N)
-        toks, req_in_chunk = [], []
-        for i, b in enumerate(chunk):
-            t = torch.arange(int(qsl[b]), int(qsl[b + 1]), device=dev)
-            toks.append(t)
-            req_in_chunk.append(torch.full_like(t, i))
-        toks, req_in_chunk = torch.cat(toks), torch.cat(req_in_chunk)
+        toks = torch.cat([torch.arange(int(qsl[b]), int(qsl[b + 1]), device=dev) for b in chunk])
         p = positions[toks]
         if layer_type == LayerType.C4:
             loc = topk_local[toks]
-            tlen = torch.clamp((p + 1) // 4, max=cfg.index_topk)
         elif layer_type == LayerType.C128:
-            loc, tlen = impl.build_c128a_topk_metadata(p, t2r[toks], batch.compressed_block_table, slot_mapping[toks],
-                                                       torch.zeros_like(toks, dtype=torch.bool), max_model_len, bs_c, r)
-            tlen = tlen.long()
+            kmax = metadata.c128_max_entries(max_model_len, r)
+            _, _, loc = impl.build_c128a_topk_metadata(
+                p, r, 0, t2r[toks], batch.compressed_block_table, bs_c, slot_mapping[toks],
+                torch.empty(0, kmax, dtype=torch.int32, device=dev), torch.empty(0, dtype=torch.int32, device=dev),
+                torch.empty(toks.numel(), kmax, dtype=torch.int32, device=dev), kmax)
         else:
             loc = torch.zeros(toks.numel(), 0, dtype=torch.int32, device=dev)
-            tlen = torch.zeros(toks.numel(), dtype=torch.long, device=dev)
-        idx, lens = impl.combine_topk_swa_indices(loc, tlen, p, req_in_chunk, slens - glens, N, M, Wn)
+        idx, lens = impl.combine_topk_swa_indices(loc, qsl_c, slens, glens, Wn, r, loc.shape[1], M, N)
         lens = torch.where(slot_mapping[toks] >= 0, lens, torch.zeros_like(lens))
         o, _, _ = impl.sparse_mla_prefill(q_pad[toks], ws.unsqueeze(1), idx.unsqueeze(1), cfg.softmax_scale, 512,
                                           W.attn_sink, lens)
