@@ -271,25 +271,33 @@ def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) ->
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int):
-    """Launch plan of a call shape with the default config: (config, split count), cached per device and
-    shape so a launch pays no device query, no config dict and no split arithmetic."""
+def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = ()):
+    """Launch plan of a call shape: (config items, split count), cached per device and shape so a launch
+    pays no device query, no config dict and no split arithmetic. ``config_items`` override the default
+    config (sweeps)."""
     arch, fnuz, sms = device_facts(device)
-    cfg = dict(default_config(arch, h), FNUZ=fnuz)
+    cfg = dict(default_config(arch, h), FNUZ=fnuz, **dict(config_items))
     BN = cfg["BLOCK_N"]
     max_tiles = triton.cdiv(main_topk, BN) + triton.cdiv(extra_topk, BN)
-    return cfg, _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
+    return tuple(cfg.items()), _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _constexprs(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
+                has_extra_len: bool, has_sink: bool, split: bool):
+    """(kernel constexprs and launch options, combine's), built once per variant."""
+    cfg = dict(cfg_items)
+    main = dict(MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len,
+                HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+                SPLIT=split, FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return main, dict(HEADS=h, HAS_SINK=has_sink, MAX_SPLITS=MAX_SPLITS, num_warps=4)
 
 
 def _lengths_strides(lengths):
     """(batch stride, query stride) of [b] or [b, s_q] lengths: [b] lengths hold for every query of a row."""
-    if lengths is None:
-        return 0, 0
-    return (lengths.stride(0), 0) if lengths.dim() == 1 else (lengths.stride(0), lengths.stride(1))
-
-
-def _as_bytes(cache):
-    return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+    st = lengths.stride()
+    return (st[0], 0) if len(st) == 1 else st
 
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
@@ -310,12 +318,7 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     has_extra = extra_k_cache is not None
     topk = indices.shape[2]
     etopk = extra_indices_in_kvcache.shape[2] if has_extra else 0
-    cfg, ns = _plan(dev, h, T, topk, etopk)
-    if config:
-        cfg = dict(cfg, **config)
-        arch, _, sms = device_facts(dev)
-        max_tiles = triton.cdiv(topk, cfg["BLOCK_N"]) + triton.cdiv(etopk, cfg["BLOCK_N"])
-        ns = _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
+    cfg, ns = _plan(dev, h, T, topk, etopk, tuple(sorted(config.items())) if config else ())
     if num_splits is not None:
         ns = max(1, min(int(num_splits), MAX_SPLITS))
     if out is None:
@@ -323,46 +326,44 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=dev)
     if T == 0:
         return out, lse.transpose(1, 2)
-    BH = cfg["BLOCK_H"]
     split = ns > 1
     if split:
         ws = scratch(dev, ns * T * h * 513)
         part_o, part_lse = ws, ws[ns * T * h * 512:]
     else:
         part_o = part_lse = lse
-    main = _as_bytes(k_cache)
-    mlen = topk_length if topk_length is not None else indices
-    mls = _lengths_strides(topk_length)
+    kshape, kst = k_cache.shape, k_cache.stride()
+    main = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
+    ist = indices.stride()
+    mlen, mls = (topk_length, _lengths_strides(topk_length)) if topk_length is not None else (indices, (0, 0))
     if has_extra:
-        extra, eidx = _as_bytes(extra_k_cache), extra_indices_in_kvcache
-        elen = extra_topk_length if extra_topk_length is not None else eidx
-        els = _lengths_strides(extra_topk_length)
-        ecap = extra_k_cache.shape[0] * extra_k_cache.shape[1]
-        ebs, estride = extra_k_cache.shape[1], extra_k_cache.stride(0)
+        eshape = extra_k_cache.shape
+        extra = extra_k_cache if extra_k_cache.dtype == torch.uint8 else extra_k_cache.view(torch.uint8)
+        eidx = extra_indices_in_kvcache
+        elen, els = (extra_topk_length, _lengths_strides(extra_topk_length)) if extra_topk_length is not None \
+            else (eidx, (0, 0))
+        ecap, ebs, estride = eshape[0] * eshape[1], eshape[1], extra_k_cache.stride(0)
     else:
         extra, eidx, elen, els, ecap, ebs, estride = main, indices, mlen, (0, 0), 0, 1, 0
+    est = eidx.stride()
     sink = attn_sink if attn_sink is not None else lse
-    grid = (T * (h // BH), ns)
-    args = (q, q.stride(0), q.stride(1), q.stride(2),
-            main, k_cache.stride(0), k_cache.shape[0] * k_cache.shape[1], indices, indices.stride(0),
-            indices.stride(1), mlen, mls[0], mls[1], topk,
-            extra, estride, ecap, eidx, eidx.stride(0), eidx.stride(1), elen, els[0], els[1], etopk,
-            sink, out, out.stride(0), out.stride(1), out.stride(2), lse, part_o, part_lse, T, s_q, ns,
-            softmax_scale * LOG2E)
-    consts = dict(MAIN_BS=k_cache.shape[1], EXTRA_BS=ebs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=topk_length is not None,
-                  HAS_EXTRA_LEN=has_extra and extra_topk_length is not None, HAS_SINK=attn_sink is not None,
-                  BLOCK_H=BH, BLOCK_N=cfg["BLOCK_N"], SPLIT=split, FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False),
-                  HEADS=h, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    comb = (part_o, part_lse, sink, out, out.stride(0), out.stride(1), out.stride(2), lse, T, s_q, ns)
-    comb_consts = dict(HEADS=h, HAS_SINK=attn_sink is not None, MAX_SPLITS=MAX_SPLITS, num_warps=4)
+    qst, ost = q.stride(), out.stride()
+    consts, comb_consts = _constexprs(cfg, h, kshape[1], ebs, has_extra, topk_length is not None,
+                                      has_extra and extra_topk_length is not None, attn_sink is not None, split)
+    grid = (T * (h // consts["BLOCK_H"]), ns)
+    args = (q, qst[0], qst[1], qst[2],
+            main, kst[0], kshape[0] * kshape[1], indices, ist[0], ist[1], mlen, mls[0], mls[1], topk,
+            extra, estride, ecap, eidx, est[0], est[1], elen, els[0], els[1], etopk,
+            sink, out, ost[0], ost[1], ost[2], lse, part_o, part_lse, T, s_q, ns, softmax_scale * LOG2E)
+    comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns)
     if compile_only:
         _sparse_mla_paged_kernel.warmup(*args, grid=grid, **consts)
         if split:
             _combine_kernel.warmup(*comb, grid=(T, h), **comb_consts)
-        return out, lse.transpose(1, 2)
-    _sparse_mla_paged_kernel[grid](*args, **consts)
-    if split:
-        _combine_kernel[(T, h)](*comb, **comb_consts)
+    else:
+        _sparse_mla_paged_kernel[grid](*args, **consts)
+        if split:
+            _combine_kernel[(T, h)](*comb, **comb_consts)
     return out, lse.transpose(1, 2)
 
 
