@@ -4,6 +4,13 @@ The checks here are structural only (types, dtypes, ranks, shapes, the unit last
 needs, devices) plus the lengths' range where ``value_checks`` allows reading values; they cost no device
 sync, so they run on every call (docs/conventions.md, "Argument checks"). Index values need no check:
 an index that is negative or past its cache / kv is absent, in the kernels as in the reference.
+
+What an implementation registered here receives (the reference, the Triton launchers, any later kernel):
+decode ``(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+extra_topk_length, softmax_scale: float, out=None) -> (out, lse [b, h, s_q])`` and prefill ``(q, kv,
+indices, sm_scale: float, d_v, attn_sink, topk_length, out=None) -> (out, max_logits, lse)``, every tensor
+checked as below, on one device, caches as uint8 or float8_e4m3fn (int8 arrives as uint8), any strides
+but a unit last one; it writes ``out`` when given and copies nothing.
 """
 import numbers
 
