@@ -175,18 +175,35 @@ def case_compressor_c4_indexer_mxfp4():
 
 def case_indexer():
     g = _g(8)
-    inp = dict(qi=torch.randn(4, 8, 128, generator=g).bfloat16(), w=torch.randn(4, 8, generator=g).bfloat16(),
+    bt = torch.tensor([[1, 0], [1, 0]], dtype=torch.int32)
+    j = torch.arange(100)
+    inp = dict(qi=torch.randn(4, 64, 128, generator=g).bfloat16(), w=torch.randn(4, 64, generator=g).bfloat16(),
                pos=torch.tensor([3, 40, 41, 200]), cos_sin=build_cos_sin_cache(160000.0, 256),
-               k8=torch.randint(0, 0x7E, (60, 128), generator=g, dtype=torch.uint8),
-               ks=torch.exp2(torch.randint(-9, -2, (60,), generator=g).float()))
+               k=(torch.randn(100, 128, generator=g) * torch.exp2(torch.randint(-4, 4, (100, 1), generator=g))
+                  ).bfloat16(), slots=bt[0, j // 64].long() * 64 + j % 64, bt=bt,
+               cl=torch.tensor([[30, 31], [100, 99]], dtype=torch.int32))
 
     def run(i):
-        q8, wq = ops.fused_indexer_q_rope_quant(i["qi"], i["pos"], i["cos_sin"], i["w"])
-        ke = (i["pos"] + 1) // 4
-        lg = ops.fp8_mqa_logits(q8, i["k8"], i["ks"], wq, torch.zeros_like(ke), ke.clamp(max=60))
-        top = ops.top_k_per_row(lg, torch.zeros_like(ke), ke.clamp(max=60), 8)
-        return dict(q8=q8, weights=wq, logits=lg, topk_sorted=top.sort(dim=1).values)
-    return inp, run, (1e-5, 1e-5)
+        dev = i["qi"].device
+        q8, wq = ops.fused_indexer_q_rope_quant(i["pos"], i["qi"], i["cos_sin"], i["w"], 128 ** -0.5, 64 ** -0.5)
+        (q4, q4s), w4 = ops.fused_indexer_q_rope_quant(i["pos"], i["qi"], i["cos_sin"], i["w"], 128 ** -0.5,
+                                                       64 ** -0.5, use_fp4=True)
+        cache = torch.zeros(2, 64, 132, dtype=torch.uint8, device=dev)
+        ops.indexer_k_quant_and_cache(i["k"], cache, i["slots"], 128, "ue8m0")
+        k8 = torch.empty(100, 128, dtype=torch.float8_e4m3fn, device=dev)
+        ks = torch.empty(100, 4, dtype=torch.uint8, device=dev)
+        ops.cp_gather_indexer_k_quant_cache(cache, k8, ks, i["bt"][:1], torch.tensor([0, 100], dtype=torch.int32,
+                                                                                        device=dev))
+        ke = ((i["pos"] + 1) // 4).clamp(max=100).to(torch.int32)
+        lg = ops.fp8_mqa_logits(q8, (k8, ks.view(torch.float32).squeeze(-1)), wq, torch.zeros_like(ke), ke)
+        top = ops.top_k_per_row(lg, torch.zeros_like(ke), ke, 8)
+        plg = ops.fp8_paged_mqa_logits(q8.view(2, 2, 64, 128), cache.unsqueeze(-2), wq, i["cl"], i["bt"],
+                                       ops.get_paged_mqa_logits_metadata(i["cl"], 64, 4), 100)
+        return dict(q8=q8.view(torch.uint8), weights=wq, q4=q4, q4_scale=q4s, w4=w4, cache=cache,
+                    k8=k8.view(torch.uint8), k_scale=ks, logits=lg, topk_sorted=top.sort(dim=1).values,
+                    paged_logits=plg)
+    # logits: fp32 sums in another order, and fewer accumulator bits in Hopper's fp8 MMA (tests/test_indexer.py)
+    return inp, run, (2 ** -10, 2 ** -8)
 
 
 def case_metadata():
