@@ -14,7 +14,8 @@ visible key and row; prefill logits read q, the weights, the keys with their sca
 write the logits inside the ranges; the quantizers read their input rows and cos/sin rows and write their
 outputs. FLOP: 2 * 64 * 128 per (row, visible key). The floor uses the copy bandwidth and the fp8 matmul
 rate measured in this run; ``cache_floor`` is the time to read the cache bytes alone at that bandwidth over
-the measured time (the paged target: >= 70%).
+the measured time (the paged target: >= 70%). With ``--sweep`` the b = 64, 32K case is also timed at
+the tile configurations of SWEEP (config column: BN/num_warps/num_stages/programs per SM).
 """
 import torch
 
@@ -23,6 +24,10 @@ from ..reference.compressor import kv_cache_view
 from ..reference.rope import build_cos_sin_cache
 
 H, D, BS = 64, 128, 64
+# --sweep: paged-logits tiles (BN, num_warps, num_stages, programs per SM) tried on the b=64, 32K case
+SWEEP = [dict(BN=bn, num_warps=nw, num_stages=st, waves=wv) for bn, nw, st, wv in
+         ((128, 8, 3, 8), (128, 8, 4, 8), (128, 8, 2, 8), (128, 8, 3, 4), (128, 8, 3, 16), (64, 4, 3, 8),
+          (64, 4, 2, 16), (64, 8, 3, 8))]
 
 
 def fp8_matmul_rate(device, n: int = 8192) -> float:
@@ -94,6 +99,7 @@ def _q_case(T, device, g):
 
 def suite(ctx):
     from .. import ops
+    from ..triton import fp8_paged_mqa_logits as K
     from .timing import time_graph_ms, time_ms
     dev = ctx.device
     g = torch.Generator(device=dev).manual_seed(0)
@@ -110,6 +116,13 @@ def suite(ctx):
             meta = ops.get_paged_mqa_logits_metadata(lens, BS, sms)
             ms = time_graph_ms(lambda: ops.fp8_paged_mqa_logits(q, kv, w, lens, bt, meta, max_len, clean_logits=False))
             ctx.add(name, "triton", ms, flop, nbytes, rate=rate, cache_floor=cache_bytes / ctx.bw / (ms * 1e-3))
+            if ctx.sweep and (b, tokens, nn) == (64, 32768, 1):
+                for cfg in SWEEP:
+                    ms = time_graph_ms(lambda: K.fp8_paged_mqa_logits(q, kv, w, lens, bt, meta, max_len, False,
+                                                                      config=cfg))
+                    label = "/".join(str(cfg[k]) for k in ("BN", "num_warps", "num_stages", "waves"))
+                    ctx.add(name, label, ms, flop, nbytes, rate=rate,
+                            cache_floor=cache_bytes / ctx.bw / (ms * 1e-3))
             del q, kv, w, lens, bt
         name = "indexer prefill logits 4096 x 16384"
         if ctx.wants(name) or ctx.wants("indexer"):

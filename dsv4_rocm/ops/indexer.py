@@ -143,7 +143,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, sched
     if not 1 <= nn <= MAX_NEXT_N:
         raise ValueError(f"q: next_n = {nn}; 1 to {MAX_NEXT_N} draft rows a request are supported")
     pages, bs = _indexer_cache(kv_cache)
-    C.tensor("context_lens", context_lens, dtype=torch.int32)
+    C.tensor("context_lens", context_lens, dtype=torch.int32, contiguous=True)
     if context_lens.shape not in ((B,), (B, nn)):
         raise ValueError(f"context_lens must have shape [{B}] or [{B}, {nn}] (batch, next_n of q), got "
                          f"{tuple(context_lens.shape)}")

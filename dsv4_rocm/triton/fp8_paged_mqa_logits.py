@@ -33,6 +33,7 @@ from .. import cache_views as V
 from ..platform import detect
 
 TAIL = 1024          # columns a program fills with -inf per step
+MIN_TILES = 4        # key tiles a split should have at least (a split reloads q and the weights)
 
 
 @triton.jit
@@ -54,6 +55,13 @@ def _head_sum(k, qt, w):
 
 
 @triton.jit
+def _tile_pages(bt_row, c, hi, n_max, j0, BN: tl.constexpr, BS: tl.constexpr):
+    """Block-table entries of the keys of tile c (-1 past n_max, or when tile c is not this program's)."""
+    j = c * BN + j0
+    return tl.load(bt_row + j // BS, mask=(j < n_max) & (c < hi), other=-1)
+
+
+@triton.jit
 def _fp8_paged_mqa_logits_kernel(
         q_ptr, stride_qb, stride_qn, stride_qh, cache_ptr, page_stride, num_pages, w_ptr, stride_wr,
         cl_ptr, stride_clb, bt_ptr, stride_bt, bt_cols, out_ptr, stride_or, max_len,
@@ -72,7 +80,7 @@ def _fp8_paged_mqa_logits_kernel(
         if CTX_2D:
             n = tl.load(cl_ptr + b * stride_clb + i)
         else:
-            n = tl.load(cl_ptr + b) - (NEXT_N - 1 - i)
+            n = tl.load(cl_ptr + b * stride_clb) - (NEXT_N - 1 - i)
         n = tl.minimum(tl.maximum(n, 0), limit)
         seen = seen + (n,)
         n_max = tl.maximum(n_max, n)
@@ -84,19 +92,17 @@ def _fp8_paged_mqa_logits_kernel(
     hi = (s + 1) * tiles // SPLITS
     bt_row = bt_ptr + b * stride_bt
     j0 = tl.arange(0, BN)
-    # the pages of tile c + 1 are loaded during tile c: the key loads of a tile then depend only on values
-    # carried into its iteration, and the pipeliner can issue them stages ahead
-    page_next = tl.load(bt_row + (lo * BN + j0) // BS, mask=lo * BN + j0 < n_max, other=-1)
+    # the pages of tile c + 1 are loaded during tile c: the key and scale loads of a tile then depend only
+    # on values carried into its iteration, and the pipeliner issues them stages ahead (cp.async)
+    p_nxt = _tile_pages(bt_row, lo, hi, n_max, j0, BN, BS)
     for c in range(lo, hi):
         j = c * BN + j0
-        page = page_next.to(tl.int64)
-        jn = j + BN
-        page_next = tl.load(bt_row + jn // BS, mask=(jn < n_max) & (c + 1 < hi), other=-1)
+        page = p_nxt.to(tl.int64)
+        p_nxt = _tile_pages(bt_row, c + 1, hi, n_max, j0, BN, BS)
         ok = (j < n_max) & (page >= 0) & (page < num_pages)
         base = cache_ptr + tl.where(ok, page, 0) * page_stride
-        off = j % BS
-        kb = tl.load(base[:, None] + off[:, None] * 128 + d[None, :], mask=ok[:, None], other=0)
-        sk = tl.load((base + BS * 128 + off * 4).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+        kb = tl.load(base[:, None] + (j % BS)[:, None] * 128 + d[None, :], mask=ok[:, None], other=0)
+        sk = tl.load((base + BS * 128 + (j % BS) * 4).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
         if FNUZ:
             sk = sk * 4.0
         k = _as_fp8(kb, FNUZ)
@@ -167,7 +173,10 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, sched
     qb, w = pad_heads(q.view(torch.uint8), weights)
     bs = kv_cache.shape[1]
     pages = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K)
-    splits = cfg.get("splits") or max(1, triton.cdiv(cfg["waves"] * sms, B))
+    # about `waves` programs per SM, but no more splits than keep MIN_TILES key tiles each when a context
+    # fills max_model_len (a host int: no sync)
+    splits = cfg.get("splits") or max(1, min(triton.cdiv(cfg["waves"] * sms, B),
+                                             triton.cdiv(max_model_len, cfg["BN"] * MIN_TILES)))
     _fp8_paged_mqa_logits_kernel[(B, splits)](
         qb, qb.stride(0), qb.stride(1), qb.stride(2), pages, pages.stride(0), pages.shape[0], w, w.stride(0),
         context_lens, context_lens.stride(0), block_tables, block_tables.stride(0), block_tables.shape[1], out,
