@@ -347,6 +347,8 @@ def _bad_calls(pos, qi, w, q8, wq, kv, bt):
         ("cu_seqlen_ks / cu_seqlen_ke", lambda: ops.fp8_mqa_logits(q8, (k8, ksc), wq, i32(0, 5, 0, 0),
                                                                    i32(1, 4, 1, 1))),
         ("weights must have dtype", lambda: ops.fp8_mqa_logits(q8, (k8, ksc), w, i32(0, 0, 0, 0), i32(1, 1, 1, 1))),
+        ("heads", lambda: ops.fp8_mqa_logits(q8.repeat(1, 9, 1), (k8, ksc), wq.repeat(1, 9), i32(0, 0, 0, 0),
+                                             i32(1, 1, 1, 1))),
         ("MXFP4", lambda: ops.fp8_fp4_mqa_logits((q8, wq), (k8, ksc), wq, i32(0, 0, 0, 0), i32(1, 1, 1, 1), True)),
         # context_lens of shape [1] for two requests: DeepGEMM takes [B] or [B, next_n] only
         ("context_lens must have shape", lambda: ops.fp8_paged_mqa_logits(q4, kv, wq[:2], i32(30), bt, meta, 64)),

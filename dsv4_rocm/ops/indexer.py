@@ -36,6 +36,7 @@ register("top_k_per_row", _ri.top_k_per_row)
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 FP8 = (torch.float8_e4m3fn, torch.uint8)
 MAX_NEXT_N = 4
+MAX_HEADS = 128
 
 
 def _flag(name, v):
@@ -101,6 +102,8 @@ def _q_and_weights(q, weights, dims):
         want = ", ".join(["*"] * (dims - 1) + [str(L.INDEXER_DIM)])
         raise ValueError(f"q must have shape [{want}], got {tuple(q.shape)}")
     _unit_inner("q", q)
+    if not 1 <= q.shape[-2] <= MAX_HEADS:
+        raise ValueError(f"q has {q.shape[-2]} heads; 1 to {MAX_HEADS} are supported (as DeepGEMM's)")
     rows = q.shape[0] * (q.shape[1] if dims == 4 else 1)
     C.tensor("weights", weights, dtype=torch.float32, shape=(rows, q.shape[-2]))
     _unit_inner("weights", weights)
