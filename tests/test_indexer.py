@@ -566,7 +566,9 @@ def test_triton_query_is_bit_exact(H, q_dtype, cs_dtype, fp4):
         assert torch.equal(gq[0].cpu(), rq[0]) and torch.equal(gq[1].cpu(), rq[1])
     else:
         assert gq.dtype == torch.float8_e4m3fn and torch.equal(gq.view(torch.uint8).cpu(), rq.view(torch.uint8))
-    assert torch.equal(gw.cpu().view(torch.int32), rw.view(torch.int32))
+    gw = gw.cpu()
+    nan = torch.isnan(rw)                                 # NaN payloads differ by vendor: compare NaN positions
+    assert torch.equal(torch.isnan(gw), nan) and torch.equal(gw[~nan].view(torch.int32), rw[~nan].view(torch.int32))
 
 
 @pytest.mark.gpu
