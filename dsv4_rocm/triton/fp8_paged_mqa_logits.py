@@ -14,12 +14,13 @@ negative or past the cache (never read), are -inf.
 
 The fp8 products run on the matrix units: wgmma / tcgen05 e4m3 on NVIDIA, MFMA on AMD. gfx942's MFMA reads
 fnuz e4m3, whose value is half the OCP one for every byte the cache holds (0x80, OCP -0, is mapped to 0x00
-first): its products are a quarter of the OCP ones and s_k is multiplied by 4 (exact).
+first): its products are a quarter of the OCP ones and s_k is multiplied by 4 (exact). The OCP NaN bytes
+read as +-240 there; a poisoned key or query still gives NaN, through its NaN scale or weight.
 
 Grid: (B, SPLITS). Program (b, s) reads the NEXT_N query tiles [H, 128] and weights of request b once, then
 streams its share of b's key tiles (BN keys a tile, a contiguous range of the tiles covering max_i n_i): every
-key tile is read once for all draft rows. SPLITS is picked from B and the SM count alone, so the grid needs
-no host sync and a graph replays it for any context lengths. With CLEAN the columns past the last key tile,
+key tile is read once for all draft rows. SPLITS is picked from B, the SM count and max_model_len (host
+values), so the grid needs no host sync and a graph replays it for any context lengths. With CLEAN the columns past the last key tile,
 up to max_model_len, are filled with -inf (split over the programs of the request); without it they are
 left unwritten. DeepGEMM's schedule_metadata is not needed: the key tiles of a request are split evenly.
 """
