@@ -175,18 +175,41 @@ def case_compressor_c4_indexer_mxfp4():
 
 def case_indexer():
     g = _g(8)
-    inp = dict(qi=torch.randn(4, 8, 128, generator=g).bfloat16(), w=torch.randn(4, 8, generator=g).bfloat16(),
+    bt = torch.tensor([[1, 0], [1, 0]], dtype=torch.int32)
+    j = torch.arange(100)
+    ternary = lambda *shape: torch.randint(-1, 2, shape, generator=g).float()             # noqa: E731
+    # logits inputs whose dot products every fp8 matrix unit sums exactly (values 0, +-1 against 0, +-256
+    # with power-of-two scales: partial sums stay within 13 mantissa bits) and positive weights, so the
+    # fp32 head sums, the only order-dependent part, have no cancellation
+    inp = dict(qi=torch.randn(4, 64, 128, generator=g).bfloat16(), w=torch.randn(4, 64, generator=g).bfloat16(),
                pos=torch.tensor([3, 40, 41, 200]), cos_sin=build_cos_sin_cache(160000.0, 256),
-               k8=torch.randint(0, 0x7E, (60, 128), generator=g, dtype=torch.uint8),
-               ks=torch.exp2(torch.randint(-9, -2, (60,), generator=g).float()))
+               k=(ternary(100, 128) * torch.exp2(torch.randint(-4, 4, (100, 1), generator=g))).bfloat16(),
+               slots=bt[0, j // 64].long() * 64 + j % 64, bt=bt,
+               cl=torch.tensor([[30, 31], [100, 99]], dtype=torch.int32),
+               lq=ternary(4, 64, 128).to(torch.float8_e4m3fn).view(torch.uint8), lw=torch.rand(4, 64, generator=g) + 0.1)
 
     def run(i):
-        q8, wq = ops.fused_indexer_q_rope_quant(i["qi"], i["pos"], i["cos_sin"], i["w"])
-        ke = (i["pos"] + 1) // 4
-        lg = ops.fp8_mqa_logits(q8, i["k8"], i["ks"], wq, torch.zeros_like(ke), ke.clamp(max=60))
-        top = ops.top_k_per_row(lg, torch.zeros_like(ke), ke.clamp(max=60), 8)
-        return dict(q8=q8, weights=wq, logits=lg, topk_sorted=top.sort(dim=1).values)
-    return inp, run, (1e-5, 1e-5)
+        dev = i["qi"].device
+        q8, wq = ops.fused_indexer_q_rope_quant(i["pos"], i["qi"], i["cos_sin"], i["w"], 128 ** -0.5, 64 ** -0.5)
+        (q4, q4s), w4 = ops.fused_indexer_q_rope_quant(i["pos"], i["qi"], i["cos_sin"], i["w"], 128 ** -0.5,
+                                                       64 ** -0.5, use_fp4=True)
+        cache = torch.zeros(2, 64, 132, dtype=torch.uint8, device=dev)
+        ops.indexer_k_quant_and_cache(i["k"], cache, i["slots"], 128, "ue8m0")
+        k8 = torch.empty(100, 128, dtype=torch.float8_e4m3fn, device=dev)
+        ks = torch.empty(100, 4, dtype=torch.uint8, device=dev)
+        ops.cp_gather_indexer_k_quant_cache(cache, k8, ks, i["bt"][:1], torch.tensor([0, 100], dtype=torch.int32,
+                                                                                        device=dev))
+        ke = ((i["pos"] + 1) // 4).clamp(max=100).to(torch.int32)
+        lq = i["lq"].view(torch.float8_e4m3fn)
+        lg = ops.fp8_mqa_logits(lq, (k8, ks.view(torch.float32).squeeze(-1)), i["lw"], torch.zeros_like(ke), ke)
+        top = ops.top_k_per_row(lg, torch.zeros_like(ke), ke, 8)
+        plg = ops.fp8_paged_mqa_logits(lq.view(2, 2, 64, 128), cache.unsqueeze(-2), i["lw"], i["cl"], i["bt"],
+                                       ops.get_paged_mqa_logits_metadata(i["cl"], 64, 4), 100)
+        return dict(q8=q8.view(torch.uint8), weights=wq, q4=q4, q4_scale=q4s, w4=w4, cache=cache,
+                    k8=k8.view(torch.uint8), k_scale=ks, logits=lg, topk_sorted=top.sort(dim=1).values,
+                    paged_logits=plg)
+    # weights are bit-exact; logits: sums of 64 positive fp32 terms in any order agree within 64 * 2^-24
+    return inp, run, (1e-5, 1e-6)
 
 
 def case_metadata():

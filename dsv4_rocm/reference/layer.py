@@ -29,11 +29,12 @@ REFERENCE_IMPL = SimpleNamespace(
     compressor_kv_score=compressor.compressor_kv_score,
     save_partial_states=compressor.save_partial_states,
     compress_norm_rope_store=compressor.compress_norm_rope_store,
-    fused_indexer_q_rope_quant=indexer.indexer_q_rope_quant,
+    fused_indexer_q_rope_quant=indexer.fused_indexer_q_rope_quant,
     fp8_mqa_logits=indexer.fp8_mqa_logits,
     fp8_paged_mqa_logits=indexer.fp8_paged_mqa_logits,
+    get_paged_mqa_logits_metadata=indexer.get_paged_mqa_logits_metadata,
     top_k_per_row=indexer.top_k_per_row,
-    indexer_k_gather=cache.indexer_k_gather,
+    cp_gather_indexer_k_quant_cache=indexer.cp_gather_indexer_k_quant_cache,
     dequantize_and_gather_k_cache=cache.dequantize_and_gather_k_cache,
     get_compressed_slot_mapping=metadata.get_compressed_slot_mapping,
     compute_swa_indices_and_lens=metadata.compute_swa_indices_and_lens,
@@ -181,16 +182,18 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
               sslots, cos_sin, cache_.idx, islots, 4, 128)
     qi = impl.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, nh, 128)
     wi = (x.float() @ W.idx_wproj.float().t()).to(torch.bfloat16)
-    q8, wq = impl.fused_indexer_q_rope_quant(qi, positions, cos_sin, wi)
+    q8, wq = impl.fused_indexer_q_rope_quant(positions, qi, cos_sin, wi, 128 ** -0.5, nh ** -0.5)
     K = cfg.index_topk
     topk = torch.full((T, K), -1, dtype=torch.int32, device=x.device)
     n_vis = (positions.long() + 1) // 4
+    kv = compressor.kv_cache_view(cache_.idx, 64, L.INDEXER_TOKEN_BYTES)
     dec = torch.nonzero(is_dec_tok).flatten()
     if dec.numel():
         cl = n_vis[dec]
         mcl = max(int(cl.max()), 1)
-        lg = impl.fp8_paged_mqa_logits(q8[dec].unsqueeze(1), cache_.idx, wq[dec], cl.to(torch.int32),
-                                       batch.compressed_block_table[t2r[dec]], 64, mcl)
+        cl32 = cl.to(torch.int32)
+        lg = impl.fp8_paged_mqa_logits(q8[dec].unsqueeze(1), kv, wq[dec], cl32, batch.compressed_block_table[t2r[dec]],
+                                       impl.get_paged_mqa_logits_metadata(cl32, 64, 1), mcl)
         topk[dec] = impl.top_k_per_row(lg, torch.zeros_like(cl), cl, K)
     qsl = batch.query_start_loc
     for b in range(qsl.shape[0] - 1):
@@ -198,11 +201,13 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
         if e == a or bool(is_dec_tok[a]):
             continue
         n = int(batch.seq_lens[b]) // 4
-        j = torch.arange(n, device=x.device)
-        slots = batch.compressed_block_table[b, j // 64].long() * 64 + j % 64
-        k8, ks = impl.indexer_k_gather(cache_.idx, slots, 64)
-        starts = torch.zeros(e - a, dtype=torch.int64, device=x.device)
-        lg = impl.fp8_mqa_logits(q8[a:e], k8, ks, wq[a:e], starts, n_vis[a:e])
+        k8 = torch.empty(n, 128, dtype=torch.float8_e4m3fn, device=x.device)
+        ks = torch.empty(n, 4, dtype=torch.uint8, device=x.device)
+        impl.cp_gather_indexer_k_quant_cache(kv, k8, ks, batch.compressed_block_table[b:b + 1],
+                                             torch.tensor([0, n], dtype=torch.int32, device=x.device))
+        starts = torch.zeros(e - a, dtype=torch.int32, device=x.device)
+        lg = impl.fp8_mqa_logits(q8[a:e], (k8, ks.view(torch.float32).squeeze(-1)), wq[a:e], starts,
+                                 n_vis[a:e].to(torch.int32))
         topk[a:e] = impl.top_k_per_row(lg, starts, n_vis[a:e], K)
     return topk
 
