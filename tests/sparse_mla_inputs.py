@@ -43,7 +43,16 @@ def decode_case(b, s_q, h, bs_main, topk, bs_extra, extra_topk, device, seed, si
     else:
         s = {"none": None, "-inf": torch.full((h,), float("-inf")), "+inf": torch.full((h,), float("inf"))}[sink]
     out["attn_sink"] = s
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+    return {k: (_to(v, device) if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def _to(t, device):
+    """Move to ``device`` keeping the strides: a cache view keeps its padded page stride (a plain .to()
+    of a strided view would hand the kernels a contiguous, unpadded copy)."""
+    if t.is_contiguous():
+        return t.to(device)
+    base = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0).to(device)
+    return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 DECODE_ARGS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache",

@@ -59,7 +59,7 @@ def _packed(scales_fp32):
     """fp32 powers of two [..., nb] -> UE8M0 words [..., ceil(nb/4)] (block 4i + j in byte j)."""
     b = ((scales_fp32.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
     pad = (-b.shape[-1]) % 4
-    b = torch.cat([b, torch.full((*b.shape[:-1], pad), 127, dtype=torch.uint8)], -1) if pad else b
+    b = torch.cat([b, torch.full((*b.shape[:-1], pad), 127, dtype=torch.uint8, device=b.device)], -1) if pad else b
     return b.contiguous().view(torch.int32)
 
 

@@ -702,6 +702,6 @@ def test_triton_decode_step_replays_from_a_cuda_graph():
                 ref = ops.fp8_paged_mqa_logits(q8.unsqueeze(1), kv, wq, new["cl"], bt,
                                                torch.zeros(2, 2, dtype=torch.int32), max_len)
             assert torch.equal(gp.cpu(), pages), "indexer-K cache bytes differ"
-            mag = paged_magnitude(q8, pages, bs, wq, new["cl"], bt, max_len)
+            mag = paged_magnitude(q8.unsqueeze(1), pages, bs, wq, new["cl"], bt, max_len)
             seen = torch.arange(max_len)[None, :] < n[:, None]
             assert_logits_close(out, ref, mag, f"graph replay {k}", where=seen)

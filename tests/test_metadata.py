@@ -876,6 +876,8 @@ def batch_cases(seed, **kw):
 def _to(x, device):
     if isinstance(x, torch.Tensor):
         return x.clone().to(device)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
         return type(x)(_to(y, device) for y in x)
     return x
