@@ -52,6 +52,8 @@ def load_flashmla(path):
     tests = os.path.join(path, "tests")
     if not os.path.isfile(os.path.join(tests, "lib.py")):
         fail(f"{path} is not a FlashMLA checkout (no tests/lib.py)")
+    if path not in sys.path:            # a checkout built in place (build_ext --inplace) is the peer
+        sys.path.append(path)
     try:
         peer = importlib.import_module("flash_mla")
         peer.flash_mla_with_kvcache  # noqa: B018  (a source tree without the built extension fails here)
