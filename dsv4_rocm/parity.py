@@ -132,7 +132,9 @@ def case_indexer():
         q8, wq = ops.fused_indexer_q_rope_quant(i["qi"], i["pos"], i["cos_sin"], i["w"])
         ke = (i["pos"] + 1) // 4
         lg = ops.fp8_mqa_logits(q8, i["k8"], i["ks"], wq, torch.zeros_like(ke), ke.clamp(max=60))
-        top = ops.top_k_per_row(lg, torch.zeros_like(ke), ke.clamp(max=60), 8)
+        top = torch.empty(lg.shape[0], 8, dtype=torch.int32, device=lg.device)
+        ops.top_k_per_row_prefill(lg, torch.zeros_like(ke), ke.clamp(max=60), top, lg.shape[0], lg.stride(0),
+                                  lg.stride(1), 8)
         return dict(q8=q8, weights=wq, logits=lg, topk_sorted=top.sort(dim=1).values)
     return inp, run, (1e-5, 1e-5)
 

@@ -31,7 +31,8 @@ REFERENCE_IMPL = SimpleNamespace(
     fused_indexer_q_rope_quant=indexer.indexer_q_rope_quant,
     fp8_mqa_logits=indexer.fp8_mqa_logits,
     fp8_paged_mqa_logits=indexer.fp8_paged_mqa_logits,
-    top_k_per_row=indexer.top_k_per_row,
+    top_k_per_row_prefill=indexer.top_k_per_row_prefill,
+    top_k_per_row_decode=indexer.top_k_per_row_decode,
     indexer_k_gather=cache.indexer_k_gather,
     dequantize_and_gather_k_cache=cache.dequantize_and_gather_k_cache,
     get_compressed_slot_mapping=metadata.get_compressed_slot_mapping,
@@ -170,7 +171,9 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
         mcl = max(int(cl.max()), 1)
         lg = impl.fp8_paged_mqa_logits(q8[dec].unsqueeze(1), cache_.idx, wq[dec], cl.to(torch.int32),
                                        batch.compressed_block_table[t2r[dec]], 64, mcl)
-        topk[dec] = impl.top_k_per_row(lg, torch.zeros_like(cl), cl, K)
+        top = torch.empty(dec.numel(), K, dtype=torch.int32, device=x.device)
+        impl.top_k_per_row_decode(lg, 1, cl.to(torch.int32), top, dec.numel(), lg.stride(0), lg.stride(1), K)
+        topk[dec] = top
     qsl = batch.query_start_loc
     for b in range(qsl.shape[0] - 1):
         a, e = int(qsl[b]), int(qsl[b + 1])
@@ -182,7 +185,7 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
         k8, ks = impl.indexer_k_gather(cache_.idx, slots, 64)
         starts = torch.zeros(e - a, dtype=torch.int64, device=x.device)
         lg = impl.fp8_mqa_logits(q8[a:e], k8, ks, wq[a:e], starts, n_vis[a:e])
-        topk[a:e] = impl.top_k_per_row(lg, starts, n_vis[a:e], K)
+        impl.top_k_per_row_prefill(lg, starts, n_vis[a:e], topk[a:e], e - a, lg.stride(0), lg.stride(1), K)
     return topk
 
 
