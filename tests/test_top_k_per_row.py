@@ -193,6 +193,11 @@ def test_ops_forms_on_cpu_and_empty_batch():
     out = torch.full((6, 16), POISON, dtype=torch.int32)
     ops.top_k_per_row_decode(lg, 2, torch.tensor([90, 20, 5], dtype=torch.int32), out, 6, 90, 1, 16)
     check_topk(lg, out, torch.zeros(6), I.decode_rows(torch.tensor([90, 20, 5]), 2, 6, 90), 16, label="ops decode")
+    lengths = torch.tensor([[90, 3], [17, 16], [0, -4]], dtype=torch.int32)
+    for op in (ops.persistent_topk, ops.cooperative_topk):
+        out.fill_(POISON)
+        op(lg, lengths, out, torch.empty(8, dtype=torch.uint8), 16, 90)
+        check_topk(lg, out, torch.zeros(6), lengths.reshape(-1).clamp(0, 90), 16, label=op.__name__)
     out.fill_(POISON)
     ops.top_k_per_row_prefill(lg, torch.zeros(6, dtype=torch.int64), torch.zeros(6, dtype=torch.int64), out, 0, 90, 1,
                               16)
@@ -283,6 +288,7 @@ def test_gpu_ties_inf_short_rows_strided(k, form, gpu):
     rows, width = 12, 40000
     store = torch.randn(rows, width + 96, generator=g)
     store[:6, 16:16 + width] = tied_logits(6, width, g)
+    store[0, 16 + 10000:16 + 10000 + k // 4] = float("nan")          # selected first, never hidden
     lg = store.to(gpu)[:, 16:16 + width]                               # stride0 = width + 96
     if form == "prefill":
         starts = torch.randint(0, 3000, (rows,), generator=g, dtype=torch.int32)
@@ -439,6 +445,11 @@ def test_gpu_ops_dispatch_and_rows_past_num_rows_untouched(gpu):
         ref = torch.full_like(out, POISON)
         ops.top_k_per_row_prefill(lg, s, e, ref, 6, lg.stride(0), lg.stride(1), 1024)
     check_topk(lg, ref[:6], s[:6], e[:6], 1024, label="ops prefill, reference backend")
+    lengths = torch.tensor([50000, 3, 1025, 49999, 0, 2048, 7, 40000], dtype=torch.int32, device=gpu)
+    for op in (ops.persistent_topk, ops.cooperative_topk):
+        got = torch.full((8, 1024), POISON, dtype=torch.int32, device=gpu)
+        op(lg, lengths, got, torch.empty(1 << 20, dtype=torch.uint8, device=gpu), 1024, 50000)
+        check_topk(lg, got, torch.zeros(8), lengths, 1024, lowest_ties=True, label=f"ops {op.__name__}")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,13 @@ SWEEP = {
     "ctas2": lambda c: dict(ctas=2),
     "ctas8": lambda c: dict(ctas=8),
     "tile8k": lambda c: dict(tile=8192),
-    "k2warps8": lambda c: dict(warps_k2=8),
+    "k2warps8": lambda c: dict(warps_k2=8, load=c["load"] // 2, chunk=c["chunk"] // 2,
+                               gather=c["gather"] // 2) if c["cap"] <= 1024 else {},   # spills beyond
     "k1warps4": lambda c: dict(warps_k1=4),
     "group/2": lambda c: dict(group=max(1, c["group"] // 2), raw_max=c["raw_max"] // 2),
     "raw*2": lambda c: dict(raw_max=c["raw_max"] * 2),
-    "gather8k": lambda c: dict(gather=8192, chunk=8192),
+    "steps/2": lambda c: dict(load=c["load"] // 2, chunk=c["chunk"] // 2, gather=c["gather"] // 2),
+    "raw/4": lambda c: dict(raw_max=c["raw_max"] // 4),
 }
 
 

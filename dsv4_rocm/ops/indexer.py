@@ -49,13 +49,14 @@ def fp8_paged_mqa_logits(q8, kv_cache, weights, context_lens, block_table, block
 
 
 # ---- top-k per row: vLLM's top_k_per_row_prefill / top_k_per_row_decode / persistent_topk ----------------
-__all__ += ["top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk"]
+__all__ += ["top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk"]
 
 register("top_k_per_row_prefill", _ri.top_k_per_row_prefill,
          triton="dsv4_rocm.triton.top_k_per_row:top_k_per_row_prefill")
 register("top_k_per_row_decode", _ri.top_k_per_row_decode,
          triton="dsv4_rocm.triton.top_k_per_row:top_k_per_row_decode")
 register("persistent_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.top_k_per_row:persistent_topk")
+register("cooperative_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.top_k_per_row:persistent_topk")
 
 TOP_K_MAX = 4096
 
@@ -126,6 +127,15 @@ def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int
     """Every row r of logits (fp32 or bf16 [rows, ncols]): output[r] (int32 [rows, k]) gets the top-k columns of
     logits[r, :lengths[r]] (lengths int32, one per row, 1-D or 2-D; clamped into [0, ncols]). workspace (a
     uint8 tensor) and max_seq_len are accepted as vLLM passes them; scratch comes from torch's allocator."""
+    _workspace_form("persistent_topk", logits, lengths, output, workspace, k, max_seq_len)
+
+
+def cooperative_topk(logits, lengths, output, workspace, k: int, max_seq_len: int) -> None:
+    """vLLM's cooperative_topk (its few-row variant of persistent_topk): the same call form and result."""
+    _workspace_form("cooperative_topk", logits, lengths, output, workspace, k, max_seq_len)
+
+
+def _workspace_form(op, logits, lengths, output, workspace, k, max_seq_len):
     C.tensor("logits", logits, dtype=(torch.float32, torch.bfloat16), dim=2)
     C.tensor("output", output, dtype=torch.int32, dim=2)
     if output.shape[0] != logits.shape[0]:
@@ -138,4 +148,4 @@ def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 0:
         raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
     C.same_device(logits=logits, lengths=lengths, output=output)
-    _run("persistent_topk", logits.device, logits, lengths, output, workspace, k, max_seq_len)
+    _run(op, logits.device, logits, lengths, output, workspace, k, max_seq_len)

@@ -1,26 +1,28 @@
 """Top-k per row of fp32 logits: vLLM's ``top_k_per_row_prefill`` / ``top_k_per_row_decode`` /
-``persistent_topk`` (the C4 indexer's last step, DSV4_SPEC §6.3).
+``persistent_topk``, the last step of the C4 lightning indexer.
 
-Semantics (docs/conventions.md, "Selection"). Row r holds n valid columns starting at column s (prefill:
+Semantics (docs/conventions.md, "Selection"). Row r holds n valid columns [s, s + n) (prefill:
 [row_starts[r], row_ends[r]) clamped into [0, ncols]; decode: s = 0 and n from seq_lens, see
 ``_row_range``). Its k outputs are column indices relative to s: with n <= k, [0, 1, ..., n-1, -1, ...];
 otherwise k distinct columns whose logits are the k largest, in no particular order. Order of values: the
-float order (-0 = +0, -inf an ordinary value) with every NaN above +inf, NaNs tied. Ties at the k-th value
-go to the lowest columns among the candidates (deterministic for given inputs and configuration).
+float order (-0 = +0, -inf an ordinary value) with every NaN above +inf, NaNs tied. Of the values tied
+at the k-th place, the lowest columns are taken (every tie reaches the candidate list, kept in column
+order), so the output set is a function of the row alone.
 
 Keys. ``_order_key`` maps a float to a uint32 whose unsigned order is that order (flip the sign bit of
 non-negatives, all bits of negatives, -0 -> +0, NaN -> 0xFFFFFFFF); 0 is below every real key and pads.
 
 Algorithm: a filter that keeps at least k and usually ~1.1 k elements, then an exact radix select.
   K1 ``_group_max_kernel`` (rows longer than RAW_MAX only), grid (rows, CTAs per row): the maximum key of
-     every group of G0 consecutive columns -> fmax [rows, ceil(n / G0)]. One pass over the logits, one
-     compare per element; 1/G0 of the bytes written back.
+     every group of G0 columns (groups aligned to multiples of G0 in absolute columns, so loads are
+     16-byte vectors) -> fmax [rows, groups]. One pass over the logits, one max per element; 1/G0 of the
+     bytes written back.
   K2 ``_select_kernel``, one CTA per row:
      1. coarse maxima C[GB]: C[j] = max of the level-1 values with index = j mod GB, where the level-1
         values are the group maxima (long rows) or the row's keys themselves (rows up to RAW_MAX).
         Each C[j] is the key of a distinct element of the row (or 0).
-     2. t = a lower bound of the k-th largest C: the top T_ROUNDS x D bits of it, by radix select
-        (``tl.histogram`` of D-bit digits). At least k entries of C, hence k elements, are >= t; for
+     2. t = a lower bound of the k-th largest C: its top T_ROUNDS x DT bits, by radix select
+        (``tl.histogram`` of DT-bit digits). At least k entries of C, hence k elements, are >= t; for
         continuous data with GB = 4k about 1.15 k elements are (sampled: 1.07 k at GB = 8k).
      3. candidates: every element with key >= t, compacted in column order into a per-row scratch
         list (keys and columns). Long rows read only the groups whose maximum is >= t (~k groups of
@@ -29,17 +31,20 @@ Algorithm: a filter that keeps at least k and usually ~1.1 k elements, then an e
         largest key T and how many of its ties to take; write the columns with key > T, then the first
         ties. With more than CAP candidates (long runs of equal values), the same radix select streams
         over the whole row instead: exact, but ceil(32 / D) + 1 passes of one CTA (the slow path).
-  Rows with n <= k take the trivial path in K2 (K1 skips them).
+  Rows with n <= k take the trivial path in K2 (K1 skips them). Every size is a ``default_config`` entry.
 
 Passes and predicted time on an H100 (copy bandwidth ~3.0 TB/s, ~2-3 us per kernel in a CUDA graph):
-  k = 512 over 256K candidates (1 MB), batch 1: K1 reads 1 MB with ~64 CTAs (~0.5 us of traffic),
-  K2 (one CTA) reads 64 KB of group maxima and ~540 x 16 columns, and runs 4 + 7 histogram rounds on
-  2048 + 1024 register keys (~0.3 us each): ~5 us. Total ~3 + 5 + launch gaps: 10-13 us (target 15).
-  Batch 64 x 128K (33.5 MB): K1 streams 33.5 MB + 2 MB of maxima (~12 us at 3 TB/s), K2 runs 64 CTAs
-  of ~5 us in parallel: ~20 us (target 30). No pass over the data beyond K1's in the common case.
+  k = 512 over 256K candidates (1 MB), batch 1: K1 reads 1 MB with 64 CTAs (~0.5 us of traffic, ~1.5 us
+  with its latency), K2 (one CTA) reads 64 KB of group maxima and ~540 x 16 columns, runs 4 + 7
+  histogram rounds on 2048 + 1024 register keys (~0.3 us each) and ~10 block scans: ~6 us. Total with
+  two launches: 10-13 us (target 15).
+  Batch 64 x 128K (33.5 MB): K1 streams 33.5 MB + 2 MB of maxima (~12 us at 3 TB/s), then K2 runs 64
+  CTAs of ~6 us side by side: ~20 us (target 30). In the common case nothing reads the logits twice but
+  the ~k qualifying groups.
 
 Memory layout: logits element (r, c) at ``logits + r * stride0 + c * stride1`` (any strides, 64-bit
-offsets); out_idx (r, i) at ``out + r * out.stride(0) + i * out.stride(1)``; scratch: int32 fmax
+offsets; loads are masked at the row's storage end ncols, columns past a row's end are read and
+ignored); out_idx (r, i) at ``out + r * out.stride(0) + i * out.stride(1)``; scratch: int32 fmax
 [rows, ceil(ncols / G0)] (only when some row can exceed RAW_MAX) and [rows, 3 * CAP] (candidate keys,
 candidate columns, qualifying group ids). Within a CTA, the scratch written before ``tl.debug_barrier``
 is read after it by other threads: bar.sync orders global memory for the CTA on NVIDIA; on AMD all waves
@@ -304,7 +309,7 @@ def default_config(arch: str, k: int) -> dict:
     group      G0, columns per group maximum (K1); rows longer than raw_max go through K1
     raw_max    rows up to this length are filtered from their own keys (no K1)
     coarse     GB, coarse maxima (about 4 k: ~1.15 k candidates on continuous data)
-    load       level-1 values read per coarsening step, as a multiple of GB (LF)
+    load       level-1 values read per coarsening step (a multiple of GB, at least GB)
     cap        CAP, candidates held in registers (more: the streamed slow path)
     digit      D, bits per digit of the exact select: the warp width's log2 (one histogram bin per lane)
     t_digit, t_rounds: digits of the filter threshold t (more bits: fewer candidates when values cluster)
@@ -313,11 +318,15 @@ def default_config(arch: str, k: int) -> dict:
     warps_k1, warps_k2: num_warps of the two kernels."""
     kp = _pow2(k)
     g0 = max(1, min(16, 32768 // (4 * kp)))
-    gb = min(16384, max(256, 4 * kp))
-    d = 6 if arch.startswith("gfx") else 5
-    return dict(group=g0, raw_max=max(4 * kp * g0, 1024), coarse=gb, load=max(1, 8192 // gb),
-                cap=min(8192, max(256, 2 * kp)), digit=d, t_digit=d, t_rounds=4, tile=4096, ctas=4, chunk=4096,
-                gather=4096, warps_k1=8, warps_k2=16 if kp >= 512 else 8)
+    amd = arch.startswith("gfx")
+    d = 6 if amd else 5
+    # K2: 16 warps from k = 512 on (8 on AMD beyond 2048: 1024 threads leave 128 VGPRs each)
+    warps = 16 if 512 <= kp and not (amd and kp > 2048) else 8
+    step = 256 * warps                  # K2 streaming steps: 8 columns per thread (32 lanes) or 4 (64 lanes)
+    coarse = min(8192 if amd else 16384, max(256, 4 * kp))
+    return dict(group=g0, raw_max=max(4 * kp * g0, 1024), coarse=coarse, load=step,
+                cap=min(8192, max(256, 2 * kp)), digit=d, t_digit=d, t_rounds=4, tile=4096, ctas=4, chunk=step,
+                gather=step, warps_k1=8, warps_k2=warps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,7 +367,8 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
 
 def _select_constexprs(cfg, mode):
     t_digit = cfg["t_digit"]
-    return dict(MODE=mode, G0=cfg["group"], GB=cfg["coarse"], LF=cfg["load"], CAP=cfg["cap"], D=cfg["digit"],
+    return dict(MODE=mode, G0=cfg["group"], GB=cfg["coarse"], LF=max(1, cfg["load"] // cfg["coarse"]),
+                CAP=cfg["cap"], D=cfg["digit"],
                 DT=t_digit, T_ROUNDS=min(cfg["t_rounds"], triton.cdiv(32, t_digit)), CHUNK=cfg["chunk"],
                 GATHER=max(1, cfg["gather"] // cfg["group"]), KB=1024)
 
@@ -386,13 +396,15 @@ def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int
 
 
 _PTRS = dict(x_ptr="*fp32", a_ptr="*i32", b_ptr="*i32", fmax_ptr="*i32", out_ptr="*i32", ws_ptr="*i32")
+_SELECT_SPECS = [  # (k, mode, logits type): each call form once, k from 512 to 2048
+    (512, REQUEST_LENS, "*fp32"), (2048, RANGES, "*fp32"), (1024, ROW_LENS, "*bf16")]
 
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
-    dict(name=f"top_k_per_row_select[k={k}]", fn=_select_kernel, pointers=_PTRS, floats=(),
-         constexprs=lambda arch, k=k: _select_constexprs(default_config(arch, k), RANGES),
+    dict(name=f"top_k_per_row_select[k={k},mode={mode}]", fn=_select_kernel, pointers=dict(_PTRS, x_ptr=xt),
+         floats=(), constexprs=lambda arch, k=k, mode=mode: _select_constexprs(default_config(arch, k), mode),
          options=lambda arch, k=k: dict(num_warps=default_config(arch, k)["warps_k2"]), matrix=False)
-    for k in (512, 2048)
+    for k, mode, xt in _SELECT_SPECS
 ] + [
     dict(name="top_k_per_row_group_max", fn=_group_max_kernel, pointers=_PTRS, floats=(),
          constexprs=lambda arch: dict(MODE=REQUEST_LENS, G0=16, TILE_G=256),
