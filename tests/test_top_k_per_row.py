@@ -248,7 +248,8 @@ def interpreter_cases():
     s, n = I.prefill_rows(starts, ends, 8, width)
     grouped = dict(raw_max=1024, group=2)             # rows over 1024 columns through the group maxima
     configs = {"default": None, "group maxima": grouped, "cap < k (streamed)": dict(cap=256),
-               "8-bit digits": dict(grouped, digit=8, t_digit=8, t_rounds=2, gather=256)}
+               "8-bit digits, 3 CTAs for 8 rows": dict(grouped, digit=8, t_digit=8, t_rounds=2, gather=256,
+                                                       k2_ctas=3 / T._facts(lg.device)[1])}
     for name, cfg in configs.items():
         out = torch.full((8, k), POISON, dtype=torch.int32)
         T.top_k_per_row_prefill(lg, starts, ends, out, 8, lg.stride(0), 1, k, config=cfg)

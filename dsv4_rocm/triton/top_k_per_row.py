@@ -17,7 +17,8 @@ Algorithm: a filter that keeps at least k and usually ~1.1 k elements, then an e
      every group of G0 columns (groups aligned to multiples of G0 in absolute columns, so loads are
      16-byte vectors) -> fmax [rows, groups]. One pass over the logits, one max per element; 1/G0 of the
      bytes written back.
-  K2 ``_select_kernel``, one CTA per row:
+  K2 ``_select_kernel``, one CTA per row at a time (a grid of at most k2_ctas x SMs CTAs walks the rows,
+  so its scratch scales with the SMs, not with the rows of a prefill chunk):
      1. coarse maxima C[GB]: C[j] = max of the level-1 values with index = j mod GB, where the level-1
         values are the group maxima (long rows) or the row's keys themselves (rows up to RAW_MAX).
         Each C[j] is the key of a distinct element of the row (or 0).
@@ -45,10 +46,11 @@ Passes and predicted time on an H100 (copy bandwidth ~3.0 TB/s, ~2-3 us per kern
 Memory layout: logits element (r, c) at ``logits + r * stride0 + c * stride1`` (any strides, 64-bit
 offsets; loads are masked at the row's storage end ncols, columns past a row's end are read and
 ignored); out_idx (r, i) at ``out + r * out.stride(0) + i * out.stride(1)``; scratch: int32 fmax
-[rows, ceil(ncols / G0)] (only when some row can exceed RAW_MAX) and [rows, 3 * CAP] (candidate keys,
-candidate columns, qualifying group ids). Within a CTA, the scratch written before ``tl.debug_barrier``
-is read after it by other threads: bar.sync orders global memory for the CTA on NVIDIA; on AMD all waves
-of a workgroup share one CU and its L1, where LLVM's memory model needs no wait at workgroup scope either.
+[rows, ceil(ncols / G0)] (only when some row can exceed RAW_MAX: 1/G0 of the logits' bytes) and
+[K2 CTAs, 3 * CAP] (candidate keys, candidate columns, qualifying group ids). Within a CTA, the scratch
+written before ``tl.debug_barrier`` is read after it by other threads: bar.sync orders global memory for
+the CTA on NVIDIA; on AMD all waves of a workgroup share one CU and its L1, where LLVM's memory model
+needs no wait at workgroup scope either.
 """
 import functools
 
@@ -96,18 +98,21 @@ def _row_range(r, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE: tl.constexpr):
 
 
 @triton.jit
-def _keys_at(row, x_s1, col, ncols, start, end):
+def _keys_at(row, x_s1, col, ncols, start, end, OFF64: tl.constexpr):
     """(keys, inside) of the absolute columns col of a row: key 0 outside [start, end). Loads are masked only
     at the row's storage end ncols (columns past end are read and ignored), so that aligned runs of
-    columns load as vectors."""
-    x = tl.load(row + col.to(tl.int64) * x_s1, mask=col < ncols, other=0.0)
+    columns load as vectors. Column offsets are 64-bit only where a row spans 2^31 elements (OFF64)."""
+    if OFF64:
+        x = tl.load(row + col.to(tl.int64) * x_s1, mask=col < ncols, other=0.0)
+    else:
+        x = tl.load(row + col * x_s1, mask=col < ncols, other=0.0)
     inside = (col >= start) & (col < end)
     return tl.where(inside, _order_key(x), 0), inside
 
 
 @triton.jit
 def _group_max_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, fmax_ptr, fmax_s0, raw_max,
-                      splits, MODE: tl.constexpr, G0: tl.constexpr, TILE_G: tl.constexpr):
+                      splits, MODE: tl.constexpr, G0: tl.constexpr, TILE_G: tl.constexpr, OFF64: tl.constexpr):
     """K1: for rows longer than raw_max, fmax[r, j] = max key of the row's columns in the aligned group
     [(start // G0 + j) * G0, + G0) of absolute columns. CTA (r, sp) covers a contiguous share of the
     row's groups, TILE_G groups per step."""
@@ -127,7 +132,7 @@ def _group_max_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n
         el = tl.arange(0, G0)
         for g0 in range(lo, hi, TILE_G):
             gi = g0 + gl
-            key, _ = _keys_at(row, x_s1, (first + gi)[:, None] * G0 + el[None, :], ncols, start, end)
+            key, _ = _keys_at(row, x_s1, (first + gi)[:, None] * G0 + el[None, :], ncols, start, end, OFF64)
             tl.store(out + gi, tl.max(key, axis=1).to(tl.int32, bitcast=True), mask=gi < hi)
 
 
@@ -174,14 +179,14 @@ def _select_block(keys, valid, need, ROUNDS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _select_stream(row, x_s1, ncols, start, end, t, need, CHUNK: tl.constexpr, ROUNDS: tl.constexpr,
-                   D: tl.constexpr):
+                   D: tl.constexpr, OFF64: tl.constexpr):
     """_select_block over the keys >= t of a whole row, streamed in chunks (the slow path)."""
     prefix = tl.zeros([], tl.uint32)
     offs = tl.arange(0, CHUNK)
     for rnd in tl.static_range(ROUNDS):
         hist = tl.zeros([1 << D], tl.int32)
         for base in range((start // 16) * 16, end, CHUNK):
-            key, inside = _keys_at(row, x_s1, base + offs, ncols, start, end)
+            key, inside = _keys_at(row, x_s1, base + offs, ncols, start, end, OFF64)
             m = inside & (key >= t) & _same_prefix(key, prefix, rnd, D)
             hist += tl.histogram(_digit(key, rnd, D), 1 << D, mask=m)
         prefix, need = _descend(hist, need, prefix, rnd, D)
@@ -203,13 +208,27 @@ def _emit(out_row, out_s1, cols, keys, ok, T, n_gt, k, done_gt, done_eq):
 
 @triton.jit
 def _select_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
-                   fmax_ptr, fmax_s0, ws_ptr, ws_s0, raw_max,
+                   num_rows, fmax_ptr, fmax_s0, ws_ptr, ws_s0, raw_max,
                    MODE: tl.constexpr, G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr, CAP: tl.constexpr,
                    D: tl.constexpr, DT: tl.constexpr, T_ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
-                   GATHER: tl.constexpr, KB: tl.constexpr):
-    """K2: one CTA per row (steps 1-4 of the module docstring)."""
+                   GATHER: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr):
+    """K2: CTA p selects rows p, p + grid, ... one after the other, reusing its scratch row ws[p]."""
+    ws_row = ws_ptr + tl.program_id(0).to(tl.int64) * ws_s0      # [CAP keys | CAP columns | CAP group ids]
+    for r in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        _select_row(r, x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
+                    fmax_ptr, fmax_s0, ws_row, raw_max, MODE, G0, GB, LF, CAP, D, DT, T_ROUNDS, CHUNK, GATHER, KB,
+                    OFF64)
+        tl.debug_barrier()                                # the next row overwrites the scratch
+
+
+@triton.jit
+def _select_row(r, x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
+                fmax_ptr, fmax_s0, ws_row, raw_max, MODE: tl.constexpr, G0: tl.constexpr, GB: tl.constexpr,
+                LF: tl.constexpr, CAP: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, T_ROUNDS: tl.constexpr,
+                CHUNK: tl.constexpr, GATHER: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr):
+    """Steps 1-4 of the module docstring for row r."""
     ROUNDS: tl.constexpr = (32 + D - 1) // D
-    r = tl.program_id(0)
+    r = r + tl.zeros([], tl.int32)                    # a tensor also where the loop yields Python ints
     start, n = _row_range(r, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE)
     out_row = out_ptr + r.to(tl.int64) * out_s0
     if n <= k:
@@ -219,7 +238,6 @@ def _select_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, o
     else:
         row = x_ptr + r.to(tl.int64) * x_s0          # columns are absolute; outputs relative to start
         fmax_row = fmax_ptr + r.to(tl.int64) * fmax_s0
-        ws_row = ws_ptr + r.to(tl.int64) * ws_s0      # [CAP keys | CAP columns | CAP group ids]
         end = start + n
         a0 = (start // 16) * 16                       # chunks start aligned: vector loads
         grouped = n > raw_max
@@ -236,7 +254,7 @@ def _select_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, o
                 coarse = tl.maximum(coarse, tl.max(f, axis=0))
         else:
             for base in range(a0, end, LF * GB):
-                key, _ = _keys_at(row, x_s1, base + lofs, ncols, start, end)
+                key, _ = _keys_at(row, x_s1, base + lofs, ncols, start, end, OFF64)
                 coarse = tl.maximum(coarse, tl.max(key, axis=0))
         # 2. t: at least k coarse maxima, so at least k elements, are >= t
         t, _ = _select_block(coarse, gofs < GB, k, T_ROUNDS, DT)
@@ -260,7 +278,7 @@ def _select_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, o
                     gi = base + gl
                     g = tl.load(ws_row + 2 * CAP + gi, mask=gi < ng, other=0)
                     col = (first + g)[:, None] * G0 + el[None, :]
-                    key, inside = _keys_at(row, x_s1, col, ncols, start, end)
+                    key, inside = _keys_at(row, x_s1, col, ncols, start, end, OFF64)
                     q = tl.reshape(inside & (gi < ng)[:, None] & (key >= t), [GATHER * G0])
                     pos = cnt + tl.cumsum(q.to(tl.int32), 0) - 1
                     keep = q & (pos < CAP)
@@ -272,7 +290,7 @@ def _select_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, o
         else:
             for base in range(a0, end, CHUNK):
                 c = base + cofs
-                key, inside = _keys_at(row, x_s1, c, ncols, start, end)
+                key, inside = _keys_at(row, x_s1, c, ncols, start, end, OFF64)
                 q = inside & (key >= t)
                 pos = cnt + tl.cumsum(q.to(tl.int32), 0) - 1
                 keep = q & (pos < CAP)
@@ -280,22 +298,26 @@ def _select_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, o
                 tl.store(ws_row + CAP + pos, c - start, mask=keep)
                 cnt += tl.sum(q.to(tl.int32), 0)
         tl.debug_barrier()
-        # 4. exact select and output
-        zero = tl.zeros([], tl.int32)
+        # 4. exact select (candidate keys in registers, or the streamed slow path), then output in chunks
         if cnt <= CAP:
             ofs = tl.arange(0, CAP)
-            ok = ofs < cnt
-            keys = tl.load(ws_row + ofs, mask=ok, other=0).to(tl.uint32, bitcast=True)
-            cols = tl.load(ws_row + CAP + ofs, mask=ok, other=0)
-            T, ties = _select_block(keys, ok, k, ROUNDS, D)
-            _emit(out_row, out_s1, cols, keys, ok, T, k - ties, k, zero, zero)
+            keys = tl.load(ws_row + ofs, mask=ofs < cnt, other=0).to(tl.uint32, bitcast=True)
+            T, ties = _select_block(keys, ofs < cnt, k, ROUNDS, D)
         else:
-            T, ties = _select_stream(row, x_s1, ncols, start, end, t, k, CHUNK, ROUNDS, D)
-            done_gt = zero
-            done_eq = zero
+            T, ties = _select_stream(row, x_s1, ncols, start, end, t, k, CHUNK, ROUNDS, D, OFF64)
+        done_gt = tl.zeros([], tl.int32)
+        done_eq = tl.zeros([], tl.int32)
+        if cnt <= CAP:
+            for base in range(0, cnt, CHUNK):
+                c = base + cofs
+                ok = c < cnt
+                key = tl.load(ws_row + c, mask=ok, other=0).to(tl.uint32, bitcast=True)
+                col = tl.load(ws_row + CAP + c, mask=ok, other=0)
+                done_gt, done_eq = _emit(out_row, out_s1, col, key, ok, T, k - ties, k, done_gt, done_eq)
+        else:
             for base in range(a0, end, CHUNK):
                 c = base + cofs
-                key, inside = _keys_at(row, x_s1, c, ncols, start, end)
+                key, inside = _keys_at(row, x_s1, c, ncols, start, end, OFF64)
                 done_gt, done_eq = _emit(out_row, out_s1, c - start, key, inside, T, k - ties, k, done_gt,
                                          done_eq)
 
@@ -308,25 +330,27 @@ def default_config(arch: str, k: int) -> dict:
     """Tile sizes for k on a target; every entry can be overridden through ``config=`` (sweeps):
     group      G0, columns per group maximum (K1); rows longer than raw_max go through K1
     raw_max    rows up to this length are filtered from their own keys (no K1)
-    coarse     GB, coarse maxima (about 4 k: ~1.15 k candidates on continuous data)
+    coarse     GB, coarse maxima (4 k: ~1.15 k candidates on continuous data; 2 k: ~1.4 k)
     load       level-1 values read per coarsening step (a multiple of GB, at least GB)
-    cap        CAP, candidates held in registers (more: the streamed slow path)
+    cap        CAP, candidate keys held in registers (more: the streamed slow path)
     digit      D, bits per digit of the exact select: the warp width's log2 (one histogram bin per lane)
     t_digit, t_rounds: digits of the filter threshold t (more bits: fewer candidates when values cluster)
     tile       columns per K1 step; ctas: K1 CTAs per SM to aim at (the split of long rows)
+    k2_ctas    K2 CTAs per SM at most; each takes every grid-th row, so scratch scales with SMs, not rows
     chunk      columns per K2 streaming step; gather: columns gathered per K2 step (a multiple of G0)
     warps_k1, warps_k2: num_warps of the two kernels."""
     kp = _pow2(k)
     g0 = max(1, min(16, 32768 // (4 * kp)))
     amd = arch.startswith("gfx")
     d = 6 if amd else 5
-    # K2: 16 warps from k = 512 on (8 on AMD beyond 2048: 1024 threads leave 128 VGPRs each)
-    warps = 16 if 512 <= kp and not (amd and kp > 2048) else 8
-    step = 256 * warps                  # K2 streaming steps: 8 columns per thread (32 lanes) or 4 (64 lanes)
-    coarse = min(8192 if amd else 16384, max(256, 4 * kp))
+    # K2: 16 warps from k = 512 on, 8 on AMD (wave64: 512 threads; 1024 would leave 128 VGPRs each);
+    # streaming steps of 4 columns per thread (2 beyond k = 2048)
+    warps = 8 if amd or kp < 512 else 16
+    step = 4 * warps * (64 if amd else 32) // (2 if kp > 2048 else 1)
+    coarse = max(256, 4 * kp if kp <= 1024 else 2 * kp)      # 2 k beyond 1024: ~1.4 k candidates, in registers
     return dict(group=g0, raw_max=max(4 * kp * g0, 1024), coarse=coarse, load=step,
-                cap=min(8192, max(256, 2 * kp)), digit=d, t_digit=d, t_rounds=4, tile=4096, ctas=4, chunk=step,
-                gather=step, warps_k1=8, warps_k2=warps)
+                cap=min(8192, max(256, 2 * kp)), digit=d, t_digit=d, t_rounds=4, tile=4096, ctas=4, k2_ctas=2,
+                chunk=step, gather=step, warps_k1=8, warps_k2=warps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,23 +370,39 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
     if num_rows == 0:
         return
     arch, sms = _facts(logits.device)
-    cfg = dict(default_config(arch, k), **(config or {}))
+    cfg = default_config(arch, k)
+    unknown = set(config or {}) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(config or {})
     g0, cap, gb = cfg["group"], cfg["cap"], cfg["coarse"]
     ncols = logits.shape[1]
     x_s0, x_s1 = logits.stride()
     grouped = ncols > cfg["raw_max"]
     fmax_w = triton.cdiv(ncols, g0) if grouped else 1
     fmax = torch.empty(num_rows if grouped else 1, fmax_w, dtype=torch.int32, device=logits.device)
-    ws = torch.empty(num_rows, 3 * cap, dtype=torch.int32, device=logits.device)
+    programs = max(1, min(num_rows, int(cfg["k2_ctas"] * sms)))
+    ws = torch.empty(programs, 3 * cap, dtype=torch.int32, device=logits.device)
     row_args = (logits, x_s0, x_s1, ncols, a, b, a_s0, a_s1, next_n)
+    off64 = (ncols + 16) * abs(x_s1) >= 2 ** 31        # column offsets past int32 (aligned chunks overrun by < 16)
     if grouped:
         tile_g = max(1, cfg["tile"] // g0)
         steps = triton.cdiv(triton.cdiv(ncols, g0), tile_g)
         splits = max(1, min(steps, triton.cdiv(cfg["ctas"] * sms, num_rows), 65535))
         _group_max_kernel[(num_rows, splits)](*row_args, fmax, fmax_w, cfg["raw_max"], splits, MODE=mode, G0=g0,
-                                              TILE_G=tile_g, num_warps=cfg["warps_k1"])
-    _select_kernel[(num_rows,)](*row_args, out, out.stride(0), out.stride(1), k, fmax, fmax_w, ws, ws.stride(0),
-                                cfg["raw_max"], num_warps=cfg["warps_k2"], **_select_constexprs(cfg, mode))
+                                              TILE_G=tile_g, OFF64=off64, num_warps=cfg["warps_k1"])
+    _select_kernel[(programs,)](*row_args, out, out.stride(0), out.stride(1), k, num_rows, fmax, fmax_w, ws,
+                                ws.stride(0), cfg["raw_max"], OFF64=off64, **_select_constexprs(cfg, mode),
+                                **_select_options(arch, cfg["warps_k2"]))
+
+
+def _select_options(arch, warps):
+    """num_warps, and on NVIDIA with 8 warps or fewer .maxnreg 255: K2 runs one CTA per SM, and without the
+    bound ptxas spills to stay at 128 registers for an occupancy it cannot use (at 16 warps, 128 is the
+    limit anyway, and an explicit bound measured worse)."""
+    if arch.startswith("gfx") or warps > 8:
+        return dict(num_warps=warps)
+    return dict(num_warps=warps, maxnreg=255)
 
 
 def _select_constexprs(cfg, mode):
@@ -403,10 +443,10 @@ _SELECT_SPECS = [  # (k, mode, logits type): each call form once, k from 512 to 
 COMPILE_SPECS = [
     dict(name=f"top_k_per_row_select[k={k},mode={mode}]", fn=_select_kernel, pointers=dict(_PTRS, x_ptr=xt),
          floats=(), constexprs=lambda arch, k=k, mode=mode: _select_constexprs(default_config(arch, k), mode),
-         options=lambda arch, k=k: dict(num_warps=default_config(arch, k)["warps_k2"]), matrix=False)
+         options=lambda arch, k=k: _select_options(arch, default_config(arch, k)["warps_k2"]), matrix=False)
     for k, mode, xt in _SELECT_SPECS
 ] + [
     dict(name="top_k_per_row_group_max", fn=_group_max_kernel, pointers=_PTRS, floats=(),
-         constexprs=lambda arch: dict(MODE=REQUEST_LENS, G0=16, TILE_G=256),
+         constexprs=lambda arch: dict(MODE=REQUEST_LENS, G0=16, TILE_G=256, OFF64=False),
          options=lambda arch: dict(num_warps=8), matrix=False),
 ]
