@@ -33,7 +33,8 @@ REFERENCE_IMPL = SimpleNamespace(
     fp8_mqa_logits=indexer.fp8_mqa_logits,
     fp8_paged_mqa_logits=indexer.fp8_paged_mqa_logits,
     get_paged_mqa_logits_metadata=indexer.get_paged_mqa_logits_metadata,
-    top_k_per_row=indexer.top_k_per_row,
+    top_k_per_row_prefill=indexer.top_k_per_row_prefill,
+    top_k_per_row_decode=indexer.top_k_per_row_decode,
     cp_gather_indexer_k_quant_cache=indexer.cp_gather_indexer_k_quant_cache,
     dequantize_and_gather_k_cache=cache.dequantize_and_gather_k_cache,
     get_compressed_slot_mapping=metadata.get_compressed_slot_mapping,
@@ -194,7 +195,9 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
         cl32 = cl.to(torch.int32)
         lg = impl.fp8_paged_mqa_logits(q8[dec].unsqueeze(1), kv, wq[dec], cl32, batch.compressed_block_table[t2r[dec]],
                                        impl.get_paged_mqa_logits_metadata(cl32, 64, 1), mcl)
-        topk[dec] = impl.top_k_per_row(lg, torch.zeros_like(cl), cl, K)
+        top = torch.empty(dec.numel(), K, dtype=torch.int32, device=x.device)
+        impl.top_k_per_row_decode(lg, 1, cl32, top, dec.numel(), lg.stride(0), lg.stride(1), K)
+        topk[dec] = top
     qsl = batch.query_start_loc
     for b in range(qsl.shape[0] - 1):
         a, e = int(qsl[b]), int(qsl[b + 1])
@@ -208,7 +211,8 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
         starts = torch.zeros(e - a, dtype=torch.int32, device=x.device)
         lg = impl.fp8_mqa_logits(q8[a:e], (k8, ks.view(torch.float32).squeeze(-1)), wq[a:e], starts,
                                  n_vis[a:e].to(torch.int32))
-        topk[a:e] = impl.top_k_per_row(lg, starts, n_vis[a:e], K)
+        impl.top_k_per_row_prefill(lg, starts, n_vis[a:e].to(torch.int32), topk[a:e], e - a, lg.stride(0),
+                                   lg.stride(1), K)
     return topk
 
 
