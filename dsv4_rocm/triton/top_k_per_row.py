@@ -443,7 +443,10 @@ _SELECT_SPECS = [  # (k, mode, logits type): each call form once, k from 512 to 
 COMPILE_SPECS = [
     dict(name=f"top_k_per_row_select[k={k},mode={mode}]", fn=_select_kernel, pointers=dict(_PTRS, x_ptr=xt),
          floats=(), constexprs=lambda arch, k=k, mode=mode: _select_constexprs(default_config(arch, k), mode),
-         options=lambda arch, k=k: _select_options(arch, default_config(arch, k)["warps_k2"]), matrix=False)
+         options=lambda arch, k=k: _select_options(arch, default_config(arch, k)["warps_k2"]), matrix=False,
+         # the select loop keeps ~40 scalars (bounds, digit state, pointers) live across its rounds: past the
+         # 106 SGPRs of a wave on AMD, some sit in VGPR lanes (v_writelane / v_readlane), never in memory
+         sgpr_spills="scalar loop state of the radix rounds")
     for k, mode, xt in _SELECT_SPECS
 ] + [
     dict(name="top_k_per_row_group_max", fn=_group_max_kernel, pointers=_PTRS, floats=(),
