@@ -267,10 +267,14 @@ _INTERPRETED_ENTRY = textwrap.dedent("""
     @triton.jit
     def entry(state, s0, s1, nb, bt, ncols, pos, w, eps, cs, y_buf, yh_out, ro_out, D: tl.constexpr,
               RATIO: tl.constexpr, OVERLAP: tl.constexpr, SBS: tl.constexpr, NSPLIT: tl.constexpr,
-              COLS: tl.constexpr, PREFETCH: tl.constexpr):
+              STREAM: tl.constexpr, GROUPS: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr):
         row, ok = K._window(s0, s1, nb, bt, ncols, pos, D, RATIO, OVERLAP, SBS)
         for s in tl.static_range(NSPLIT):                    # column slices, as the split launches pool them
-            y = K._pool_slice(state, row, ok, s * (D // NSPLIT), D // NSPLIT, COLS, D, OVERLAP, PREFETCH)
+            if STREAM:                                       # COLS: rows a block
+                y = K._pool_stream(state, s0, s1, nb, bt, ncols, pos, s * (D // NSPLIT), D // NSPLIT, COLS, GROUPS,
+                                   D, RATIO, OVERLAP, SBS, PREFETCH)
+            else:
+                y = K._pool_slice(state, row, ok, s * (D // NSPLIT), D // NSPLIT, COLS, D, OVERLAP, PREFETCH)
             tl.store(y_buf + s * (D // NSPLIT) + tl.arange(0, D // NSPLIT), y)
         y = tl.load(y_buf + tl.arange(0, D))
         yh, ro = K._norm_rope(y, w, eps, cs + ((pos // RATIO) * RATIO) * 64, D)
@@ -278,27 +282,35 @@ _INTERPRETED_ENTRY = textwrap.dedent("""
         tl.store(ro_out + tl.arange(0, D), ro)
 
     g = torch.Generator().manual_seed(0)
-    # (ratio, D, pos, column slices, columns a tile, prefetch): every way the launches pool a window
-    for ratio, D, pos, nsplit, cols, pf in ((4, 128, 3, 1, 128, 0), (4, 128, 19, 1, 128, 0), (4, 512, 27, 1, 512, 0),
-                                            (4, 512, 27, 2, 64, 1), (128, 512, 255, 1, 32, 1), (128, 512, 255, 4, 64, 0),
-                                            (128, 512, 127, 16, 32, 0)):
-        sbs, ns = rc.state_block_size(ratio), 40
-        state = rc.new_state_cache(ns, ratio, D)
+    # (ratio, D, pos, column slices, stream, row groups, columns a tile / rows a block, prefetch, state block
+    # size): every way the launches pool a window
+    for ratio, D, pos, nsplit, st, grp, cols, pf, sbs in (
+            (4, 128, 3, 1, 0, 1, 128, 0, 4), (4, 128, 19, 1, 0, 1, 128, 0, 4), (4, 512, 27, 1, 0, 1, 512, 0, 4),
+            (4, 512, 27, 2, 0, 1, 64, 1, 4), (4, 128, 19, 1, 1, 2, 2, 1, 4), (4, 128, 19, 2, 1, 1, 4, 0, 2),
+            (128, 512, 255, 1, 0, 1, 32, 1, 8), (128, 512, 255, 4, 0, 1, 64, 0, 8),
+            (128, 512, 127, 16, 0, 1, 32, 0, 8), (128, 512, 255, 1, 1, 2, 8, 1, 8), (128, 512, 255, 4, 1, 4, 8, 0, 8),
+            (128, 512, 135 * 128 - 1, 2, 1, 1, 16, 1, 8), (128, 512, 255, 1, 1, 1, 8, 0, 4)):
+        ns = 40
+        state = rc.new_state_cache(ns, ratio, D, block_size=sbs)
         state.copy_(torch.randn(state.shape, generator=g) * 2)
         state[..., state.shape[-1] // 2:] -= 40 * torch.rand(state.shape[:-1] + (1,), generator=g)  # spread scores
         bt = torch.randperm(ns, generator=g).to(torch.int32)
         bt[4] = -1                                            # an absent block inside the C4 window at 19
+        bt = torch.cat([bt, torch.randint(0, ns, (pos // sbs + 1 - ns,), generator=g).to(torch.int32)]) if \
+            pos // sbs >= ns else bt
         w = (1 + 0.1 * torch.randn(D, generator=g)).bfloat16()
-        cs = build_cos_sin_cache(160000.0, 512)
+        cs = build_cos_sin_cache(160000.0, 20000)
         yh, ro = torch.zeros(D), torch.zeros(D)
-        entry[(1,)](state, state.stride(0), state.stride(1), ns, bt, ns, pos, w, 1e-6, cs, torch.zeros(D), yh, ro,
-                    D=D, RATIO=ratio, OVERLAP=int(ratio == 4), SBS=sbs, NSPLIT=nsplit, COLS=cols, PREFETCH=pf)
+        entry[(1,)](state, state.stride(0), state.stride(1), ns, bt, bt.shape[0], pos, w, 1e-6, cs, torch.zeros(D), yh,
+                    ro, D=D, RATIO=ratio, OVERLAP=int(ratio == 4), SBS=sbs, NSPLIT=nsplit, STREAM=st, GROUPS=grp,
+                    COLS=cols, PREFETCH=pf)
         sc, kv = rc._window_rows(state, bt.view(1, -1), torch.tensor([0]), torch.tensor([pos]), ratio, sbs,
                                  rc.coff(ratio) * D, D)
         ryh = rc.rms_normalize(rc.pool(sc, kv), w, 1e-6)
         rro = rope_fwd(ryh, torch.tensor([(pos // ratio) * ratio]), cs)
         bits = lambda t: t.reshape(-1).view(torch.int32)
-        print(ratio, D, pos, nsplit, cols, pf, int((bits(yh) != bits(ryh)).sum()), int((bits(ro) != bits(rro)).sum()))
+        print(ratio, D, pos, nsplit, st, grp, cols, pf, sbs, int((bits(yh) != bits(ryh)).sum()),
+              int((bits(ro) != bits(rro)).sum()))
 """)
 
 
@@ -318,7 +330,7 @@ def test_kernel_fp32_arithmetic_equals_the_oracle_under_the_interpreter(tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print("\n".join(" ".join(x) for x in rows))
-    assert len(rows) == 7 and all(x[6] == "0" and x[7] == "0" for x in rows)
+    assert len(rows) == 13 and all(x[9] == "0" and x[10] == "0" for x in rows)
 
 
 _INTERPRETED_EXP = textwrap.dedent("""
@@ -447,12 +459,14 @@ _INTERPRETED_CONFIGS = textwrap.dedent("""
         return m
 
     # prefill-sized steps (mixed with decode tokens and padding), then a decode-sized step
-    CASES = ((4, [44, 9, 32], [{0: (0, 12), 1: (0, 9), 2: (0, 30)}, {0: (12, 43), 2: (30, 31)}, {0: (43, 44), 2: (31, 32)}],
+    CASES = ((4, [44, 9, 32],
+              [{0: (0, 12), 1: (0, 9), 2: (0, 30)}, {0: (12, 43), 2: (30, 31)}, {0: (43, 44), 2: (31, 32)}],
               [dict(), dict(chunk=8), dict(grid="list"), dict(nsplit=2, cols=64, prefetch=True, finish_warps=2)]),
-             (128, [300, 256, 260], [{0: (0, 100), 1: (0, 127), 2: (0, 120)}, {0: (100, 300), 1: (127, 255), 2: (120, 260)},
-                                     {1: (255, 256)}],
-              [dict(), dict(nsplit=16, cols=32, num_warps=4, finish_warps=4),
-               dict(grid="list", nsplit=4, cols=64), dict(chunk=32)]))
+             (128, [300, 256, 260],
+              [{0: (0, 100), 1: (0, 127), 2: (0, 120)}, {0: (100, 300), 1: (127, 255), 2: (120, 260)}, {1: (255, 256)}],
+              [dict(), dict(pool="tile", nsplit=16, cols=32, num_warps=4, finish_warps=4),
+               dict(grid="list", nsplit=4, groups=2, num_warps=2),
+               dict(chunk=32, pool="tile", cols=64, prefetch=False)]))
     for ratio, lens, steps, configs in CASES:
         S0 = make_setup(ratio, "main", lens, "cpu", seed=5)
         c, sbs = rc.coff(ratio), rc.state_block_size(ratio)

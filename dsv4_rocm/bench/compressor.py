@@ -40,10 +40,12 @@ SWEEP = {
     },
     (128, "main"): {
         "default": (None, None, _BOTH),
-        "c64": (None, dict(cols=64, prefetch=False), _BOTH),
-        "c64w16": (None, dict(cols=64, prefetch=True, num_warps=16), _BOTH),
-        "split16": (None, dict(nsplit=16, cols=32, prefetch=False, num_warps=4, finish_warps=4), _BOTH),
-        "split8w8": (None, dict(nsplit=8, cols=64, prefetch=False, num_warps=8, finish_warps=4), _BOTH),
+        "g1w4": (None, dict(groups=1, num_warps=4), _BOTH),             # one warp group: fewer warps an SM
+        "g4w16": (None, dict(groups=4, num_warps=16, prefetch=False), _BOTH),
+        "s-split2": (None, dict(nsplit=2, groups=2, num_warps=4), _BOTH),  # stream, two launches
+        "s-split4": (None, dict(nsplit=4, groups=2, num_warps=2), _BOTH),
+        "tile": (None, dict(pool="tile", cols=32, prefetch=True, num_warps=8), _BOTH),
+        "split16": (None, dict(pool="tile", nsplit=16, cols=32, prefetch=False, num_warps=4, finish_warps=4), _BOTH),
         "chunk16": (None, dict(chunk=16), _PREFILL),
         "list": (None, dict(grid="list"), _PREFILL),
         "save-t1w4": (dict(tokens=1, num_warps=4), None, _BOTH),

@@ -4,9 +4,8 @@ UE8M0 quantization and insertion into the compressed cache (vLLM's ``compress_no
 Only a token at a window boundary ((p + 1) % r == 0, state slot >= 0, cache slot >= 0) makes an entry.
 Its window is the W = coff * r positions p - W + 1 .. p: row u lives in state block
 ``block_table[req, pos_u // bs]`` at offset ``pos_u % bs`` (``[kv | score]``, fp32, ``2 * state_width``
-floats; C4 rows u >= 4 use the second D floats of each half), loaded as [W, COLS] tiles of columns
-(16-byte vectors along a row). A row whose position is negative or whose block-table entry is out of
-range is absent.
+floats; C4 rows u >= 4 use the second D floats of each half), read in 16-byte vectors along a row. A
+row whose position is negative or whose block-table entry is out of range is absent.
 
 Grid. A decode-sized step (at most two tokens a request) runs one program per token. A prefill-sized
 step runs one program per CHUNK consecutive tokens, which makes the entries among its tokens (a prefill
@@ -14,11 +13,14 @@ chunk has one boundary every r tokens, so the programs are few and nearly all bu
 or allocation precedes the launch). ``grid="list"`` lists the boundary tokens first
 (``compressor_entries``) and launches one program per listed entry.
 
-Pooling. STAGE 0 (one launch): the program pools all D columns of its entry, COLS at a time, then norms,
-ropes, quantizes and stores. STAGE 1 + 2 (two launches, for GPUs with many more SMs than entries):
-stage 1 pools a slice of D / NSPLIT columns per program ([programs, NSPLIT] grid) into an fp32 scratch
-row, stage 2 finishes each entry from its row. ``default_config`` picks per target; the benchmark suite
-(``dsv4_rocm.bench.compressor``, ``--sweep``) times the alternatives.
+Pooling. STAGE 0 (one launch): the program pools all D columns of its entry, then norms, ropes,
+quantizes and stores. STAGE 1 + 2 (two launches, for GPUs with many more SMs than entries): stage 1
+pools a slice of D / NSPLIT columns per program ([programs, NSPLIT] grid) into an fp32 scratch row,
+stage 2 finishes each entry from its row. A window is pooled either as [W, COLS] tiles (_pool_slice:
+the whole window at once, rows spread over lanes and warps) or streamed in blocks of rows held in each
+thread's registers (_pool_stream: no barrier in its loops; the C128 default on NVIDIA).
+``default_config`` picks per target; the benchmark suite (``dsv4_rocm.bench.compressor``, ``--sweep``)
+times the alternatives.
 
 The arithmetic is exactly that of ``dsv4_rocm.reference.compressor`` (the module docstring there), in the
 same order and with plain IEEE operations: the kernel is compiled with fp fusion off (no contraction into
@@ -185,12 +187,11 @@ def _store_indexer_mxfp4(page, off, cache_bs, roped, D: tl.constexpr):
 
 
 @triton.jit
-def _window(stride0, stride1, num_blocks, bt_row, bt_cols, pos, D: tl.constexpr, RATIO: tl.constexpr,
-            OVERLAP: tl.constexpr, SBS: tl.constexpr):
-    """(float offset in the state cache of the kv columns of each tile row [W] int64, row present [W]) of
-    the window ending at pos (< 2^31); tile row i holds window row u = bit_reverse(i) (see _tree_sum_rows)."""
+def _rows(stride0, stride1, num_blocks, bt_row, bt_cols, pos, u, D: tl.constexpr, RATIO: tl.constexpr,
+          OVERLAP: tl.constexpr, SBS: tl.constexpr):
+    """(float offset in the state cache of the kv columns of window rows u, int64; row present) for the
+    window ending at pos (< 2^31)."""
     W: tl.constexpr = (1 + OVERLAP) * RATIO
-    u = _bit_reverse(tl.arange(0, W), W)
     wp = pos.to(tl.int32) + 1 - W + u                    # positions of the window rows
     ok = wp >= 0
     blk = tl.where(ok, wp // SBS, 0)
@@ -203,8 +204,17 @@ def _window(stride0, stride1, num_blocks, bt_row, bt_cols, pos, D: tl.constexpr,
 
 
 @triton.jit
+def _window(stride0, stride1, num_blocks, bt_row, bt_cols, pos, D: tl.constexpr, RATIO: tl.constexpr,
+            OVERLAP: tl.constexpr, SBS: tl.constexpr):
+    """_rows of the whole window as one tile: tile row i holds window row bit_reverse(i) (_tree_sum_rows)."""
+    W: tl.constexpr = (1 + OVERLAP) * RATIO
+    return _rows(stride0, stride1, num_blocks, bt_row, bt_cols, pos, _bit_reverse(tl.arange(0, W), W), D, RATIO,
+                 OVERLAP, SBS)
+
+
+@triton.jit
 def _load_tile(state_ptr, row, ok, cols, live, D: tl.constexpr, OVERLAP: tl.constexpr):
-    """(score, kv) [W, len(cols)] of the window rows (absent rows: -inf, 0); nothing is read unless live."""
+    """(score, kv) [rows, len(cols)] of window rows (absent rows: -inf, 0); nothing is read unless live."""
     ptr = state_ptr + row[:, None] + cols[None, :]
     mask = (ok & live)[:, None] & (cols >= 0)[None, :]
     return (tl.load(ptr + (1 + OVERLAP) * D, mask=mask, other=float("-inf")),
@@ -247,6 +257,143 @@ def _pool_slice(state_ptr, row, ok, c0, SLICE: tl.constexpr, COLS: tl.constexpr,
 
 
 @triton.jit
+def _pairwise_sum_rows(x):
+    """Sums over axis -2 of x [R, C] or [G, R, C] (R a power of two, rows in natural order): the tree of
+    adjacent rows ((r0 + r1) + (r2 + r3)) + ... (reference.pairwise_sum)."""
+    if len(x.shape) == 3:
+        G: tl.constexpr = x.shape[0]
+        R: tl.constexpr = x.shape[1]
+        C: tl.constexpr = x.shape[2]
+        for i in tl.static_range(16):
+            if (R >> i) > 1:
+                x = tl.sum(tl.reshape(x, (G, R >> (i + 1), 2, C)), axis=2)
+        y = tl.reshape(x, (G, C))
+    else:
+        R2: tl.constexpr = x.shape[0]
+        C2: tl.constexpr = x.shape[1]
+        for i in tl.static_range(16):
+            if (R2 >> i) > 1:
+                x = tl.sum(tl.reshape(x, (R2 >> (i + 1), 2, C2)), axis=1)
+        y = tl.reshape(x, (C2,))
+    return y
+
+
+@triton.jit
+def _push(b, carry, s0, s1, s2, s3):
+    """Adds the tree of row block b to a stack of finished left subtrees (s_l: 2^l blocks, present when
+    bit l of b is set): b's sum is added to its left siblings level by level while b's bits are 1 (left +
+    right, as the tree of adjacent pairs does), then parked at the first 0 bit. Every sum is computed and
+    selected: no divergent control flow. Returns (the carry, the stack); the carry is the tree of blocks
+    0..b when b = 2^k - 1."""
+    go = (b & 1) != 0
+    t = tl.where(go, s0 + carry, carry)
+    s0 = tl.where(go, s0, carry)
+    carry = t
+    nxt = go & ((b & 2) != 0)
+    t = tl.where(nxt, s1 + carry, carry)
+    s1 = tl.where(go & ~nxt, carry, s1)
+    carry = t
+    go = nxt
+    nxt = go & ((b & 4) != 0)
+    t = tl.where(nxt, s2 + carry, carry)
+    s2 = tl.where(go & ~nxt, carry, s2)
+    carry = t
+    go = nxt
+    nxt = go & ((b & 8) != 0)
+    t = tl.where(nxt, s3 + carry, carry)
+    s3 = tl.where(go & ~nxt, carry, s3)
+    return t, s0, s1, s2, s3
+
+
+@triton.jit
+def _block_rows(stride0, stride1, num_blocks, bt_row, bt_cols, pos, blocks, RB: tl.constexpr, D: tl.constexpr,
+                RATIO: tl.constexpr, OVERLAP: tl.constexpr, SBS: tl.constexpr):
+    """_rows [G, RB] of window row blocks ``blocks`` [G] (rows blocks * RB + 0 .. RB - 1). When a row block
+    is exactly one state block (RB = block size; windows start at multiples of r, so of the block size),
+    one table entry serves its rows and the per-row work is a multiply-add."""
+    W: tl.constexpr = (1 + OVERLAP) * RATIO
+    j = tl.arange(0, RB)[None, :]
+    u = blocks[:, None] * RB + j
+    if (RB == SBS) and (RATIO % SBS == 0):
+        p0 = pos.to(tl.int32) + 1 - W + blocks * RB
+        q = p0 // SBS
+        live = (p0 >= 0) & (q < bt_cols)
+        bn = tl.load(bt_row + tl.where(live, q, 0), mask=live, other=-1)
+        live = live & (bn >= 0) & (bn < num_blocks)
+        row = tl.where(live, bn, 0).to(tl.int64)[:, None] * stride0 + (
+            j * stride1 + (u >= RATIO).to(tl.int32) * (OVERLAP * D)).to(tl.int64)
+        ok = live[:, None] & (j >= 0)
+    else:
+        row, ok = _rows(stride0, stride1, num_blocks, bt_row, bt_cols, pos, u, D, RATIO, OVERLAP, SBS)
+    return row, ok
+
+
+@triton.jit
+def _load_blocks(state_ptr, row, ok, cols, live, D: tl.constexpr, OVERLAP: tl.constexpr, KV: tl.constexpr = True):
+    """(score, kv) [G, RB, len(cols)] of row blocks (absent rows: -inf, 0); nothing is read unless live
+    (nor kv unless KV)."""
+    ptr = state_ptr + row[:, :, None] + cols[None, None, :]
+    mask = (ok & live)[:, :, None] & (cols >= 0)[None, None, :]
+    sc = tl.load(ptr + (1 + OVERLAP) * D, mask=mask, other=float("-inf"))
+    if KV:
+        kv = tl.load(ptr, mask=mask, other=0.0)
+    else:
+        kv = sc
+    return sc, kv
+
+
+@triton.jit
+def _pool_stream(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, pos, c0, SLICE: tl.constexpr,
+                 RB: tl.constexpr, G: tl.constexpr, D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
+                 SBS: tl.constexpr, PREFETCH: tl.constexpr):
+    """Pooled y of the SLICE columns from c0, streaming the window in blocks of RB rows. G groups of
+    warps each own W / G consecutive rows (a subtree of the oracle's tree) and walk their blocks in step:
+    [G, RB, SLICE] tiles with each block's rows in a thread's registers (4 columns a thread), so nothing
+    crosses lanes or warps inside the loops. A first pass takes the max of the scores (the groups' maxima
+    meet once); the second computes each block's e_u, sums its rows as adjacent pairs and joins the block
+    sums of a group with _push (at most 16 blocks a group); the G subtrees are summed as adjacent pairs at
+    the end: the same tree over the W rows as the oracle's. The scores are read twice (the second time
+    mostly from L2). With PREFETCH each pass issues the next block's loads before reducing the current one."""
+    W: tl.constexpr = (1 + OVERLAP) * RATIO
+    NB: tl.constexpr = W // (RB * G)                  # blocks a group
+    tl.static_assert(NB <= 16)
+    cols = c0 + tl.arange(0, SLICE)
+    first = tl.arange(0, G) * NB
+    row, ok = _block_rows(stride0, stride1, num_blocks, bt_row, bt_cols, pos, first, RB, D, RATIO, OVERLAP, SBS)
+    sc, _ = _load_blocks(state_ptr, row, ok, cols, PREFETCH, D, OVERLAP, False)
+    m = tl.full((G, SLICE), float("-inf"), tl.float32)
+    for b in range(NB):
+        nb = b + PREFETCH                                # the block loaded now (this one, or the next)
+        row, ok = _block_rows(stride0, stride1, num_blocks, bt_row, bt_cols, pos, first + nb, RB, D, RATIO, OVERLAP,
+                              SBS)
+        sc_new, _ = _load_blocks(state_ptr, row, ok, cols, nb < NB, D, OVERLAP, False)
+        if PREFETCH:
+            m = tl.maximum(m, tl.max(sc, axis=1))
+            sc = sc_new
+        else:
+            m = tl.maximum(m, tl.max(sc_new, axis=1))
+    mx = tl.max(m, axis=0)[None, None, :]
+    zero = tl.zeros((G, SLICE), dtype=tl.float32)
+    n0, n1, n2, n3, d0, d1, d2, d3 = zero, zero, zero, zero, zero, zero, zero, zero
+    num, den = zero, zero
+    row, ok = _block_rows(stride0, stride1, num_blocks, bt_row, bt_cols, pos, first, RB, D, RATIO, OVERLAP, SBS)
+    sc, kv = _load_blocks(state_ptr, row, ok, cols, PREFETCH, D, OVERLAP)
+    for b in range(NB):
+        nb = b + PREFETCH
+        row, ok = _block_rows(stride0, stride1, num_blocks, bt_row, bt_cols, pos, first + nb, RB, D, RATIO, OVERLAP,
+                              SBS)
+        sc_new, kv_new = _load_blocks(state_ptr, row, ok, cols, nb < NB, D, OVERLAP)
+        if not PREFETCH:
+            sc, kv = sc_new, kv_new
+        e = _exp_neg(sc - mx)
+        num, n0, n1, n2, n3 = _push(b, _pairwise_sum_rows(e * kv), n0, n1, n2, n3)
+        den, d0, d1, d2, d3 = _push(b, _pairwise_sum_rows(e), d0, d1, d2, d3)
+        if PREFETCH:
+            sc, kv = sc_new, kv_new
+    return tl.math.div_rn(_pairwise_sum_rows(num), _pairwise_sum_rows(den))
+
+
+@triton.jit
 def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr):
     """(yh, RoPE(yh)) fp32 [D]: RMSNorm of the pooled y (a non-finite sum of squares poisons every value),
     then GPT-J RoPE of the last 64 dims on the fp32 yh (cs_row_ptr: the cos/sin row of the entry)."""
@@ -285,42 +432,55 @@ def _compress_norm_rope_store_kernel(
         bt_cols, num_reqs, w_ptr, eps, cs_ptr, cs_stride, cs_rows, cache_ptr, kslot_ptr, cache_bs,
         page_stride, num_cache_slots, num_tokens, scratch_ptr, list_ptr, count_ptr,
         D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, TARGET: tl.constexpr, FNUZ: tl.constexpr,
-        SBS: tl.constexpr, STAGE: tl.constexpr, NSPLIT: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr,
-        CHUNK: tl.constexpr, USE_LIST: tl.constexpr):
-    """Program i takes tokens i * CHUNK .. i * CHUNK + CHUNK - 1 (USE_LIST: the i-th listed token, CHUNK 1).
-    STAGE 0: whole entries. STAGE 1 (grid [programs, NSPLIT]): the pooled y of a slice of D / NSPLIT
-    columns into scratch (row: the list index, or the token). STAGE 2: y from scratch, then the finish."""
+        SBS: tl.constexpr, STAGE: tl.constexpr, NSPLIT: tl.constexpr, STREAM: tl.constexpr, ROWS: tl.constexpr,
+        GROUPS: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr, USE_LIST: tl.constexpr):
+    """Program i takes tokens i * CHUNK .. i * CHUNK + CHUNK - 1 (USE_LIST: the i-th listed token, CHUNK 1),
+    loads their metadata at once and makes their entries one after the other. STAGE 0: whole entries.
+    STAGE 1 (grid [programs, NSPLIT]): the pooled y of a slice of D / NSPLIT columns into scratch (row: the
+    list index, or the token). STAGE 2: y from scratch, then the finish."""
     pid = tl.program_id(0)
-    for i in range(CHUNK):
-        if USE_LIST:
-            t = tl.load(list_ptr + pid, mask=pid < tl.load(count_ptr), other=-1)
-            srow = pid.to(tl.int64)
-        else:
-            t = pid * CHUNK + i                          # < num_tokens < 2^31
-            srow = t.to(tl.int64)
-        if (t >= 0) & (t < num_tokens):
-            sslot = tl.load(sslot_ptr + t)               # four independent loads: one round trip
-            pos = tl.load(pos_ptr + t).to(tl.int64)
-            req = tl.load(t2r_ptr + t).to(tl.int64)
-            kslot = tl.load(kslot_ptr + t).to(tl.int64)
-            if (sslot >= 0) & (pos >= 0) & (pos < cs_rows) & ((pos + 1) % RATIO == 0) & (req >= 0) & (
-                    req < num_reqs) & (kslot >= 0) & (kslot < num_cache_slots):
-                if STAGE == 2:
-                    y = tl.load(scratch_ptr + srow * D + tl.arange(0, D))
-                    _finish(y, pos, kslot, w_ptr, eps, cs_ptr, cs_stride, cache_ptr, cache_bs, page_stride, D,
-                            RATIO, TARGET, FNUZ)
+    if USE_LIST:
+        tok = tl.load(list_ptr + pid + tl.arange(0, 1), mask=pid < tl.load(count_ptr), other=-1)
+    else:
+        tok = pid * CHUNK + tl.arange(0, CHUNK)          # < num_tokens < 2^31
+    inb = (tok >= 0) & (tok < num_tokens)
+    vs = tl.load(sslot_ptr + tok, mask=inb, other=-1)
+    vp = tl.load(pos_ptr + tok, mask=inb, other=-1).to(tl.int64)
+    vr = tl.load(t2r_ptr + tok, mask=inb, other=-1).to(tl.int64)
+    vk = tl.load(kslot_ptr + tok, mask=inb, other=-1).to(tl.int64)
+    emit = inb & (vs >= 0) & (vp >= 0) & (vp < cs_rows) & ((vp + 1) % RATIO == 0) & (vr >= 0) & (vr < num_reqs) & (
+        vk >= 0) & (vk < num_cache_slots)
+    flag = emit.to(tl.int32)
+    rank = tl.cumsum(flag, 0) - flag
+    n = tl.sum(flag, 0)
+    for k in range(CHUNK):
+        if k < n:
+            sel = emit & (rank == k)
+            t = tl.sum(tl.where(sel, tok, 0), 0)
+            pos = tl.sum(tl.where(sel, vp, 0), 0)
+            req = tl.sum(tl.where(sel, vr, 0), 0)
+            kslot = tl.sum(tl.where(sel, vk, 0), 0)
+            srow = pid.to(tl.int64) if USE_LIST else t.to(tl.int64)
+            if STAGE == 2:
+                y = tl.load(scratch_ptr + srow * D + tl.arange(0, D))
+                _finish(y, pos, kslot, w_ptr, eps, cs_ptr, cs_stride, cache_ptr, cache_bs, page_stride, D,
+                        RATIO, TARGET, FNUZ)
+            else:
+                SLICE: tl.constexpr = D // NSPLIT
+                c0 = tl.program_id(1) * SLICE if STAGE == 1 else 0
+                bt_row = bt_ptr + req * bt_stride
+                if STREAM:
+                    y = _pool_stream(state_ptr, state_stride0, state_stride1, num_state_blocks, bt_row, bt_cols,
+                                     pos, c0, SLICE, ROWS, GROUPS, D, RATIO, OVERLAP, SBS, PREFETCH)
                 else:
-                    row, ok = _window(state_stride0, state_stride1, num_state_blocks, bt_ptr + req * bt_stride,
-                                      bt_cols, pos, D, RATIO, OVERLAP, SBS)
-                    if STAGE == 1:
-                        SLICE: tl.constexpr = D // NSPLIT
-                        c0 = tl.program_id(1) * SLICE
-                        y = _pool_slice(state_ptr, row, ok, c0, SLICE, COLS, D, OVERLAP, PREFETCH)
-                        tl.store(scratch_ptr + srow * D + c0 + tl.arange(0, SLICE), y)
-                    else:
-                        y = _pool_slice(state_ptr, row, ok, 0, D, COLS, D, OVERLAP, PREFETCH)
-                        _finish(y, pos, kslot, w_ptr, eps, cs_ptr, cs_stride, cache_ptr, cache_bs, page_stride,
-                                D, RATIO, TARGET, FNUZ)
+                    row, ok = _window(state_stride0, state_stride1, num_state_blocks, bt_row, bt_cols, pos, D,
+                                      RATIO, OVERLAP, SBS)
+                    y = _pool_slice(state_ptr, row, ok, c0, SLICE, COLS, D, OVERLAP, PREFETCH)
+                if STAGE == 1:
+                    tl.store(scratch_ptr + srow * D + c0 + tl.arange(0, SLICE), y)
+                else:
+                    _finish(y, pos, kslot, w_ptr, eps, cs_ptr, cs_stride, cache_ptr, cache_bs, page_stride,
+                            D, RATIO, TARGET, FNUZ)
 
 
 @functools.lru_cache(maxsize=None)
@@ -334,23 +494,28 @@ def default_config(arch: str, head_dim: int, ratio: int) -> dict:
     """Launch configuration per target and compressor; ``python -m dsv4_rocm bench --only compressor
     --sweep`` times the alternatives.
 
-    ``chunk``: tokens a program of a prefill-sized step (C4: the 4 tokens of one boundary; C128: 8 tokens,
-    most programs find none and leave at once). ``nsplit`` 1 pools a whole entry in one program; ``cols``
-    columns a tile; ``prefetch`` keeps the next tile's loads in flight while one is reduced. C4: one
-    [8, D] tile, D / 128 warps: on NVIDIA the 8 rows sit in each thread (4 columns a lane), so the max and
-    the row trees stay in registers; AMD's waves of 64 split the rows over two waves (with D / 256 waves
-    the chunk loop spills scalar registers). C128 on NVIDIA: one program per entry streams
-    its 128 x 512 window in [128, 32] tiles (an entry per SM: the prefill chunk has 64 entries, the decode
-    step 128). C128 on AMD (304 / 256 CUs, far more than entries): 16 column slices per entry, then a
-    finishing launch.
+    ``grid``/``chunk``: a prefill-sized step runs a program per ``chunk`` tokens (C4: the 4 tokens of one
+    boundary; C128: 8 tokens, most programs find none and leave at once), or per listed entry ("list").
+    ``nsplit``: 1 pools a whole entry in one program, more splits its columns over programs and finishes
+    in a second launch. ``pool``: "tile" reduces [W, cols] tiles (rows across lanes and warps, tree levels
+    through shared memory); "stream" walks blocks of ``rows`` rows kept in each thread's registers, in
+    ``groups`` warp groups that meet once (see _pool_stream). ``prefetch``: the next tile's loads in
+    flight while one is reduced.
+    C4: one [8, D] tile, D / 128 warps: on NVIDIA the 8 rows sit in each thread (4 columns a lane), so the
+    max and the row trees stay in registers; AMD's waves of 64 split the rows over two waves (with D / 256
+    waves the chunk loop spills scalar registers). C128 on NVIDIA: one program per entry streams its 128 x
+    512 window in [2, 8, 512] blocks, 8 warps, no barrier inside its loops (an entry per SM: the prefill
+    chunk has 64 entries, the decode step 128). C128 on AMD (304 / 256 CUs, far more than entries): 16
+    column slices per entry, then a finishing launch.
     """
-    amd = arch.startswith("gfx")
     if ratio == 4:
-        return dict(grid="chunk", chunk=4, nsplit=1, cols=head_dim, prefetch=False, num_warps=head_dim // 128,
-                    finish_warps=1)
-    if amd:
-        return dict(grid="chunk", chunk=8, nsplit=16, cols=32, prefetch=False, num_warps=4, finish_warps=4)
-    return dict(grid="chunk", chunk=8, nsplit=1, cols=32, prefetch=True, num_warps=8, finish_warps=4)
+        return dict(grid="chunk", chunk=4, nsplit=1, pool="tile", cols=head_dim, rows=8, groups=1, prefetch=False,
+                    num_warps=head_dim // 128, finish_warps=1)
+    if arch.startswith("gfx"):
+        return dict(grid="chunk", chunk=8, nsplit=16, pool="tile", cols=32, rows=8, groups=1, prefetch=False,
+                    num_warps=4, finish_warps=4)
+    return dict(grid="chunk", chunk=8, nsplit=1, pool="stream", cols=32, rows=8, groups=2, prefetch=True,
+                num_warps=8, finish_warps=4)
 
 
 def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, positions, slot_mapping, block_table,
@@ -391,7 +556,9 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
             rms_norm_weight, rms_norm_eps, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], cache,
             kslots, kbs, kv_cache.stride(0), kv_cache.shape[0] * kbs, num_actual, scratch, entries, count)
     meta = dict(D=head_dim, RATIO=compress_ratio, OVERLAP=int(overlap), TARGET=target, FNUZ=fnuz, SBS=block_size,
-                NSPLIT=nsplit, COLS=min(cfg["cols"], head_dim // nsplit), PREFETCH=bool(cfg["prefetch"]), CHUNK=chunk,
+                NSPLIT=nsplit, STREAM=cfg["pool"] == "stream", ROWS=cfg["rows"],
+                GROUPS=cfg["groups"], COLS=min(cfg["cols"], head_dim // nsplit),
+                PREFETCH=bool(cfg["prefetch"]), CHUNK=chunk,
                 USE_LIST=use_list, num_stages=1, enable_fp_fusion=False)
     if nsplit == 1:
         _compress_norm_rope_store_kernel[(programs,)](*args, STAGE=0, num_warps=cfg["num_warps"], **meta)
@@ -410,7 +577,9 @@ def _spec(name, d, ratio, target, chunk, stage=None, config=None):
         c = cfg(arch)
         return dict(D=d, RATIO=ratio, OVERLAP=int(ratio == 4), TARGET=target, FNUZ=arch == "gfx942",
                     SBS=4 if ratio == 4 else 8, STAGE=stage if stage is not None else int(c["nsplit"] > 1),
-                    NSPLIT=c["nsplit"], COLS=min(c["cols"], d // c["nsplit"]), PREFETCH=c["prefetch"], CHUNK=chunk,
+                    NSPLIT=c["nsplit"], STREAM=c["pool"] == "stream", ROWS=c["rows"],
+                    GROUPS=c["groups"], COLS=min(c["cols"], d // c["nsplit"]),
+                    PREFETCH=c["prefetch"], CHUNK=chunk,
                     USE_LIST=c["grid"] == "list")
 
     def options(arch):
@@ -426,8 +595,8 @@ def _spec(name, d, ratio, target, chunk, stage=None, config=None):
         fp8_encode=target != INDEXER_MXFP4 and stage != 1, exact_fp32=True)
 
 
-FUSED = dict(nsplit=1, cols=32, prefetch=True, num_warps=8)                      # C128 in one launch
-SPLIT = dict(nsplit=16, cols=32, prefetch=False, num_warps=4, finish_warps=4)     # C128 in two launches
+FUSED = dict(nsplit=1, pool="stream", rows=8, groups=2, prefetch=True, num_warps=8)       # C128, one launch
+SPLIT = dict(nsplit=16, pool="tile", cols=32, prefetch=False, num_warps=4, finish_warps=4)  # C128, two launches
 COMPILE_SPECS = [
     _spec("compress_norm_rope_store[c4 main, decode]", 512, 4, MAIN, 1),
     _spec("compress_norm_rope_store[c4 main, prefill]", 512, 4, MAIN, 4),
