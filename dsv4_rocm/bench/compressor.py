@@ -32,7 +32,7 @@ _BOTH, _PREFILL = ("decode", "prefill"), ("prefill",)
 SWEEP = {
     (4, "main"): {
         "default": (None, None, _BOTH),
-        "w8": (None, dict(num_warps=8), _BOTH),                       # rows across warps
+        "w8": (None, dict(num_warps=8), _BOTH),                       # rows across warps, more warps an SM
         "chunk8": (None, dict(chunk=8), _PREFILL),
         "list": (None, dict(grid="list"), _PREFILL),                  # boundary tokens listed first
         "save-t1w4": (dict(tokens=1, num_warps=4), None, _BOTH),
@@ -40,15 +40,13 @@ SWEEP = {
     },
     (128, "main"): {
         "default": (None, None, _BOTH),
-        "g1w4": (None, dict(groups=1, num_warps=4), _BOTH),             # one warp group: fewer warps an SM
+        "g1w4": (None, dict(groups=1, num_warps=4), _BOTH),           # one warp group: 4 warps an entry
         "g4w16": (None, dict(groups=4, num_warps=16, prefetch=False), _BOTH),
-        "s-split2": (None, dict(nsplit=2, groups=2, num_warps=4), _BOTH),  # stream, two launches
-        "s-split4": (None, dict(nsplit=4, groups=2, num_warps=2), _BOTH),
-        "tile": (None, dict(pool="tile", cols=32, prefetch=True, num_warps=8), _BOTH),
-        "split16": (None, dict(pool="tile", nsplit=16, cols=32, prefetch=False, num_warps=4, finish_warps=4), _BOTH),
+        "s-split2": (None, dict(nsplit=2, groups=2, num_warps=4), _BOTH),   # streamed halves, then a finish
+        "split16": (None, dict(pool="tile", nsplit=16, cols=32, prefetch=False, num_warps=4, finish_warps=4),
+                    _BOTH),                                           # [128, 32] tiles, then a finish
         "chunk16": (None, dict(chunk=16), _PREFILL),
         "list": (None, dict(grid="list"), _PREFILL),
-        "save-t1w4": (dict(tokens=1, num_warps=4), None, _BOTH),
         "save-t4w4": (dict(tokens=4, num_warps=4), None, _BOTH),
     },
     (4, "fp8"): {
@@ -56,12 +54,10 @@ SWEEP = {
         "w2": (None, dict(num_warps=2), _BOTH),
         "chunk8": (None, dict(chunk=8), _PREFILL),
         "list": (None, dict(grid="list"), _PREFILL),
-        "save-t1w2": (dict(tokens=1, num_warps=2), None, _BOTH),
         "save-t8w2": (dict(tokens=8, num_warps=2), None, _BOTH),
     },
     (4, "mxfp4"): {
         "default": (None, None, _BOTH),
-        "w2": (None, dict(num_warps=2), _BOTH),
         "chunk8": (None, dict(chunk=8), _PREFILL),
     },
 }

@@ -214,11 +214,12 @@ def _window(stride0, stride1, num_blocks, bt_row, bt_cols, pos, D: tl.constexpr,
 
 @triton.jit
 def _load_tile(state_ptr, row, ok, cols, live, D: tl.constexpr, OVERLAP: tl.constexpr):
-    """(score, kv) [rows, len(cols)] of window rows (absent rows: -inf, 0); nothing is read unless live."""
+    """(score, kv) [rows, len(cols)] of window rows (absent rows: -inf, 0); nothing is read unless live.
+    kv is loaded first: the compiler then issues all the loads before the exponentials need the scores."""
     ptr = state_ptr + row[:, None] + cols[None, :]
     mask = (ok & live)[:, None] & (cols >= 0)[None, :]
-    return (tl.load(ptr + (1 + OVERLAP) * D, mask=mask, other=float("-inf")),
-            tl.load(ptr, mask=mask, other=0.0))
+    kv = tl.load(ptr, mask=mask, other=0.0)
+    return tl.load(ptr + (1 + OVERLAP) * D, mask=mask, other=float("-inf")), kv
 
 
 @triton.jit
@@ -334,10 +335,10 @@ def _load_blocks(state_ptr, row, ok, cols, live, D: tl.constexpr, OVERLAP: tl.co
     (nor kv unless KV)."""
     ptr = state_ptr + row[:, :, None] + cols[None, None, :]
     mask = (ok & live)[:, :, None] & (cols >= 0)[None, None, :]
-    sc = tl.load(ptr + (1 + OVERLAP) * D, mask=mask, other=float("-inf"))
     if KV:
         kv = tl.load(ptr, mask=mask, other=0.0)
-    else:
+    sc = tl.load(ptr + (1 + OVERLAP) * D, mask=mask, other=float("-inf"))
+    if not KV:
         kv = sc
     return sc, kv
 
