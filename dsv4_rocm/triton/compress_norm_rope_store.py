@@ -497,6 +497,8 @@ def default_config(arch: str, head_dim: int, ratio: int) -> dict:
 
     ``grid``/``chunk``: a prefill-sized step runs a program per ``chunk`` tokens (C4: the 4 tokens of one
     boundary; C128: 8 tokens, most programs find none and leave at once), or per listed entry ("list").
+    A chunk holding several boundaries (decode tokens of requests closing windows together, batched with
+    a prefill) makes them one after the other; "list" spreads them at the price of a listing pass.
     ``nsplit``: 1 pools a whole entry in one program, more splits its columns over programs and finishes
     in a second launch. ``pool``: "tile" reduces [W, cols] tiles (rows across lanes and warps, tree levels
     through shared memory); "stream" walks blocks of ``rows`` rows kept in each thread's registers, in
