@@ -263,34 +263,52 @@ _INTERPRETED_ENTRY = textwrap.dedent("""
     from dsv4_rocm.triton import compress_norm_rope_store as K
 
     @triton.jit
-    def entry(state, s0, s1, nb, bt, ncols, sbs, pos, w, eps, cs, y_buf, yh_out, ro_out, D: tl.constexpr,
-              RATIO: tl.constexpr, OVERLAP: tl.constexpr, NSPLIT: tl.constexpr):
-        for s in tl.static_range(NSPLIT):                    # pooled in column slices, as the C128 path does
-            cols = s * (D // NSPLIT) + tl.arange(0, D // NSPLIT)
-            tl.store(y_buf + cols, K._pool(state, s0, s1, nb, bt, ncols, sbs, pos, cols, D, RATIO, OVERLAP))
+    def entry(state, s0, s1, nb, bt, ncols, pos, w, eps, cs, y_buf, yh_out, ro_out, D: tl.constexpr,
+              RATIO: tl.constexpr, OVERLAP: tl.constexpr, SBS: tl.constexpr, NSPLIT: tl.constexpr,
+              STREAM: tl.constexpr, GROUPS: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr):
+        row, ok = K._window(s0, s1, nb, bt, ncols, pos, D, RATIO, OVERLAP, SBS)
+        for s in tl.static_range(NSPLIT):                    # column slices, as the split launches pool them
+            if STREAM:                                       # COLS: rows a block
+                y = K._pool_stream(state, s0, s1, nb, bt, ncols, pos, s * (D // NSPLIT), D // NSPLIT, COLS, GROUPS,
+                                   D, RATIO, OVERLAP, SBS, PREFETCH)
+            else:
+                y = K._pool_slice(state, row, ok, s * (D // NSPLIT), D // NSPLIT, COLS, D, OVERLAP, PREFETCH)
+            tl.store(y_buf + s * (D // NSPLIT) + tl.arange(0, D // NSPLIT), y)
         y = tl.load(y_buf + tl.arange(0, D))
         yh, ro = K._norm_rope(y, w, eps, cs + ((pos // RATIO) * RATIO) * 64, D)
         tl.store(yh_out + tl.arange(0, D), yh)
         tl.store(ro_out + tl.arange(0, D), ro)
 
     g = torch.Generator().manual_seed(0)
-    for ratio, D, pos in ((4, 128, 3), (4, 128, 19), (128, 512, 255)):
-        sbs, ns = rc.state_block_size(ratio), 40
-        state = rc.new_state_cache(ns, ratio, D)
+    # (ratio, D, pos, column slices, stream, row groups, columns a tile / rows a block, prefetch, state block
+    # size): every way the launches pool a window
+    for ratio, D, pos, nsplit, st, grp, cols, pf, sbs in (
+            (4, 128, 3, 1, 0, 1, 128, 0, 4), (4, 128, 19, 1, 0, 1, 128, 0, 4), (4, 512, 27, 1, 0, 1, 512, 0, 4),
+            (4, 512, 27, 2, 0, 1, 64, 1, 4), (4, 128, 19, 1, 1, 2, 2, 1, 4), (4, 128, 19, 2, 1, 1, 4, 0, 2),
+            (128, 512, 255, 1, 0, 1, 32, 1, 8), (128, 512, 255, 4, 0, 1, 64, 0, 8),
+            (128, 512, 127, 16, 0, 1, 32, 0, 8), (128, 512, 255, 1, 1, 2, 8, 1, 8), (128, 512, 255, 4, 1, 4, 8, 0, 8),
+            (128, 512, 135 * 128 - 1, 2, 1, 1, 16, 1, 8), (128, 512, 255, 1, 1, 1, 8, 0, 4)):
+        ns = 40
+        state = rc.new_state_cache(ns, ratio, D, block_size=sbs)
         state.copy_(torch.randn(state.shape, generator=g) * 2)
+        state[..., state.shape[-1] // 2:] -= 40 * torch.rand(state.shape[:-1] + (1,), generator=g)  # spread scores
         bt = torch.randperm(ns, generator=g).to(torch.int32)
         bt[4] = -1                                            # an absent block inside the C4 window at 19
+        bt = torch.cat([bt, torch.randint(0, ns, (pos // sbs + 1 - ns,), generator=g).to(torch.int32)]) if \
+            pos // sbs >= ns else bt
         w = (1 + 0.1 * torch.randn(D, generator=g)).bfloat16()
-        cs = build_cos_sin_cache(160000.0, 512)
+        cs = build_cos_sin_cache(160000.0, 20000)
         yh, ro = torch.zeros(D), torch.zeros(D)
-        entry[(1,)](state, state.stride(0), state.stride(1), ns, bt, ns, sbs, pos, w, 1e-6, cs, torch.zeros(D), yh,
-                    ro, D=D, RATIO=ratio, OVERLAP=int(ratio == 4), NSPLIT=K._splits(D, ratio))
+        entry[(1,)](state, state.stride(0), state.stride(1), ns, bt, bt.shape[0], pos, w, 1e-6, cs, torch.zeros(D), yh,
+                    ro, D=D, RATIO=ratio, OVERLAP=int(ratio == 4), SBS=sbs, NSPLIT=nsplit, STREAM=st, GROUPS=grp,
+                    COLS=cols, PREFETCH=pf)
         sc, kv = rc._window_rows(state, bt.view(1, -1), torch.tensor([0]), torch.tensor([pos]), ratio, sbs,
                                  rc.coff(ratio) * D, D)
         ryh = rc.rms_normalize(rc.pool(sc, kv), w, 1e-6)
         rro = rope_fwd(ryh, torch.tensor([(pos // ratio) * ratio]), cs)
         bits = lambda t: t.reshape(-1).view(torch.int32)
-        print(ratio, D, pos, int((bits(yh) != bits(ryh)).sum()), int((bits(ro) != bits(rro)).sum()))
+        print(ratio, D, pos, nsplit, st, grp, cols, pf, sbs, int((bits(yh) != bits(ryh)).sum()),
+              int((bits(ro) != bits(rro)).sum()))
 """)
 
 
@@ -301,7 +319,42 @@ def test_kernel_fp32_arithmetic_equals_the_oracle_under_the_interpreter(tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print("\n".join(" ".join(x) for x in rows))
-    assert len(rows) == 3 and all(x[3] == "0" and x[4] == "0" for x in rows)
+    assert len(rows) == 13 and all(x[9] == "0" and x[10] == "0" for x in rows)
+
+
+_INTERPRETED_EXP = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch, triton, triton.language as tl
+    from dsv4_rocm.reference import compressor as rc
+    from dsv4_rocm.triton import compress_norm_rope_store as K
+
+    @triton.jit
+    def exp_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, K._exp_neg(tl.load(x_ptr + offs)))
+
+    g = torch.Generator().manual_seed(0)
+    edge = torch.tensor([0.0, -0.0, -80.0, float("-inf"), float("nan"), -1e-30, -1e-45, -87.3, -103.0])
+    near = torch.nextafter(torch.tensor([-80.0, -80.0, -0.5, -0.5]), torch.tensor([0.0, -100.0, 0.0, -1.0]))
+    x = torch.cat([edge, near, -torch.rand(1 << 16, generator=g) * 100, -torch.rand(1 << 12, generator=g)])
+    x = torch.cat([x, torch.zeros((-x.numel()) % 1024)])
+    out = torch.empty_like(x)
+    exp_kernel[(x.numel() // 1024,)](x, out, BLOCK=1024)
+    want = rc.exp_neg(x)
+    same = (out.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(out) & torch.isnan(want))
+    print(x.numel(), int((~same).sum()))
+""")
+
+
+def test_kernel_exp_equals_the_oracle_bit_for_bit(tmp_path):
+    """The kernel's exponential (its own NaN handling) gives the oracle's bits on random, boundary and
+    special inputs (x <= 0: scores minus their max)."""
+    r = _interpret(_INTERPRETED_EXP, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    n, bad = r.stdout.split()
+    print(f"{n} values, {bad} differ")
+    assert int(n) > 60000 and bad == "0"
 
 
 _INTERPRETED_SAVE = textwrap.dedent("""
@@ -323,10 +376,11 @@ _INTERPRETED_SAVE = textwrap.dedent("""
         slots[5] = ns * sbs + 3                                # out of range: skipped by the kernel
         a = rc.new_state_cache(ns, ratio, D)
         a.copy_(torch.randn(a.shape, generator=g))
-        b = a.clone()
+        b = [a.clone() for _ in range(3)]
         rc.save_partial_states(kv, sc, ape, pos, a, slots, sbs, c * D, ratio)
-        save_partial_states(kv, sc, ape, pos, b, slots, sbs, c * D, ratio)
-        print(ratio, D, int((a.view(torch.int32) != b.view(torch.int32)).sum()))
+        for tokens, bi in zip((1, 2, 4), b):                    # 21 tokens: the last program is partial
+            save_partial_states(kv, sc, ape, pos, bi, slots, sbs, c * D, ratio, config=dict(tokens=tokens))
+        print(ratio, D, sum(int((a.view(torch.int32) != bi.view(torch.int32)).sum()) for bi in b))
 """)
 
 
@@ -370,6 +424,69 @@ def test_entry_list_kernel_under_the_interpreter(tmp_path):
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print(rows)
     assert len(rows) == 4 and all(x[4] == "True" for x in rows)
+
+
+_INTERPRETED_CONFIGS = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    import torch
+    from dsv4_rocm import ops
+    from dsv4_rocm.reference import compressor as rc
+    from dsv4_rocm.triton.compress_norm_rope_store import compress_norm_rope_store as kernel
+    from compressor_batches import RECORD, compress_kwargs, make_setup, step_inputs
+
+    def records(S, pos, sslots, kslots):
+        # bytes of the records of the step's entries (the only bytes a step may write)
+        ts, sd = RECORD[S.target]
+        m = torch.zeros_like(S.pages, dtype=torch.bool)
+        for p, s, k in zip(pos.tolist(), sslots.tolist(), kslots.tolist()):
+            if s >= 0 and k >= 0 and (p + 1) % S.ratio == 0:
+                page, off = k // S.bs, k % S.bs
+                m[page, off * ts:(off + 1) * ts] = True
+                m[page, S.bs * ts + off * sd:S.bs * ts + (off + 1) * sd] = True
+        return m
+
+    # prefill-sized steps (mixed with decode tokens and padding), then a decode-sized step
+    CASES = ((4, [44, 9, 32],
+              [{0: (0, 12), 1: (0, 9), 2: (0, 30)}, {0: (12, 43), 2: (30, 31)}, {0: (43, 44), 2: (31, 32)}],
+              [dict(), dict(chunk=8), dict(grid="list"), dict(nsplit=2, cols=64, prefetch=True, finish_warps=2)]),
+             (128, [300, 256, 260],
+              [{0: (0, 100), 1: (0, 127), 2: (0, 120)}, {0: (100, 300), 1: (127, 255), 2: (120, 260)}, {1: (255, 256)}],
+              [dict(), dict(pool="tile", nsplit=16, cols=32, num_warps=4, finish_warps=4),
+               dict(grid="list", nsplit=4, groups=2, num_warps=2),
+               dict(chunk=32, pool="tile", cols=64, prefetch=False)]))
+    for ratio, lens, steps, configs in CASES:
+        S0 = make_setup(ratio, "main", lens, "cpu", seed=5)
+        c, sbs = rc.coff(ratio), rc.state_block_size(ratio)
+        outs, entries, stray = [], 0, 0
+        for cfg in configs:
+            S = S0.clone()
+            for ranges in steps:
+                kv_score, pos, req, sslots, kslots = step_inputs(S, ranges, pad=3)
+                kv, score = kv_score.split([c * S.D, c * S.D], dim=-1)
+                ops.save_partial_states(kv, score, S.ape, pos, S.state, sslots, sbs, c * S.D, ratio)
+                before = S.pages.clone()
+                kernel(**compress_kwargs(S, sslots.shape[0], req, pos, sslots, kslots), config=cfg)
+                region = records(S, pos, sslots, kslots)
+                entries += int(region.sum())
+                stray += int(((S.pages != before) & ~region).sum())
+            outs.append(S.pages)
+        print(ratio, len(configs), entries, stray, sum(int((o != outs[0]).sum()) for o in outs))
+""")
+
+
+def test_kernel_grids_and_poolings_write_the_same_records_under_the_interpreter(tmp_path):
+    """The whole compress kernel under the interpreter, on mixed steps with padding: every grid (per token,
+    chunks of tokens, listed entries) and pooling (one program an entry, column slices then a finishing
+    launch, tiles with and without prefetch) writes the same bytes, and only inside the step's records.
+    (Value exactness against the oracle is the GPU tests' job: the interpreter rounds fp8 / bf16 its own
+    way; the fp32 part is checked above.)"""
+    r = _interpret(_INTERPRETED_CONFIGS, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.strip().splitlines()]
+    print(rows)
+    assert len(rows) == 2 and all(int(x[2]) > 0 and x[3] == "0" and x[4] == "0" for x in rows)
 
 
 # ---- GPU: Triton vs the oracle, byte for byte --------------------------------------------------------
@@ -418,6 +535,34 @@ def test_triton_equals_oracle_bytes_on_mixed_batches(ratio, target, seed):
     print(f"{target} C{ratio} lens {lens}: {changed} cache bytes written, {n_pages} differ; "
           f"state bytes differ {n_state}")
     assert changed > 0 and n_pages == 0 and n_state == 0
+
+
+def _sweep_configs():
+    from dsv4_rocm.bench.compressor import SWEEP
+    return [(r, t, v, s, c) for (r, t), vs in SWEEP.items() for v, (s, c, _) in vs.items() if v != "default"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio, target, variant, save_cfg, comp_cfg", _sweep_configs(),
+                         ids=[f"C{r}-{t}-{v}" for r, t, v, _, _ in _sweep_configs()])
+def test_triton_sweep_configs_equal_oracle_bytes(ratio, target, variant, save_cfg, comp_cfg):
+    """Every launch configuration the benchmark sweep times writes the oracle's bytes on mixed steps."""
+    from dsv4_rocm.triton.compress_norm_rope_store import compress_norm_rope_store
+    from dsv4_rocm.triton.save_partial_states import save_partial_states
+    g = torch.Generator().manual_seed(7)
+    lens = [int(x) for x in torch.randint(1, 700 if ratio == 128 else 200, (6,), generator=g)]
+    lens[0] = 2 * ratio + ratio // 2
+    sched = _random_schedule(g, lens, 6)
+    base = make_setup(ratio, target, lens, "cuda", 7, scale=2.0)
+    ref = run_schedule(base.to("cpu"), sched, 3)
+    S, c = base.clone(), rc.coff(ratio)
+    for ranges in sched:
+        kv_score, pos, req, sslots, kslots = step_inputs(S, ranges, 3)
+        kv, score = kv_score.split([c * S.D, c * S.D], dim=-1)
+        save_partial_states(kv, score, S.ape, pos, S.state, sslots, rc.state_block_size(ratio), c * S.D, ratio,
+                            config=save_cfg)
+        compress_norm_rope_store(**compress_kwargs(S, sslots.shape[0], req, pos, sslots, kslots), config=comp_cfg)
+    assert _diff(ref.pages, S.pages) == 0 and _diff(ref.state, S.state) == 0
 
 
 @pytest.mark.gpu

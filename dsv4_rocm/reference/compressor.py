@@ -60,10 +60,12 @@ def window(ratio: int) -> int:
     return coff(ratio) * ratio
 
 
-def new_state_cache(num_blocks: int, ratio: int, head_dim: int, device=None, page_align: int = 576):
+def new_state_cache(num_blocks: int, ratio: int, head_dim: int, device=None, page_align: int = 576,
+                    block_size: int = None):
     """A zeroed fp32 state cache [num_blocks, block_size, 2 * coff * head_dim] whose page stride is
-    padded to a multiple of ``page_align`` bytes, as vLLM pads pages shared with fp8_ds_mla caches."""
-    bs, width = state_block_size(ratio), 2 * coff(ratio) * head_dim
+    padded to a multiple of ``page_align`` bytes, as vLLM pads pages shared with fp8_ds_mla caches
+    (block_size: vLLM's, ``state_block_size(ratio)``, unless given)."""
+    bs, width = block_size or state_block_size(ratio), 2 * coff(ratio) * head_dim
     page = -(-bs * width * 4 // page_align) * page_align // 4
     buf = torch.zeros(num_blocks, page, dtype=torch.float32, device=device)
     return buf[:, :bs * width].view(num_blocks, bs, width) if page == bs * width else \
