@@ -11,6 +11,8 @@ using the tile configuration each kernel module picks for that arch, then checke
     workgroup limit (64 KB gfx942, 160 KB gfx950);
   * NVIDIA: ``wgmma`` (sm_90a) / ``tcgen05`` (sm_100a) present in matrix kernels, no spills (ptxas -v
     with the ptxas Triton ships), shared memory within 227 KB;
+  * fp8 GEMM kernels (``fp8_mma``): the matrix instruction takes fp8 operands (``v_mfma_*_fp8_*`` /
+    ``v_mfma_*_f8f6f4``, ``wgmma ... .e4m3.e4m3``, ``tcgen05.mma ... kind::f8f6f4``);
   * kernels that write fp8 bytes use the hardware encode (``v_cvt_[scalef32_]pk_fp8_f32`` /
     ``cvt.rn.satfinite.e4m3x2.f32``); kernels whose fp32 arithmetic must be exact have no fma in their PTX.
 Each target is compiled in a process of its own: Triton 3.6 keeps per-arch lowering decisions for AMD
@@ -48,6 +50,7 @@ class TritonKernel:
     fp8_convert: bool = False            # must decode fp8 with the hardware convert (no software path)
     fp8_encode: bool = False             # must encode fp8 with the hardware convert
     exact_fp32: bool = False             # compiled with fp fusion off: no fma may appear in the PTX
+    fp8_mma: bool = False                # its matrix instructions must take fp8 (e4m3) operands
 
     def signature(self):
         sig = {}
@@ -158,6 +161,8 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
                    spills=f"v{rep['vgpr_spill']}/s{rep['sgpr_spill']}")
         if k.matrix and "v_mfma" not in asm:
             row["problems"].append("no v_mfma")
+        if k.fp8_mma and not re.search(r"v_mfma\w*_(fp8|f8f6f4)", asm):
+            row["problems"].append("no fp8 v_mfma")
         if k.fp8_convert and not re.search(r"v_cvt_(scalef32_)?pk_f32_fp8", asm):
             row["problems"].append("no hardware fp8 convert")
         if k.fp8_encode and not re.search(r"v_cvt_(scalef32_)?pk_fp8_f32", asm):
@@ -183,6 +188,9 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
             row["problems"].append("fma in an exact-fp32 kernel")
         if k.matrix and mma not in ptx:
             row["problems"].append(f"no {mma}")
+        fp8_mma = r"wgmma\.mma_async\S*\.e4m3\.e4m3" if arch == 90 else r"tcgen05\.mma\S*kind::f8f6f4"
+        if k.fp8_mma and not re.search(fp8_mma, ptx):
+            row["problems"].append(f"no fp8 {mma}")
         if spill:
             row["problems"].append(f"{spill} B spilled")
     if row["smem"] > limit:

@@ -40,6 +40,18 @@ python3 -m dsv4_rocm run --device cuda 2>&1 | tail -6
 run_rc=${PIPESTATUS[0]}
 [ "$run_rc" = 0 ] || status=1
 
+# FlashMLA's own d_qk-512 test cases through dsv4_rocm.flash_mla (every FLASHMLA_EVERY-th), and FlashMLA
+# timed beside it when its package is built here; needs a FlashMLA checkout in FLASHMLA_DIR
+if [ -n "${FLASHMLA_DIR:-}" ]; then
+  python3 ci/flashmla_cases.py --flashmla "$FLASHMLA_DIR" --every "${FLASHMLA_EVERY:-8}" --timing \
+    --json "$OUT/flashmla_cases.json" > "$OUT/flashmla_cases.log" 2>&1
+  fm_rc=$?
+  sed -n '/^case  /,/^ratio = /p; /^timing skipped/p; /== FlashMLA cases/,$p' "$OUT/flashmla_cases.log"
+  [ "$fm_rc" = 0 ] || status=1
+else
+  fm_rc="skipped (set FLASHMLA_DIR to a FlashMLA checkout)"
+fi
+
 python3 -m dsv4_rocm bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -90
 bench_rc=${PIPESTATUS[0]}
 
@@ -50,5 +62,6 @@ echo "pytest -m gpu: rc=$gpu_rc ($(grep -Eo '[0-9]+ passed|[0-9]+ failed' "$OUT/
 echo "memcheck:      rc=$mc_rc"
 echo "parity:        rc=$parity_rc"
 echo "main job:      rc=$run_rc"
+echo "FlashMLA cases: rc=$fm_rc (log in $OUT/flashmla_cases.log)"
 echo "bench:         rc=$bench_rc (table above, JSON in $OUT/bench.json)"
 exit $status

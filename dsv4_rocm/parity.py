@@ -175,41 +175,71 @@ def case_compressor_c4_indexer_mxfp4():
 
 def case_indexer():
     g = _g(8)
-    inp = dict(qi=torch.randn(4, 8, 128, generator=g).bfloat16(), w=torch.randn(4, 8, generator=g).bfloat16(),
+    bt = torch.tensor([[1, 0], [1, 0]], dtype=torch.int32)
+    j = torch.arange(100)
+    ternary = lambda *shape: torch.randint(-1, 2, shape, generator=g).float()             # noqa: E731
+    # logits inputs whose dot products every fp8 matrix unit sums exactly (values 0, +-1 against 0, +-256
+    # with power-of-two scales: partial sums stay within 13 mantissa bits) and positive weights, so the
+    # fp32 head sums, the only order-dependent part, have no cancellation
+    inp = dict(qi=torch.randn(4, 64, 128, generator=g).bfloat16(), w=torch.randn(4, 64, generator=g).bfloat16(),
                pos=torch.tensor([3, 40, 41, 200]), cos_sin=build_cos_sin_cache(160000.0, 256),
-               k8=torch.randint(0, 0x7E, (60, 128), generator=g, dtype=torch.uint8),
-               ks=torch.exp2(torch.randint(-9, -2, (60,), generator=g).float()))
+               k=(ternary(100, 128) * torch.exp2(torch.randint(-4, 4, (100, 1), generator=g))).bfloat16(),
+               slots=bt[0, j // 64].long() * 64 + j % 64, bt=bt,
+               cl=torch.tensor([[30, 31], [100, 99]], dtype=torch.int32),
+               lq=ternary(4, 64, 128).to(torch.float8_e4m3fn).view(torch.uint8), lw=torch.rand(4, 64, generator=g) + 0.1)
 
     def run(i):
-        q8, wq = ops.fused_indexer_q_rope_quant(i["qi"], i["pos"], i["cos_sin"], i["w"])
-        ke = (i["pos"] + 1) // 4
-        lg = ops.fp8_mqa_logits(q8, i["k8"], i["ks"], wq, torch.zeros_like(ke), ke.clamp(max=60))
-        top = ops.top_k_per_row(lg, torch.zeros_like(ke), ke.clamp(max=60), 8)
-        return dict(q8=q8, weights=wq, logits=lg, topk_sorted=top.sort(dim=1).values)
-    return inp, run, (1e-5, 1e-5)
+        dev = i["qi"].device
+        q8, wq = ops.fused_indexer_q_rope_quant(i["pos"], i["qi"], i["cos_sin"], i["w"], 128 ** -0.5, 64 ** -0.5)
+        (q4, q4s), w4 = ops.fused_indexer_q_rope_quant(i["pos"], i["qi"], i["cos_sin"], i["w"], 128 ** -0.5,
+                                                       64 ** -0.5, use_fp4=True)
+        cache = torch.zeros(2, 64, 132, dtype=torch.uint8, device=dev)
+        ops.indexer_k_quant_and_cache(i["k"], cache, i["slots"], 128, "ue8m0")
+        k8 = torch.empty(100, 128, dtype=torch.float8_e4m3fn, device=dev)
+        ks = torch.empty(100, 4, dtype=torch.uint8, device=dev)
+        ops.cp_gather_indexer_k_quant_cache(cache, k8, ks, i["bt"][:1], torch.tensor([0, 100], dtype=torch.int32,
+                                                                                        device=dev))
+        ke = ((i["pos"] + 1) // 4).clamp(max=100).to(torch.int32)
+        lq = i["lq"].view(torch.float8_e4m3fn)
+        lg = ops.fp8_mqa_logits(lq, (k8, ks.view(torch.float32).squeeze(-1)), i["lw"], torch.zeros_like(ke), ke)
+        top = ops.top_k_per_row(lg, torch.zeros_like(ke), ke, 8)
+        plg = ops.fp8_paged_mqa_logits(lq.view(2, 2, 64, 128), cache.unsqueeze(-2), i["lw"], i["cl"], i["bt"],
+                                       ops.get_paged_mqa_logits_metadata(i["cl"], 64, 4), 100)
+        return dict(q8=q8.view(torch.uint8), weights=wq, q4=q4, q4_scale=q4s, w4=w4, cache=cache,
+                    k8=k8.view(torch.uint8), k_scale=ks, logits=lg, topk_sorted=top.sort(dim=1).values,
+                    paged_logits=plg)
+    # weights are bit-exact; logits: sums of 64 positive fp32 terms in any order agree within 64 * 2^-24
+    return inp, run, (1e-5, 1e-6)
 
 
 def case_metadata():
+    """A mixed step: request 0 decodes one token (position 299), request 1 prefills three (127..129), one
+    token is padding (slot -1); every metadata op in vLLM's form on it."""
     g = _g(9)
-    bt = torch.randperm(12, generator=g).view(2, 6).to(torch.int32)
-    pos = torch.tensor([0, 3, 127, 300, 5, 64, 255])
-    t2r = torch.tensor([0, 0, 0, 0, 1, 1, 1])
-    inp = dict(bt=bt, pos=pos, t2r=t2r, sm=torch.tensor([1, 1, -1, 1, 1, 1, 1]),
-               loc=torch.randint(-1, 70, (7, 8), generator=g).to(torch.int32),
-               is_decode=torch.tensor([1, 1, 1, 1, 0, 0, 0]).bool(), topk_lens=torch.tensor([3, 0, 8, 8, 2, 5, 1]),
-               gather_start=torch.tensor([0, 0]))
+    i32 = dict(dtype=torch.int32)
+    inp = dict(bt=torch.randperm(12, generator=g).view(2, 6).to(torch.int32), qsl=torch.tensor([0, 1, 4], **i32),
+               seq=torch.tensor([300, 130], **i32), pos=torch.tensor([299, 127, 128, 129]),
+               t2r=torch.tensor([0, 1, 1, 1], **i32), sm=torch.tensor([1, 1, -1, 1]),
+               loc=torch.randint(-1, 70, (4, 8), generator=g).to(torch.int32))
 
     def run(i):
-        out = {}
-        out["c4_slots"] = ops.get_compressed_slot_mapping(i["pos"], i["t2r"], i["bt"], 4, 64, i["sm"])
-        out["c128_slots"] = ops.get_compressed_slot_mapping(i["pos"], i["t2r"], i["bt"], 128, 2, i["sm"])
-        out["swa_idx"], out["swa_len"] = ops.compute_swa_indices_and_lens(i["pos"], i["t2r"], i["bt"], i["sm"], 128)
+        dev, out = i["bt"].device, {}
+        buf = torch.empty(6, dtype=torch.int64, device=dev)
+        out["c4_slots"] = ops.get_compressed_slot_mapping(4, i["qsl"], i["seq"], i["bt"], 64, 4, out=buf).clone()
+        out["c4_slots_buffer"] = buf
+        out["c128_slots"] = ops.get_compressed_slot_mapping(4, i["qsl"], i["seq"], i["bt"], 2, 128)
+        out["swa_idx"], out["swa_len"] = ops.compute_swa_indices_and_lens(
+            torch.empty(4, 1, 128, **i32, device=dev), torch.empty(4, **i32, device=dev), 128, i["qsl"], i["seq"],
+            i["t2r"], i["sm"] >= 0, i["bt"], 64)
+        out["gather_lens"] = ops.compute_prefill_gather_lens(torch.empty(2, **i32, device=dev), i["seq"], i["qsl"], 1,
+                                                             1, 128)
         out["g_idx"], out["g_len"] = ops.compute_global_topk_indices_and_lens(i["loc"], i["t2r"], i["bt"], 64,
                                                                               i["sm"] >= 0)
-        out["c128_idx"], out["c128_len"] = ops.build_c128a_topk_metadata(
-            i["pos"], i["t2r"], i["bt"], i["sm"], i["is_decode"], 2000)
+        out["c128_idx"], out["c128_len"], out["c128_prefill"] = ops.build_c128a_topk_metadata(
+            i["pos"], 128, 1, i["t2r"], i["bt"], 2, i["sm"], torch.empty(4, 128, **i32, device=dev),
+            torch.empty(4, **i32, device=dev), torch.empty(4, 128, **i32, device=dev), 128)
         out["comb_idx"], out["comb_len"] = ops.combine_topk_swa_indices(
-            i["loc"], i["topk_lens"], i["pos"], i["t2r"], i["gather_start"], 16, 600, 128)
+            i["loc"][1:], i["qsl"][1:], i["seq"][1:], out["gather_lens"][:1], 128, 4, 8, 211, 80)
         return out
     return inp, run, (0, 0)
 
@@ -242,8 +272,13 @@ def case_output_path():
     inp.update(w8=w8, ws=ws)
 
     def run(i):
-        a8, sa = ops.fused_inv_rope_fp8_quant(i["o"], i["pos"], i["cos_sin"], 2)
-        return dict(a8=a8, a_scale=sa, z=ops.fp8_einsum(a8, sa, i["w8"], i["ws"]))
+        a8, sa = ops.fused_inv_rope_fp8_quant(i["o"], i["pos"], i["cos_sin"], 2, 4)
+        _, packed = ops.fused_inv_rope_fp8_quant(i["o"], i["pos"], i["cos_sin"], 2, 4, tma_aligned_scales=True)
+        z = torch.empty(3, 2, 128, dtype=torch.bfloat16, device=a8.device)
+        ops.fp8_einsum("bhr,hdr->bhd", (a8, sa), (i["w8"], i["ws"]), z)
+        return dict(a8=a8.view(torch.uint8).contiguous(), a_scale=sa.contiguous(), a_scale_packed=packed.contiguous(),
+                    z=z)
+    # z: fp32 sums in another order, then one bf16 rounding (2^-8 relative)
     return inp, run, (1e-2, 1e-3)
 
 

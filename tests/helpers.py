@@ -1,4 +1,8 @@
 """Random inputs for tests: fresh every call, never zeros; poison values for outputs."""
+import os
+import subprocess
+import sys
+
 import torch
 
 from dsv4_rocm import layout as L
@@ -92,3 +96,13 @@ def every_cache_view(num_blocks, block_size, record=584, seed=0, device="cpu"):
 def page_records(backing, block_size, record=584):
     """The [nb, bs*R] record bytes of a backing allocation (its padding excluded)."""
     return backing[:, :block_size * record]
+
+
+def run_interpreted(script: str, tmp_path):
+    """Run a script under the Triton interpreter in a fresh process (Triton reads kernel sources from files;
+    the script sets TRITON_INTERPRET=1 before importing triton). Returns the CompletedProcess."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f = tmp_path / "interpreted.py"
+    f.write_text(script)
+    return subprocess.run([sys.executable, str(f)], cwd=root, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=root), timeout=600)

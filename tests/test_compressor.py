@@ -2,9 +2,6 @@
 the oracle against the formula written out by hand, chunk invariance, padding, rejected calls, NaN
 poisoning, vLLM's call forms; on a GPU the Triton kernels against the oracle, byte for byte."""
 import inspect
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +15,7 @@ from dsv4_rocm.reference.quant import mxfp4_quantize, quantize_blocks
 from dsv4_rocm.reference.rope import rope_fwd
 from compressor_batches import (compress_kwargs, make_setup, read_entry, run_schedule, run_step, step_inputs,
                                 written_mask)
+from helpers import run_interpreted
 
 TARGETS = [(4, "main"), (128, "main"), (4, "fp8"), (4, "mxfp4")]
 
@@ -296,19 +294,10 @@ _INTERPRETED_ENTRY = textwrap.dedent("""
 """)
 
 
-def _interpret(script, tmp_path):
-    """Run a script under the Triton interpreter in a fresh process (Triton reads kernel sources from files)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    f = tmp_path / "interpreted.py"
-    f.write_text(script)
-    return subprocess.run([sys.executable, str(f)], cwd=root, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=root), timeout=600)
-
-
 def test_kernel_fp32_arithmetic_equals_the_oracle_under_the_interpreter(tmp_path):
     """The kernel's pooling, norm and RoPE (everything before the bf16 / fp8 conversions, which the
     interpreter does not round like the hardware) give the oracle's fp32 bits exactly."""
-    r = _interpret(_INTERPRETED_ENTRY, tmp_path)
+    r = run_interpreted(_INTERPRETED_ENTRY, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print("\n".join(" ".join(x) for x in rows))
@@ -342,7 +331,7 @@ _INTERPRETED_SAVE = textwrap.dedent("""
 
 
 def test_save_partial_states_kernel_equals_the_oracle_under_the_interpreter(tmp_path):
-    r = _interpret(_INTERPRETED_SAVE, tmp_path)
+    r = run_interpreted(_INTERPRETED_SAVE, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     assert len(rows) == 3 and all(x[2] == "0" for x in rows), rows
@@ -376,7 +365,7 @@ _INTERPRETED_ENTRIES = textwrap.dedent("""
 def test_entry_list_kernel_under_the_interpreter(tmp_path):
     """The boundary-token list (integer work, exact under the interpreter): every entry listed once, the
     count exact, nothing written past the capacity."""
-    r = _interpret(_INTERPRETED_ENTRIES, tmp_path)
+    r = run_interpreted(_INTERPRETED_ENTRIES, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print(rows)

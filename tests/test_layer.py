@@ -60,7 +60,7 @@ def naive_layer(server, x):
             k8.append(qb[0]), ksc.append(2.0 ** int(e))
         qi = O.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, cfg.index_n_heads, 128)
         wi = (x.float() @ W.idx_wproj.float().t()).bfloat16()
-        q8, wq = I.indexer_q_rope_quant(qi, pos, cs, wi)
+        q8, wq = I.fused_indexer_q_rope_quant(pos, qi, cs, wi, 128 ** -0.5, cfg.index_n_heads ** -0.5)
     attn = torch.zeros(T, cfg.padded_heads, 512)
     for t in range(T):
         keys = [K_raw[u] for u in range(max(0, t - Wn + 1), t + 1)]
@@ -68,7 +68,7 @@ def naive_layer(server, x):
         if lt == LayerType.C128:
             keys += [K_c[j] for j in range(n)]
         elif lt == LayerType.C4 and n:
-            lg = I.fp8_mqa_logits(q8[t:t + 1], torch.stack(k8[:n]), torch.tensor(ksc[:n]), wq[t:t + 1],
+            lg = I.fp8_mqa_logits(q8[t:t + 1], (torch.stack(k8[:n]), torch.tensor(ksc[:n])), wq[t:t + 1],
                                   torch.tensor([0]), torch.tensor([n]))[0]
             chosen = range(n) if n <= cfg.index_topk else torch.topk(lg, cfg.index_topk).indices.tolist()
             keys += [K_c[j] for j in chosen]
@@ -77,8 +77,9 @@ def naive_layer(server, x):
                             W.attn_sink)
         attn[t] = o[0]
     attn = attn.bfloat16()
-    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H].contiguous(), pos, cs, cfg.local_groups)
-    z = O.fp8_einsum(a8, sa, W.wo_a8, W.wo_a_s)
+    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H], pos, cs, cfg.local_groups, cfg.heads_per_group)
+    z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16)
+    O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
     return O.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)
 
 

@@ -30,17 +30,21 @@ def test_qnorm_insert_checks():
 
 
 def test_output_and_indexer_checks():
-    a8 = torch.zeros(2, 1, 512, dtype=torch.uint8)
+    a8, z = torch.zeros(2, 1, 512, dtype=torch.uint8), torch.empty(2, 1, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="a_scale"):
-        ops.fp8_einsum(a8, torch.ones(2, 1, 3), torch.zeros(1, 128, 512, dtype=torch.uint8), torch.ones(1, 1, 4))
+        ops.fp8_einsum("bhr,hdr->bhd", (a8, torch.ones(2, 1, 3)), (torch.zeros(1, 128, 512, dtype=torch.uint8),
+                                                                    torch.ones(1, 1, 4)), z)
     with pytest.raises(ValueError, match="w must have shape"):
-        ops.fp8_einsum(a8, torch.ones(2, 1, 4), torch.zeros(2, 128, 512, dtype=torch.uint8), torch.ones(2, 1, 4))
+        ops.fp8_einsum("bhr,hdr->bhd", (a8, torch.ones(2, 1, 4)), (torch.zeros(2, 128, 512, dtype=torch.uint8),
+                                                                    torch.ones(2, 1, 4)), z)
     with pytest.raises(ValueError, match="q must have dtype"):
-        ops.fp8_mqa_logits(torch.zeros(2, 4, 128), torch.zeros(3, 128, dtype=torch.uint8), torch.ones(3),
+        ops.fp8_mqa_logits(torch.zeros(2, 4, 128), (torch.zeros(3, 128, dtype=torch.uint8), torch.ones(3)),
                            torch.ones(2, 4), torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="block_table names a page"):
-        ops.fp8_paged_mqa_logits(torch.zeros(1, 1, 4, 128, dtype=torch.uint8), rc.new_cache(1, 64, indexer=True),
-                                 torch.ones(1, 4), torch.tensor([3]), torch.tensor([[5]]), 64, 3)
+    with pytest.raises(ValueError, match="block_tables names a page"):
+        ops.fp8_paged_mqa_logits(torch.zeros(1, 1, 4, 128, dtype=torch.uint8),
+                                 torch.zeros(1, 64, 132, dtype=torch.uint8), torch.ones(1, 4),
+                                 torch.tensor([3], dtype=torch.int32), torch.tensor([[5]], dtype=torch.int32),
+                                 torch.zeros(2, 2, dtype=torch.int32), 3)
     with pytest.raises(ValueError, match="qr and kv rows"):
         ops.fused_q_kv_rmsnorm(torch.zeros(2, 12).bfloat16(), torch.zeros(2, 512).bfloat16(),
                                torch.ones(12), torch.ones(512), 1e-6)

@@ -1,24 +1,25 @@
-"""Sparse MLA attention (DSV4_SPEC §7): reference semantics on CPU, Triton kernels vs reference on GPU.
-
-Tolerances (FlashMLA's): the kernels round P to bf16 for the P.V product and accumulate in fp32 in
-another order, so out is checked to abs 1e-3 or rel 2/128 per element plus a cosine difference
-< 5e-6 over the tensor; lse (fp32, order of summation only) to abs 1e-6 + rel 8/65536.
-"""
+"""Sparse MLA attention: the reference against the formulas on CPU; the Triton kernels (decode straight
+from the fp8 pages, prefill over a bf16 kv) against the reference, under the Triton interpreter on CPU
+(every call form: strides, out buffers, lengths shapes, invalid indices, lonely queries, splits) and on
+a GPU. Tolerances: tests/sparse_mla_inputs.py."""
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-from dsv4_rocm import flash_mla, ops
+from dsv4_rocm import ops
 from dsv4_rocm.reference import attention as ra
 from dsv4_rocm.reference import cache as rc
-from helpers import cos_diff, poison_like, random_indices, random_paged_cache
-
-SM = 512 ** -0.5
+from sparse_mla_inputs import (SM, check_lonely, check_lse, check_out, decode_args, decode_case, decode_key_amax,
+                               padded_out, prefill_case, prefill_key_amax, strided)
 
 
 def direct_attend(q, Ks, sink):
-    """DSV4_SPEC §11 pseudo-code, float64, one head."""
+    """The attention formula with a sink, float64, one head."""
     l = SM * (Ks.double() @ q.double())
     m = max(float(l.max()), sink)
     e = torch.exp(l - m)
@@ -26,7 +27,7 @@ def direct_attend(q, Ks, sink):
 
 
 @pytest.mark.parametrize("sink", [None, float("-inf"), float("inf"), "random"])
-def test_attend_matches_spec_formula(sink):
+def test_attend_matches_the_formula(sink):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(3, 4, 512, generator=g)
     K = torch.randn(3, 20, 512, generator=g)
@@ -42,53 +43,32 @@ def test_attend_matches_spec_formula(sink):
             assert abs(float(lse[n, h]) - float(l_exp)) < 1e-5
 
 
-def test_lonely_query_is_zero_with_inf_lse():
-    q = torch.randn(2, 3, 512)
-    out, lse, mx = ra.attend(q, torch.randn(2, 5, 512), torch.zeros(2, 5, dtype=torch.bool), SM, torch.zeros(3))
-    assert torch.equal(out, torch.zeros_like(out))
-    assert torch.isposinf(lse).all() and torch.isneginf(mx).all()
+@pytest.mark.parametrize("sink", ["-inf", "+inf", "random", "none"])
+def test_reference_lonely_prefill_queries(sink):
+    """A query with no valid key (length 0, or every index invalid) gets out 0, lse +inf, max_logits -inf,
+    whatever the sink; the others are finite."""
+    q, kv, idx, lens, s = prefill_case(6, 64, 32, 40, "cpu", 3, sink)
+    out, mx, lse = ra.flash_mla_sparse_fwd(q, kv, idx, SM, 512, s, lens)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any() and not torch.isnan(mx).any()
+    check_lonely(out, lse, [0, 1], mx)
+    assert torch.isfinite(lse[2:]).all()
+    out0, _, lse0 = ra.flash_mla_sparse_fwd(q, kv, idx, SM, 512, s, torch.zeros_like(lens))
+    check_lonely(out0, lse0, slice(None))
 
 
-def _decode_case(b, s_q, h, bs_main, topk, bs_extra, extra_topk, device, seed, sink="random", lens_shape="b"):
-    pages, K = random_paged_cache(max(2, 4096 // bs_main), bs_main, device, seed)
-    cap = pages.shape[0] * bs_main
-    idx, lens = random_indices(b, s_q, topk, cap, topk, device, seed + 1)
-    if lens_shape == "bsq":
-        lens = torch.randint(0, topk + 1, (b, s_q), generator=torch.Generator().manual_seed(seed)).int().to(device)
-    extra = {}
-    if bs_extra:
-        epages, _ = random_paged_cache(max(2, 4096 // bs_extra), bs_extra, device, seed + 2)
-        eidx, elens = random_indices(b, s_q, extra_topk, epages.shape[0] * bs_extra, extra_topk, device, seed + 3)
-        extra = dict(extra_k_cache=rc.flash_mla_view(epages, bs_extra), extra_indices_in_kvcache=eidx,
-                     extra_topk_length=elens)
-    g = torch.Generator().manual_seed(seed + 4)
-    q = torch.randn(b, s_q, h, 512, generator=g).to(torch.bfloat16).to(device)
-    s = {"random": torch.randn(h, generator=g) * 2, "none": None, "-inf": torch.full((h,), float("-inf")),
-         "+inf": torch.full((h,), float("inf"))}[sink]
-    if s is not None:
-        s = s.to(device)
-    return dict(q=q, k_cache=rc.flash_mla_view(pages, bs_main), indices=idx, topk_length=lens, attn_sink=s, **extra)
-
-
-def test_flash_mla_interface_runs_reference_on_cpu():
-    a = _decode_case(3, 2, 64, 64, 64, 2, 32, "cpu", 5)
-    meta, _ = flash_mla.get_mla_metadata()
-    out, lse = flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
-                                                indices=a["indices"], attn_sink=a["attn_sink"],
-                                                extra_k_cache=a["extra_k_cache"],
-                                                extra_indices_in_kvcache=a["extra_indices_in_kvcache"],
-                                                topk_length=a["topk_length"], extra_topk_length=a["extra_topk_length"])
-    assert out.shape == (3, 2, 64, 512) and lse.shape == (3, 64, 2)
-    with pytest.raises(ValueError, match="tile_scheduler_metadata"):
-        flash_mla.flash_mla_with_kvcache(a["q"][:1], a["k_cache"], None, None, 512, meta, is_fp8_kvcache=True,
-                                         indices=a["indices"][:1])
+def test_reference_topk_zero_and_empty_batches():
+    a = decode_case(2, 1, 64, 64, 0, 2, 0, "cpu", 1)
+    out, lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
+    check_lonely(out, lse, slice(None))
+    a = decode_case(0, 1, 64, 64, 16, 0, 0, "cpu", 1)
+    out, lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
+    assert out.shape == (0, 1, 64, 512) and lse.shape == (0, 64, 1)
 
 
 def test_paged_decode_equals_bf16_prefill_semantics():
     """The two reference paths agree: paged fp8 decode == prefill over the dequantized rows."""
-    a = _decode_case(4, 1, 64, 64, 96, 0, 0, "cpu", 9)
-    out, lse = ra.flash_mla_with_kvcache_sparse(a["q"], a["k_cache"], a["indices"], a["topk_length"],
-                                                a["attn_sink"], None, None, None, SM)
+    a = decode_case(4, 1, 64, 64, 96, 0, 0, "cpu", 9)
+    out, lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
     pages = rc.as_pages(a["k_cache"], 64)
     kv = rc.decode_k_records(rc.gather_k_records(pages, torch.arange(pages.shape[0] * 64), 64)).bfloat16()
     o2, _, l2 = ra.flash_mla_sparse_fwd(a["q"][:, 0], kv.unsqueeze(1), a["indices"], SM, 512, a["attn_sink"],
@@ -97,21 +77,142 @@ def test_paged_decode_equals_bf16_prefill_semantics():
     torch.testing.assert_close(lse[:, :, 0], l2, rtol=0, atol=0)
 
 
-def test_decode_rejects_bad_inputs():
-    a = _decode_case(2, 1, 64, 64, 64, 0, 0, "cpu", 3)
-    with pytest.raises(ValueError, match="q must have 64 or 128 heads"):
-        ops.sparse_mla_decode(a["q"][:, :, :32], a["k_cache"], a["indices"], a["topk_length"], None, None, None,
-                              None, SM)
-    with pytest.raises(ValueError, match="indices"):
-        ops.sparse_mla_decode(a["q"], a["k_cache"], a["indices"].long(), a["topk_length"], None, None, None, None, SM)
-    with pytest.raises(ValueError, match="attn_sink"):
-        ops.sparse_mla_decode(a["q"], a["k_cache"], a["indices"], a["topk_length"], torch.zeros(32), None, None,
-                              None, SM)
-    bad = torch.zeros(4, 64, 1, 584, dtype=torch.uint8)          # contiguous: page stride 64*584, not 576-aligned
-    with pytest.raises(ValueError, match="page stride"):
-        ops.sparse_mla_decode(a["q"], bad, a["indices"], a["topk_length"], None, None, None, None, SM)
-    with pytest.raises(ValueError, match="extra_k_cache is None"):
-        ops.sparse_mla_decode(a["q"], a["k_cache"], a["indices"], a["topk_length"], None, None, a["indices"], None, SM)
+# ---- the kernels under the Triton interpreter (CPU) --------------------------------------------------
+# The interpreter of Triton 3.6 under numpy 2 cannot turn a loaded scalar into a loop bound, multiplies bf16
+# operands of tl.dot as their raw 16-bit integers and rounds fp32 -> bf16 by truncation. The scripts patch
+# the three (a loop bound from the scalar, exact fp32 products of the bf16 values as the MMA units compute
+# them, round-to-nearest-even as the hardware converts); everything else runs as Triton interprets it.
+_INTERPRETER = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as _I
+
+    _patch = _I._patch_lang_tensor
+    def _patch_index(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    _I._patch_lang_tensor = _patch_index
+
+    _dot = _I.InterpreterBuilder.create_dot
+    def _bf16_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+            f = lambda x: (x.data.astype(np.uint32) << 16).view(np.float32)
+            return _I.TensorHandle(np.matmul(f(a), f(b), dtype=np.float32) + d.data, d.dtype.scalar)
+        return _dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    _I.InterpreterBuilder.create_dot = _bf16_dot
+
+    _cast = _I.InterpreterBuilder.cast_impl
+    def _rne_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+            return _I.TensorHandle(rounded, dst_type.scalar)
+        return _cast(self, src, dst_type)
+    _I.InterpreterBuilder.cast_impl = _rne_cast
+
+    import torch
+    sys.path.insert(0, "tests")
+    from sparse_mla_inputs import *
+    from dsv4_rocm.reference import attention as ra
+""")
+
+_DECODE_FORMS = textwrap.dedent("""
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    CFG = dict(BLOCK_N=16, num_warps=4, num_stages=1, DEQ_INT=False)
+    a = decode_case(3, 2, 64, 64, 32, 3, 24, "cpu", 5, num_blocks=6)
+    a["indices"][2, 1] = -1                      # query (2, 1): no valid key in either set
+    a["extra_topk_length"][2] = 0
+    a["indices"][0, 0, :4] = torch.tensor([INT_MIN, INT_MAX, 6 * 64, -7], dtype=torch.int32)
+    lonely = (2, 1)
+    ref, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
+    base = {}
+    for ns in (1, 3):
+        out, lse = sparse_mla_decode(*decode_args(a), config=CFG, num_splits=ns)
+        check_out(out, ref, f"interpreted decode splits={ns}", decode_key_amax(a))
+        check_lse(lse, ref_lse)
+        check_lonely(out, lse.transpose(1, 2), lonely)
+        base[ns] = (out, lse)
+    # every accepted form gives the same bits: strided q / indices, [b, s_q] lengths of stride 0, the fp8
+    # view of the caches, an out buffer inside a larger one (whose other bytes stay untouched)
+    s = dict(a, q=strided(a["q"]), indices=strided(a["indices"]), k_cache=a["k_cache"].view(torch.float8_e4m3fn),
+             topk_length=a["topk_length"].unsqueeze(1).expand(3, 2),
+             extra_indices_in_kvcache=strided(a["extra_indices_in_kvcache"]),
+             extra_topk_length=strided(a["extra_topk_length"].unsqueeze(1).expand(3, 2).contiguous()))
+    for ns in (1, 3):
+        out, back = padded_out((3, 2, 64, 512), "cpu")
+        before = back.clone()
+        res, lse = sparse_mla_decode(*decode_args(s), out, config=CFG, num_splits=ns)
+        assert res is out
+        assert torch.equal(out, base[ns][0]) and torch.equal(lse, base[ns][1]), ns
+        written = torch.zeros_like(back, dtype=torch.bool)
+        written[:3, :, :64] = True
+        assert torch.equal(back[~written].view(torch.int16), before[~written].view(torch.int16))
+    out, lse = sparse_mla_decode(*decode_args(dict(a, extra_k_cache=None, extra_indices_in_kvcache=None,
+                                                   extra_topk_length=None, topk_length=None)), config=CFG)
+    ref, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(dict(a, extra_k_cache=None,
+                      extra_indices_in_kvcache=None, extra_topk_length=None, topk_length=None)))
+    check_out(out, ref, "interpreted decode, main set only, no lengths", decode_key_amax(dict(
+        a, extra_k_cache=None, topk_length=None)))
+    print("ok")
+""")
+
+_PREFILL_FORMS = textwrap.dedent("""
+    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    CFG = dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    for sink in ("-inf", "random", "+inf", "none"):
+        q, kv, idx, lens, s = prefill_case(6, 64, 32, 40, "cpu", 3, sink)
+        ref = ra.flash_mla_sparse_fwd(q, kv, idx, SM, 512, s, lens)
+        out, mx, lse = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens, config=CFG)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any() and not torch.isnan(mx).any(), sink
+        check_lonely(out, lse, [0, 1], mx)
+        check_out(out, ref[0], f"interpreted prefill sink={sink}", prefill_key_amax(kv, idx, lens))
+        check_lse(lse, ref[2])
+        fin = torch.isfinite(ref[1])
+        assert torch.equal(torch.isneginf(mx), torch.isneginf(ref[1]))
+        torch.testing.assert_close(mx[fin], ref[1][fin], atol=1e-5, rtol=1e-5)
+        o2, back = padded_out((6, 64, 512), "cpu")
+        before = back.clone()
+        res, mx2, lse2 = sparse_mla_prefill(strided(q), strided(kv), strided(idx), SM, 512, s, strided(lens), o2,
+                                            config=CFG)
+        assert res is o2 and torch.equal(o2, out) and torch.equal(mx2, mx) and torch.equal(lse2, lse), sink
+        written = torch.zeros_like(back, dtype=torch.bool)
+        written[:6, :64] = True
+        assert torch.equal(back[~written].view(torch.int16), before[~written].view(torch.int16))
+    out, mx, lse = sparse_mla_prefill(q, kv[:0], idx, SM, 512, s, None, config=CFG)        # empty kv
+    check_lonely(out, lse, slice(None), mx)
+    print("ok")
+""")
+
+
+def _interpret(script, tmp_path):
+    """Run a script under the Triton interpreter in a fresh process (Triton reads kernel sources from files)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    f = tmp_path / "interpreted.py"
+    f.write_text(_INTERPRETER + script)
+    r = subprocess.run([sys.executable, str(f)], cwd=root, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=root), timeout=900)
+    print(r.stdout[-3000:])
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
+
+
+def test_decode_kernel_call_forms_under_the_interpreter(tmp_path):
+    _interpret(_DECODE_FORMS, tmp_path)
+
+
+def test_prefill_kernel_lonely_queries_and_call_forms_under_the_interpreter(tmp_path):
+    _interpret(_PREFILL_FORMS, tmp_path)
+
+
+def test_split_plan():
+    from dsv4_rocm.triton.sparse_mla_decode import MAX_SPLITS, _num_splits
+    assert _num_splits(200, 20, 132) == 1                 # the grid fills the GPU
+    assert _num_splits(4, 10, 132) == 10                  # at most one split per tile
+    assert _num_splits(2, 100, 132) == MAX_SPLITS
+    assert _num_splits(40, 100, 132) == 3                 # one wave of programs
+    assert _num_splits(4, 1, 132) == 1
 
 
 # ---- GPU: Triton kernels against the reference ---------------------------------------------------
@@ -126,47 +227,8 @@ DECODE_CASES = [
     (3, 1, 64, 2, 64, 0, 0, "random", "b"),
     (17, 1, 128, 64, 1024, 0, 0, "none", "b"),
     (2, 1, 64, 100, 96, 3, 40, "random", "b"),       # block sizes that are not powers of two
+    (4, 3, 128, 576, 2048, 61, 576, "random", "bsq"),  # FlashMLA's largest pages
 ]
-
-
-def _check_out(out, ref, name, key_amax):
-    """Per element |o - r| <= 2/128 |r| + 2^-8 * max_i |K_i| (max over the query's valid keys, per
-    dim): P is rounded to bf16 (relative error 2^-9 per weight) before P.V, so the absolute error of
-    an output element is bounded by the largest key value it averages, not by its own size. Plus the
-    tensor-wide cosine difference < 5e-6 that FlashMLA's tests use."""
-    o, r = out.float(), ref.float()
-    assert not torch.isnan(o).any(), f"{name}: NaN"
-    tol = r.abs() * (2 / 128) + key_amax.float() * 2 ** -8
-    bad = (o - r).abs() > tol
-    cd = cos_diff(o, r)
-    print(f"{name}: max abs {float((o - r).abs().max()):.3e}  cos-diff {cd:.2e}  mismatches {int(bad.sum())}")
-    assert int(bad.sum()) == 0
-    assert cd < 5e-6
-
-
-def _decode_key_amax(a, b, s_q):
-    """max |K| over each query's valid keys of both sets, per dim: [b, s_q, 1, 512]."""
-    K, valid = ra._paged_set(a["k_cache"], a["indices"], a["topk_length"], b, s_q)
-    amax = (K.abs() * valid.unsqueeze(-1)).amax(1)
-    if a.get("extra_k_cache") is not None:
-        K2, v2 = ra._paged_set(a["extra_k_cache"], a["extra_indices_in_kvcache"], a["extra_topk_length"], b, s_q)
-        amax = torch.maximum(amax, (K2.abs() * v2.unsqueeze(-1)).amax(1))
-    return amax.reshape(b, s_q, 1, 512)
-
-
-def _prefill_key_amax(kv, idx, lens):
-    i = idx[:, 0].long()
-    valid = (i >= 0) & (i < kv.shape[0])
-    if lens is not None:
-        valid &= torch.arange(i.shape[1], device=i.device) < lens.long().unsqueeze(1)
-    K = kv[:, 0].float()[torch.where(valid, i, 0)]
-    return (K.abs() * valid.unsqueeze(-1)).amax(1).unsqueeze(1)
-
-
-def _check_lse(lse, ref):
-    fin = torch.isfinite(ref)
-    assert torch.equal(torch.isposinf(lse), torch.isposinf(ref))
-    torch.testing.assert_close(lse[fin], ref[fin], atol=1e-6, rtol=8 / 65536)
 
 
 @pytest.mark.gpu
@@ -175,81 +237,162 @@ def _check_lse(lse, ref):
 def test_triton_decode_matches_reference(case, splits, gpu):
     from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
     b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
-    a = _decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 11 + b, sink, lshape)
-    args = (a["q"], a["k_cache"], a["indices"], a["topk_length"], a["attn_sink"], a.get("extra_k_cache"),
-            a.get("extra_indices_in_kvcache"), a.get("extra_topk_length"), SM)
-    ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*args)
-    out, lse = sparse_mla_decode(*args, num_splits=splits)
-    _check_out(out, ref_out, f"decode {case} splits={splits}", _decode_key_amax(a, b, s_q))
+    a = decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 11 + b, sink, lshape)
+    ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
+    out, lse = sparse_mla_decode(*decode_args(a), num_splits=splits)
+    check_out(out, ref_out, f"decode {case} splits={splits}", decode_key_amax(a))
     if sink != "+inf":
-        _check_lse(lse, ref_lse)
+        check_lse(lse, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_decode_call_forms(splits, gpu):
+    """Strided q / indices, [b, s_q] lengths of stride 0, fp8 and int8 cache views, an out buffer inside a
+    larger one: the same bits as the contiguous call, nothing outside the buffer's rows written."""
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    a = decode_case(6, 2, 64, 64, 128, 2, 256, gpu, 7)
+    base, base_lse = sparse_mla_decode(*decode_args(a), num_splits=splits)
+    s = dict(a, q=strided(a["q"]), indices=strided(a["indices"]), k_cache=a["k_cache"].view(torch.float8_e4m3fn),
+             extra_k_cache=a["extra_k_cache"].view(torch.int8).view(torch.uint8),
+             topk_length=a["topk_length"].unsqueeze(1).expand(6, 2),
+             extra_indices_in_kvcache=strided(a["extra_indices_in_kvcache"]))
+    out, back = padded_out((6, 2, 64, 512), gpu)
+    before = back.clone()
+    res, lse = sparse_mla_decode(*decode_args(s), out, num_splits=splits)
+    torch.cuda.synchronize()
+    assert res is out and torch.equal(out, base) and torch.equal(lse, base_lse)
+    written = torch.zeros_like(back, dtype=torch.bool)
+    written[:6, :, :64] = True
+    assert torch.equal(back[~written].view(torch.int16), before[~written].view(torch.int16))
 
 
 @pytest.mark.gpu
 def test_triton_decode_all_invalid_and_zero_lengths(gpu):
     from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
-    a = _decode_case(6, 1, 64, 64, 128, 64, 512, gpu, 2)
-    a["indices"].fill_(-1)
-    a["extra_topk_length"].zero_()
-    for ns in (1, 4):
-        out, lse = sparse_mla_decode(a["q"], a["k_cache"], a["indices"], a["topk_length"], a["attn_sink"],
-                                     a["extra_k_cache"], a["extra_indices_in_kvcache"], a["extra_topk_length"], SM,
-                                     num_splits=ns)
-        assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+    for sink in ("random", "-inf", "+inf", "none"):
+        a = decode_case(6, 1, 64, 64, 128, 64, 512, gpu, 2, sink)
+        a["indices"][:3] = -1
+        a["indices"][3:] = torch.tensor([-2 ** 31, 2 ** 31 - 1, 10 ** 9, -5], dtype=torch.int32, device=gpu).repeat(32)
+        a["extra_topk_length"].zero_()
+        for ns in (1, 4):
+            out, lse = sparse_mla_decode(*decode_args(a), num_splits=ns)
+            assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all(), (sink, ns)
 
 
 @pytest.mark.gpu
 def test_ops_pick_triton_on_gpu_and_reference_when_forced(gpu):
-    a = _decode_case(4, 1, 64, 64, 128, 64, 256, gpu, 4)
+    a = decode_case(4, 1, 64, 64, 128, 64, 256, gpu, 4)
     assert ops.backend_for("sparse_mla_decode", gpu) == "triton"
-    args = (a["q"], a["k_cache"], a["indices"], a["topk_length"], a["attn_sink"], a["extra_k_cache"],
-            a["extra_indices_in_kvcache"], a["extra_topk_length"], SM)
-    out, _ = ops.sparse_mla_decode(*args)
+    out, _ = ops.sparse_mla_decode(*decode_args(a))
     with ops.use_backend("reference"):
-        ref, _ = ops.sparse_mla_decode(*args)
-    _check_out(out, ref, "ops dispatch", _decode_key_amax(a, 4, 1))
+        ref, _ = ops.sparse_mla_decode(*decode_args(a))
+    check_out(out, ref, "ops dispatch", decode_key_amax(a))
+
+
+@pytest.mark.gpu
+def test_triton_decode_graph_replay_with_out_buffer(gpu):
+    """Captured with an out buffer and replayed on new values written into the same tensors: the graph's
+    output equals an eager call's (addresses fixed, the split scratch cached outside the capture)."""
+    from dsv4_rocm import flash_mla
+    a = decode_case(3, 2, 64, 64, 128, 2, 256, gpu, 12)
+    out = torch.empty(3, 2, 64, 512, dtype=torch.bfloat16, device=gpu)
+    meta, _ = flash_mla.get_mla_metadata()
+
+    def step():
+        return flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], None, None, 512, meta, None, SM, False, True,
+                                                a["indices"], a["attn_sink"], a["extra_k_cache"],
+                                                a["extra_indices_in_kvcache"], a["topk_length"],
+                                                a["extra_topk_length"], out=out)
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    b2 = decode_case(3, 2, 64, 64, 128, 2, 256, gpu, 13)
+    for k in ("q", "indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length"):
+        a[k].copy_(b2[k])
+    g.replay()
+    torch.cuda.synchronize()
+    ref, _ = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
+    check_out(out, ref, "graph replay", decode_key_amax(a))
 
 
 PREFILL_CASES = [(1, 64, 64, 300), (37, 64, 640, 5000), (128, 128, 1152, 70000), (64, 64, 2048, 4096),
-                 (5, 128, 100, 7)]
+                 (5, 128, 100, 7), (40, 64, 2048, 32)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[str(c) for c in PREFILL_CASES])
-@pytest.mark.parametrize("sink", ["random", "none", "+inf"])
+@pytest.mark.parametrize("sink", ["random", "none", "+inf", "-inf"])
 def test_triton_prefill_matches_reference(case, sink, gpu):
     from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
     s_q, h, topk, s_kv = case
-    g = torch.Generator().manual_seed(s_q * 7 + topk)
-    q = torch.randn(s_q, h, 512, generator=g).bfloat16().to(gpu)
-    kv = torch.randn(s_kv, 1, 512, generator=g).bfloat16().to(gpu)
-    idx = torch.randint(-s_kv // 10, s_kv + s_kv // 10, (s_q, 1, topk), generator=g).int().to(gpu)
-    lens = torch.randint(0, topk + 1, (s_q,), generator=g).int().to(gpu)
-    s = {"random": torch.randn(h, generator=g).to(gpu), "none": None, "+inf": torch.full((h,), float("inf"),
-                                                                                         device=gpu)}[sink]
+    q, kv, idx, lens, s = prefill_case(s_q, h, topk, s_kv, gpu, s_q * 7 + topk, sink)
     ref = ra.flash_mla_sparse_fwd(q, kv, idx, SM, 512, s, lens)
     out = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens)
-    _check_out(out[0], ref[0], f"prefill {case} {sink}", _prefill_key_amax(kv, idx, lens))
-    _check_lse(out[2], ref[2])
+    check_out(out[0], ref[0], f"prefill {case} {sink}", prefill_key_amax(kv, idx, lens))
+    check_lse(out[2], ref[2])
+    check_lonely(out[0], out[2], [0, 1] if s_q > 1 else [0], out[1])
     fin = torch.isfinite(ref[1])
     assert torch.equal(torch.isneginf(out[1]), torch.isneginf(ref[1]))
     torch.testing.assert_close(out[1][fin], ref[1][fin], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
+def test_triton_prefill_call_forms(gpu):
+    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    q, kv, idx, lens, s = prefill_case(50, 128, 256, 1000, gpu, 5)
+    base = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens)
+    out, back = padded_out((50, 128, 512), gpu)
+    before = back.clone()
+    res = sparse_mla_prefill(strided(q), strided(kv), strided(idx), SM, 512, s, strided(lens), out)
+    torch.cuda.synchronize()
+    assert res[0] is out and all(torch.equal(x, y) for x, y in zip(res, base))
+    written = torch.zeros_like(back, dtype=torch.bool)
+    written[:50, :128] = True
+    assert torch.equal(back[~written].view(torch.int16), before[~written].view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_warmup_leaves_nothing_to_compile(gpu):
+    """After flash_mla.warmup with a model's configurations, calls of those configurations (any batch,
+    s_q 1 or 2, [b] lengths, topk a multiple of 16) compile nothing."""
+    from dsv4_rocm import flash_mla
+    from dsv4_rocm.triton import sparse_mla_decode as D, sparse_mla_prefill as P
+    cfgs = [flash_mla.WarmupConfig(64, 64, 2, True), flash_mla.WarmupConfig(128, 256, None, False)]
+    rep = flash_mla.warmup(gpu, cfgs)
+    print(rep)
+    index = torch.cuda.current_device()
+
+    def compiled():
+        return sum(len(k.device_caches[index][0]) for k in (D._sparse_mla_paged_kernel, D._combine_kernel,
+                                                           P._sparse_mla_prefill_kernel))
+    n = compiled()
+    for b, s_q in ((1, 1), (7, 2), (300, 1)):
+        a = decode_case(b, s_q, 64, 64, 128, 2, 256, gpu, b)
+        ops.sparse_mla_decode(*decode_args(a))
+        a = decode_case(b, s_q, 128, 256, 384, 0, 0, gpu, b, lens_shape="b")
+        ops.sparse_mla_decode(*decode_args(dict(a, topk_length=None)))
+        q, kv, idx, lens, s = prefill_case(b, 64, 256, 500, gpu, b)
+        ops.sparse_mla_prefill(q, kv, idx, SM, 512, s, lens)
+    torch.cuda.synchronize()
+    assert compiled() == n
+
+
+@pytest.mark.gpu
 def test_smoke_small_decode_and_prefill(gpu):
-    """Small cases that exercise every code path (splits, odd block sizes, invalid ids); the suite runs
-    this one under compute-sanitizer memcheck."""
+    """Small cases that exercise every code path (splits, odd block sizes, invalid ids, strided inputs);
+    the suite runs this one under compute-sanitizer memcheck."""
     from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
     from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
-    a = _decode_case(3, 2, 64, 100, 96, 3, 40, gpu, 21)
-    args = (a["q"], a["k_cache"], a["indices"], a["topk_length"], a["attn_sink"], a["extra_k_cache"],
-            a["extra_indices_in_kvcache"], a["extra_topk_length"], SM)
-    ref, _ = ra.flash_mla_with_kvcache_sparse(*args)
+    a = decode_case(3, 2, 64, 100, 96, 3, 40, gpu, 21)
+    ref, _ = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
+    s = dict(a, q=strided(a["q"]), indices=strided(a["indices"]))
     for ns in (1, 3):
-        _check_out(sparse_mla_decode(*args, num_splits=ns)[0], ref, f"smoke decode splits={ns}", _decode_key_amax(a, 3, 2))
-    q = a["q"][:, 0]
-    kv = torch.randn(50, 1, 512, device=gpu).bfloat16()
-    idx = torch.randint(-5, 60, (3, 1, 70), device=gpu).int()
-    _check_out(sparse_mla_prefill(q, kv, idx, SM)[0], ra.flash_mla_sparse_fwd(q, kv, idx, SM)[0], "smoke prefill",
-               _prefill_key_amax(kv, idx, None))
+        check_out(sparse_mla_decode(*decode_args(s), num_splits=ns)[0], ref, f"smoke decode splits={ns}",
+                  decode_key_amax(a))
+    q, kv, idx, lens, sk = prefill_case(3, 64, 70, 50, gpu, 8)
+    check_out(sparse_mla_prefill(strided(q), strided(kv), strided(idx), SM, 512, sk, lens)[0],
+              ra.flash_mla_sparse_fwd(q, kv, idx, SM, 512, sk, lens)[0], "smoke prefill",
+              prefill_key_amax(kv, idx, lens))

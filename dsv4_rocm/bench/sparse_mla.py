@@ -4,6 +4,12 @@ Counting per query token, as FlashMLA's ``count_flop_and_mem_vol_for_decode``:
     FLOP  = 2 * h * N * (512 + 512)           N = keys attended (SWA + compressed)
     bytes = N * 584 + h * 512 * 2 (q) + h * 512 * 2 (out)
 floor = max(bytes / copy bandwidth, FLOP / bf16 matmul rate), both measured in the same run.
+
+Every call goes through the public API (``dsv4_rocm.flash_mla``), graph-timed for decode, eager for
+prefill and for small decode batches. When FlashMLA's ``flash_mla`` package is importable it is timed in
+the same run on the same tensors (peer "FlashMLA"). Two rows measure the host path: a b=2 decode call's
+GPU span and Python time per call, and the first call of a fresh process with and without
+``flash_mla.warmup``.
 """
 import torch
 
@@ -95,26 +101,121 @@ SWEEP_PREFILL = {
 }
 
 
+def flashmla_peer():
+    """deepseek-ai/FlashMLA's ``flash_mla`` package when it is built on this machine, else None."""
+    try:
+        import flash_mla
+        from flash_mla import flash_mla_sparse_fwd, flash_mla_with_kvcache, get_mla_metadata  # noqa: F401
+    except Exception:  # noqa: BLE001  (absent, or a source tree without its CUDA extension)
+        return None
+    return None if flash_mla.__name__ != "flash_mla" else flash_mla
+
+
+def decode_call(mod, args):
+    """fn() calling ``mod.flash_mla_with_kvcache`` (ours or FlashMLA's) on the bench tensors as vLLM's
+    backend does, with a scheduling object initialized by a first call (outside any graph capture)."""
+    q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
+    meta, _ = mod.get_mla_metadata()
+
+    def fn():
+        return mod.flash_mla_with_kvcache(q, kc, None, None, 512, meta, None, sm, False, True, idx, sink, ekc, eidx,
+                                          lens, elens)
+    fn()
+    return fn
+
+
+_FIRST_CALL = """
+import json, time, torch
+from dsv4_rocm import flash_mla as F
+from dsv4_rocm.bench.sparse_mla import decode_call, make_decode_inputs
+c = dict(b=4, s_q=1, h=64, topk=128, bs=64, etopk=512, ebs=64)
+args, _ = make_decode_inputs(c, "cuda", pool_tokens=1 << 12)
+torch.cuda.synchronize()
+rep = dict(kernels=0, seconds=0.0)
+if WARM:
+    rep = F.warmup("cuda")
+t0 = time.perf_counter()
+decode_call(F, args)
+torch.cuda.synchronize()
+print(json.dumps(dict(first_call_s=time.perf_counter() - t0, **rep)))
+"""
+
+
+def first_call(warm: bool) -> dict:
+    """The first call of a V4-Flash C4 decode in a fresh process with an empty Triton cache, without or
+    after ``flash_mla.warmup`` (whose own time is reported too)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        r = subprocess.run([sys.executable, "-c", _FIRST_CALL.replace("WARM", str(warm))], capture_output=True,
+                           text=True, env=env, cwd=root, timeout=900)
+    if r.returncode:
+        raise RuntimeError(f"first-call measurement failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def suite(ctx):
+    from .. import flash_mla as ours
     from ..triton.sparse_mla_decode import sparse_mla_decode
     from ..triton.sparse_mla_prefill import sparse_mla_prefill
-    from .timing import time_graph_ms, time_ms
+    from .timing import gpu_span_us, host_us_per_call, time_graph_ms, time_ms
+    peer = flashmla_peer()
     for name, c in decode_cases():
         if not ctx.wants(name):
             continue
         args, T = make_decode_inputs(c, ctx.device)
         flop, nbytes = count_decode(c)
-        for cfg_name, cfg in (SWEEP_DECODE if ctx.sweep else {"default": None}).items():
-            ms = time_graph_ms(lambda: sparse_mla_decode(*args, config=cfg))
-            ctx.add(name, cfg_name, ms, flop, nbytes)
-            if cfg_name == "default" and c["b"] <= 64:   # what a caller without graphs pays
-                ctx.add(name, "eager", time_ms(lambda: sparse_mla_decode(*args)), flop, nbytes)
+        peer_kw = {}
+        if peer is not None:
+            peer_kw = dict(peer="FlashMLA", peer_ms=time_graph_ms(decode_call(peer, args)))
+        ms = time_graph_ms(decode_call(ours, args))
+        ctx.add(name, "default", ms, flop, nbytes, **peer_kw)
+        for cfg_name, cfg in (SWEEP_DECODE.items() if ctx.sweep else ()):
+            if cfg is not None:
+                ctx.add(name, cfg_name, time_graph_ms(lambda: sparse_mla_decode(*args, config=cfg)), flop, nbytes)
+        if c["b"] <= 64:   # what a caller without graphs pays
+            peer_kw = dict(peer="FlashMLA", peer_ms=time_ms(decode_call(peer, args))) if peer is not None else {}
+            ctx.add(name, "eager", time_ms(decode_call(ours, args)), flop, nbytes, **peer_kw)
+        del args
+    name = "flash decode b=2 s_q=2 host path"
+    if ctx.wants(name):
+        # the host path of one eager call: Python time per call, and the GPU span of a call (first kernel
+        # start to last kernel end), against FlashMLA's on the same tensors
+        c = dict(b=2, s_q=2, h=64, topk=128, bs=256, etopk=512, ebs=64)
+        args, _ = make_decode_inputs(c, ctx.device)
+        flop, nbytes = count_decode(c)
+        fns = {"dsv4_rocm": decode_call(ours, args)}
+        if peer is not None:
+            fns["FlashMLA"] = decode_call(peer, args)
+        span = {k: gpu_span_us(f) for k, f in fns.items()}
+        host = {k: host_us_per_call(f) for k, f in fns.items()}
+        for what, us in (("gpu span", span), ("host/call", host)):
+            peer_kw = dict(peer="FlashMLA", peer_ms=us["FlashMLA"] / 1e3) if peer is not None else {}
+            ctx.add(name, what, us["dsv4_rocm"] / 1e3, flop, nbytes, **peer_kw)
         del args
     for name, c in prefill_cases():
         if not ctx.wants(name):
             continue
         q, kv, idx = make_prefill_inputs(c, ctx.device)
         flop, nbytes = count_prefill(c)
-        for cfg_name, cfg in (SWEEP_PREFILL if ctx.sweep else {"default": None}).items():
-            ms = time_ms(lambda: sparse_mla_prefill(q, kv, idx, 512 ** -0.5, config=cfg))
-            ctx.add(name, cfg_name, ms, flop, nbytes)
+        peer_kw = {}
+        if peer is not None:
+            peer_kw = dict(peer="FlashMLA", peer_ms=time_ms(lambda: peer.flash_mla_sparse_fwd(q, kv, idx, 512 ** -0.5)))
+        ctx.add(name, "default", time_ms(lambda: ours.flash_mla_sparse_fwd(q, kv, idx, 512 ** -0.5)), flop, nbytes,
+                **peer_kw)
+        for cfg_name, cfg in (SWEEP_PREFILL.items() if ctx.sweep else ()):
+            if cfg is not None:
+                ms = time_ms(lambda: sparse_mla_prefill(q, kv, idx, 512 ** -0.5, config=cfg))
+                ctx.add(name, cfg_name, ms, flop, nbytes)
+    name = "first call (fresh process, empty Triton cache)"
+    if ctx.wants(name):
+        cold, warm = first_call(False), first_call(True)
+        ctx.add(name, "no warmup", cold["first_call_s"] * 1e3)
+        ctx.add(name, "after warmup", warm["first_call_s"] * 1e3, warmup_s=warm["seconds"],
+                warmup_kernels=warm["kernels"])
+        ctx.add("flash_mla.warmup (default configs)", f"{warm['kernels']} kernels", warm["seconds"] * 1e3)

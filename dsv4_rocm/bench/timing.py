@@ -1,4 +1,7 @@
 """Device timing and the two ceilings every result is measured against (METHOD: measure them in the run)."""
+import functools
+import time
+
 import torch
 
 
@@ -31,3 +34,58 @@ def bf16_matmul_rate(device, n: int = 8192) -> float:
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     ms = time_ms(lambda: a @ b)
     return 2 * n ** 3 / (ms * 1e-3)
+
+
+@functools.lru_cache(maxsize=None)
+def _call_marker():
+    import triton
+
+    @triton.jit
+    def _bench_call_marker(x):
+        pass
+    return _bench_call_marker
+
+
+def gpu_span_us(fn, reps: int = 20) -> float:
+    """Median GPU span of one eager call of fn(), in us: from the start of its first kernel to the end of
+    its last, the GPU idle before the call. Host time before the first launch is not in it; host time
+    between two launches of one call is (the GPU waits for the second)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    marker = _call_marker()
+    x = torch.empty(1, device="cuda")
+    fn()
+    marker[(1,)](x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            marker[(1,)](x)
+            torch.cuda.synchronize()
+            fn()
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    spans, group = [], None
+    for e in kernels:
+        if e.name == "_bench_call_marker":
+            if group:
+                spans.append(max(g.time_range.end for g in group) - min(g.time_range.start for g in group))
+            group = []
+        elif group is not None:
+            group.append(e)
+    if group:
+        spans.append(max(g.time_range.end for g in group) - min(g.time_range.start for g in group))
+    spans.sort()
+    return float(spans[len(spans) // 2]) if spans else float("nan")
+
+
+def host_us_per_call(fn, reps: int = 200) -> float:
+    """Host (Python) time of one call of fn(), in us: calls issued back to back without waiting for the GPU
+    (the GPU must keep up: use it on small calls), the wall time divided by the count."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / reps * 1e6

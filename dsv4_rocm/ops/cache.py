@@ -16,8 +16,7 @@ from .. import layout as L
 from ..reference import cache as _rc
 from ._dispatch import register, run as _run, value_checks
 
-__all__ = ["quantize_and_insert_k_cache", "dequantize_and_gather_k_cache", "dequantize_global_slots_k_cache",
-           "indexer_k_gather"]
+__all__ = ["quantize_and_insert_k_cache", "dequantize_and_gather_k_cache", "dequantize_global_slots_k_cache"]
 
 register("quantize_and_insert_k_cache", _rc.quantize_and_insert_k_cache,
          hip="dsv4_rocm.hip_ops:quantize_and_insert_k_cache")
@@ -25,7 +24,6 @@ register("dequantize_and_gather_k_cache", _rc.dequantize_and_gather_k_cache,
          hip="dsv4_rocm.hip_ops:dequantize_and_gather_k_cache")
 register("dequantize_global_slots_k_cache", _rc.dequantize_global_slots_k_cache,
          hip="dsv4_rocm.hip_ops:dequantize_global_slots_k_cache")
-register("indexer_k_gather", _rc.indexer_k_gather)
 
 
 def encoding_flags(is_ue8m0=True, use_fnuz=False):
@@ -111,9 +109,3 @@ def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int) -> 
     C.slots_inside("slot_ids", slot_ids, V.capacity(pages, block_size), f"({pages.shape[0]} pages x {block_size})")
     _run("dequantize_global_slots_k_cache", out.device, out, k_cache, slot_ids, block_size)
 
-
-def indexer_k_gather(kv_cache, slots, block_size: int):
-    """(fp8 bytes uint8 [N, 128], fp32 scale [N]) of the indexer-K cache at slots; zeros for slots < 0."""
-    C.positive_int("block_size", block_size)
-    C.slots("slots", slots, kv_cache, block_size, indexer=True)
-    return _run("indexer_k_gather", kv_cache.device, kv_cache, slots, block_size)

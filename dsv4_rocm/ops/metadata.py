@@ -1,67 +1,338 @@
-"""Index metadata of a serving step: slot ids, SWA / top-k / C128 index sets, prefill indices."""
+"""Index metadata of a serving step in vLLM's call forms: compressed slot mapping, SWA windows, prefill
+gather lengths, C4 global top-k slots, C128A index sets, combined prefill indices.
+
+Semantics: ``dsv4_rocm/reference/metadata.py`` (the oracle). Structure is checked always; values (ranges,
+monotone ``query_start_loc``, pages the batch needs) where ``value_checks`` says so; a rejected call
+writes nothing (docs/conventions.md). Whatever the values, the kernels treat a negative or out-of-range
+request id, position, column or page as padding: -1 entries and length 0, never another request's rows.
+"""
 import torch
 
 from .. import _checks as C
 from ..reference import metadata as _rm
-from ._dispatch import register, run as _run
+from ._dispatch import register, run as _run, value_checks
 
 __all__ = [
-    "get_compressed_slot_mapping", "compute_swa_indices_and_lens", "compute_global_topk_indices_and_lens",
-    "build_c128a_topk_metadata", "combine_topk_swa_indices"]
+    "get_compressed_slot_mapping", "compute_swa_indices_and_lens", "compute_prefill_gather_lens",
+    "compute_global_topk_indices_and_lens", "build_c128a_topk_metadata", "combine_topk_swa_indices"]
 
-register("get_compressed_slot_mapping", _rm.get_compressed_slot_mapping)
-register("compute_swa_indices_and_lens", _rm.compute_swa_indices_and_lens)
-register("compute_global_topk_indices_and_lens", _rm.compute_global_topk_indices_and_lens)
-register("build_c128a_topk_metadata", _rm.build_c128a_topk_metadata)
-register("combine_topk_swa_indices", _rm.combine_topk_swa_indices)
+for _op in __all__:        # each op: its oracle and its kernel, dsv4_rocm/triton/<op>.py
+    register(_op, getattr(_rm, _op), triton=f"dsv4_rocm.triton.{_op}:{_op}")
+
+INT32_MAX = 2 ** 31 - 1
 
 
-def _check_bt(block_table, token_to_req, **others):
+def _nonneg_int(name, v):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    return v
+
+
+def _vector(name, t, min_len, dtype=C.INDEX):
+    C.tensor(name, t, dtype=dtype, dim=1)
+    if t.shape[0] < min_len:
+        raise ValueError(f"{name} has {t.shape[0]} entries, needs at least {min_len}")
+    return _rows(name, t)
+
+
+def _rows(name, t):
+    """The kernels walk a row with unit steps: its last dim must be contiguous (any row stride)."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have contiguous rows (stride(-1) == 1), got strides {t.stride()}")
+    return t
+
+
+def _block_table(block_table):
     C.tensor("block_table", block_table, dtype=C.INDEX, dim=2)
-    C.tensor("token_to_req", token_to_req, dtype=C.INDEX, dim=1)
-    C.same_device(block_table=block_table, token_to_req=token_to_req, **others)
-    if token_to_req.numel() and int(token_to_req.max()) >= block_table.shape[0]:
-        raise ValueError("token_to_req names a request beyond block_table's rows")
+    _rows("block_table", block_table)
 
 
-def get_compressed_slot_mapping(positions, token_to_req, block_table, ratio: int, block_size: int, slot_mapping=None):
-    _check_bt(block_table, token_to_req, positions=positions, slot_mapping=slot_mapping)
-    C.tensor("positions", positions, dtype=C.INDEX, shape=token_to_req.shape)
+def _check_batch(query_start_loc, seq_lens, num_reqs, num_tokens=None, base=False):
+    """Value checks of a batch description: monotone query_start_loc (from its first entry when ``base``,
+    else from 0), seq_lens >= query lens (no negative position), the tokens within ``num_tokens``."""
+    if not value_checks(query_start_loc) or num_reqs == 0:
+        return
+    qsl = query_start_loc[:num_reqs + 1].long().cpu()
+    sl = seq_lens[:num_reqs].long().cpu()
+    if not base and int(qsl[0]) < 0:
+        raise ValueError(f"query_start_loc[0] = {int(qsl[0])} is negative")
+    ql = qsl[1:] - qsl[:-1]
+    if bool((ql < 0).any()):
+        raise ValueError("query_start_loc must be non-decreasing")
+    if bool((sl < ql).any()):
+        b = int(torch.nonzero(sl < ql)[0])
+        raise ValueError(f"seq_lens[{b}] = {int(sl[b])} is below its query length {int(ql[b])} "
+                         "(tokens at negative positions)")
+    if num_tokens is not None and int(qsl[-1] - (qsl[0] if base else 0)) > num_tokens:
+        raise ValueError(f"query_start_loc covers {int(qsl[-1] - (qsl[0] if base else 0))} tokens, "
+                         f"more than the {num_tokens} given")
+
+
+def _check_pages(block_table, req, cols, what):
+    """Value check: block_table[req, cols] exists and is >= 0 wherever ``cols`` >= 0 (cols < 0: unused)."""
+    need = cols >= 0
+    if not bool(need.any()):
+        return
+    req, cols = req.expand_as(cols)[need].long().cpu(), cols[need].long().cpu()
+    if bool((req < 0).any() | (req >= block_table.shape[0]).any()):
+        raise ValueError(f"token_to_req_indices names a request outside block_table's {block_table.shape[0]} rows")
+    if bool((cols >= block_table.shape[1]).any()):
+        raise ValueError(f"{what} lies past the {block_table.shape[1]} columns of block_table")
+    if bool((block_table.cpu()[req, cols] < 0).any()):
+        raise ValueError(f"block_table has a negative entry where {what} needs a page")
+
+
+def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table, block_size: int,
+                                compress_ratio: int, out=None, cp_world_size: int = 1, cp_rank: int = 0,
+                                cp_kv_cache_interleave_size: int = 1) -> torch.Tensor:
+    """int64 [num_tokens]: slot of compressed entry p // r for each token at position p with (p+1) % r == 0,
+    -1 for the others (vLLM's form; with ``out`` the whole buffer is reset to -1 and its first num_tokens
+    entries returned)."""
+    _nonneg_int("num_tokens", num_tokens)
     C.positive_int("block_size", block_size)
-    C.positive_int("ratio", ratio)
-    return _run("get_compressed_slot_mapping", positions.device, positions, token_to_req, block_table, ratio,
-                block_size, slot_mapping)
+    C.positive_int("compress_ratio", compress_ratio)
+    C.positive_int("cp_world_size", cp_world_size)
+    C.positive_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size)
+    if not isinstance(cp_rank, int) or isinstance(cp_rank, bool) or not 0 <= cp_rank < cp_world_size:
+        raise ValueError(f"cp_rank must be an int in [0, cp_world_size={cp_world_size}), got {cp_rank!r}")
+    _block_table(block_table)
+    R = block_table.shape[0]
+    _vector("query_start_loc", query_start_loc, R + 1)
+    _vector("seq_lens", seq_lens, R)
+    if out is not None:
+        _vector("out", out, num_tokens, dtype=torch.int64)
+    C.same_device(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, out=out)
+    _check_batch(query_start_loc, seq_lens, R, num_tokens)
+    if value_checks(query_start_loc) and R and num_tokens:
+        qsl = query_start_loc.cpu()
+        t = torch.arange(num_tokens)
+        req, inside = _rm.request_of_tokens(t, qsl, R)
+        pos = _rm.token_positions(t, req, inside, qsl, seq_lens.cpu())
+        j = torch.div(pos, compress_ratio, rounding_mode="floor")
+        voff = j % (block_size * cp_world_size)
+        writes = inside & ((pos + 1) % compress_ratio == 0) & \
+            ((voff // cp_kv_cache_interleave_size) % cp_world_size == cp_rank)
+        cols = torch.where(writes, j // (block_size * cp_world_size), torch.full_like(j, -1))
+        _check_pages(block_table, req, cols, "a compressed entry the batch writes")
+    return _run("get_compressed_slot_mapping", query_start_loc.device, num_tokens, query_start_loc, seq_lens,
+                block_table, block_size, compress_ratio, out, cp_world_size, cp_rank, cp_kv_cache_interleave_size)
 
 
-def compute_swa_indices_and_lens(positions, token_to_req, block_table, slot_mapping, window: int, block_size: int = 64):
-    _check_bt(block_table, token_to_req, positions=positions, slot_mapping=slot_mapping)
-    C.tensor("positions", positions, dtype=C.INDEX, shape=token_to_req.shape)
-    C.positive_int("window", window)
-    return _run("compute_swa_indices_and_lens", positions.device, positions, token_to_req, block_table, slot_mapping,
-                window, block_size)
+def compute_swa_indices_and_lens(swa_indices, swa_lens, window_size: int, query_start_loc, seq_lens,
+                                 token_to_req_indices, is_valid_token, block_table, block_size: int,
+                                 token_offset: int = 0, num_tokens=None, *, needs_constant_topk: bool = False):
+    """Slots of each token's sliding window (positions max(0, p-W+1)..p) into ``swa_indices`` ([n, W] or
+    vLLM's [n, 1, W], int32) and their count into ``swa_lens``, for tokens token_offset + i, i < num_tokens
+    (default: every row). Padding tokens (is_valid_token False) get lens 0 and a row of -1."""
+    C.positive_int("window_size", window_size)
+    C.positive_int("block_size", block_size)
+    _nonneg_int("token_offset", token_offset)
+    C.tensor("swa_indices", swa_indices, dtype=torch.int32)
+    if swa_indices.dim() not in (2, 3) or (swa_indices.dim() == 3 and swa_indices.shape[1] != 1):
+        raise ValueError(f"swa_indices must be [n, W] or [n, 1, W], got {tuple(swa_indices.shape)}")
+    _rows("swa_indices", swa_indices)
+    if swa_indices.shape[-1] != window_size:
+        raise ValueError(f"swa_indices has {swa_indices.shape[-1]} columns for window_size {window_size}")
+    n = swa_indices.shape[0] if num_tokens is None else _nonneg_int("num_tokens", num_tokens)
+    if n > swa_indices.shape[0]:
+        raise ValueError(f"num_tokens {n} exceeds the {swa_indices.shape[0]} rows of swa_indices")
+    _vector("swa_lens", swa_lens, n, dtype=torch.int32)
+    _block_table(block_table)
+    R = _vector("seq_lens", seq_lens, 0).shape[0]
+    _rows("query_start_loc", C.tensor("query_start_loc", query_start_loc, dtype=C.INDEX, shape=(R + 1,)))
+    _vector("token_to_req_indices", token_to_req_indices, token_offset + n)
+    _vector("is_valid_token", is_valid_token, token_offset + n, dtype=(torch.bool, *C.INDEX))
+    C.same_device(swa_indices=swa_indices, swa_lens=swa_lens, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                  token_to_req_indices=token_to_req_indices, is_valid_token=is_valid_token, block_table=block_table)
+    _check_batch(query_start_loc, seq_lens, R)
+    if value_checks(token_to_req_indices) and n:
+        _check_swa_tokens(window_size, query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table,
+                          block_size, token_offset, n)
+    return _run("compute_swa_indices_and_lens", swa_indices.device, swa_indices, swa_lens, window_size,
+                query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table, block_size, token_offset,
+                n, needs_constant_topk=needs_constant_topk)
 
 
-def compute_global_topk_indices_and_lens(topk_local, token_to_req, block_table, block_size: int, is_valid_token):
-    _check_bt(block_table, token_to_req, topk_local=topk_local, is_valid_token=is_valid_token)
-    C.tensor("topk_local", topk_local, dtype=C.INDEX, shape=(token_to_req.shape[0], None))
-    return _run("compute_global_topk_indices_and_lens", topk_local.device, topk_local, token_to_req, block_table,
-                block_size, is_valid_token)
+def _check_swa_tokens(window_size, query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table,
+                      block_size, token_offset, n):
+    """Value checks of the valid tokens of compute_swa_indices_and_lens: request, place, window pages."""
+    t = torch.arange(token_offset, token_offset + n)
+    valid = is_valid_token.cpu()[t] != 0
+    if not bool(valid.any()):
+        return
+    t, req = t[valid], token_to_req_indices.cpu()[t][valid].long()
+    R = min(seq_lens.shape[0], block_table.shape[0])
+    if bool(((req < 0) | (req >= R)).any()):
+        raise ValueError(f"token_to_req_indices names a request outside the batch ({R} requests in seq_lens / "
+                         "block_table) for a valid token")
+    qsl = query_start_loc.long().cpu()
+    if bool(((qsl[req] > t) | (qsl[req + 1] <= t)).any()):
+        raise ValueError("token_to_req_indices puts a valid token outside its request's query_start_loc range")
+    pos = seq_lens.long().cpu()[req] - (qsl[req + 1] - qsl[req]) + (t - qsl[req])
+    q = (pos - window_size + 1).clamp(min=0).unsqueeze(1) + torch.arange(window_size)
+    cols = torch.where(q <= pos.unsqueeze(1), q // block_size, torch.full_like(q, -1))
+    _check_pages(block_table, req.unsqueeze(1), cols, "a window position")
 
 
-def build_c128a_topk_metadata(positions, token_to_req, block_table, slot_mapping, is_decode_token,
-                              max_model_len: int, block_size: int = 2, ratio: int = 128):
-    _check_bt(block_table, token_to_req, positions=positions, slot_mapping=slot_mapping,
-              is_decode_token=is_decode_token)
-    C.positive_int("max_model_len", max_model_len)
-    return _run("build_c128a_topk_metadata", positions.device, positions, token_to_req, block_table, slot_mapping,
-                is_decode_token, max_model_len, block_size, ratio)
+def compute_prefill_gather_lens(prefill_gather_lens, seq_lens, query_start_loc, num_prefills: int,
+                                num_decodes: int, window_size: int) -> torch.Tensor:
+    """gather_len = query_len + min(prefix_len, W - 1) of requests num_decodes .. num_decodes + num_prefills - 1
+    into ``prefill_gather_lens[:num_prefills]`` (int32), returned."""
+    _nonneg_int("num_prefills", num_prefills)
+    _nonneg_int("num_decodes", num_decodes)
+    C.positive_int("window_size", window_size)
+    _vector("prefill_gather_lens", prefill_gather_lens, num_prefills, dtype=torch.int32)
+    _vector("seq_lens", seq_lens, num_decodes + num_prefills)
+    _vector("query_start_loc", query_start_loc, num_decodes + num_prefills + 1)
+    C.same_device(prefill_gather_lens=prefill_gather_lens, seq_lens=seq_lens, query_start_loc=query_start_loc)
+    _check_batch(query_start_loc, seq_lens, num_decodes + num_prefills)
+    return _run("compute_prefill_gather_lens", seq_lens.device, prefill_gather_lens, seq_lens, query_start_loc,
+                num_prefills, num_decodes, window_size)
 
 
-def combine_topk_swa_indices(topk_local, topk_lens, positions, req_in_chunk, gather_start, num_compressed_rows: int,
-                             rows_per_req: int, window: int):
-    C.tensor("topk_local", topk_local, dtype=C.INDEX, dim=2)
-    C.tensor("topk_lens", topk_lens, dtype=C.INDEX, shape=(topk_local.shape[0],))
-    C.same_device(topk_local=topk_local, topk_lens=topk_lens, positions=positions, req_in_chunk=req_in_chunk,
-                  gather_start=gather_start)
-    return _run("combine_topk_swa_indices", topk_local.device, topk_local, topk_lens, positions, req_in_chunk,
-                gather_start, num_compressed_rows, rows_per_req, window)
+def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, block_table, block_size: int,
+                                         is_valid_token, output_buffers=None, *, needs_constant_topk: bool = False):
+    """C4 decode: local top-k indices [T, k] -> compressed-cache slots (valid ones first, -1 after) and
+    their counts (int32 [T], 0 for padding tokens)."""
+    C.tensor("topk_indices", topk_indices, dtype=C.INDEX, dim=2)
+    _rows("topk_indices", topk_indices)
+    T, K = topk_indices.shape
+    C.positive_int("block_size", block_size)
+    _vector("token_to_req_indices", token_to_req_indices, T)
+    _vector("is_valid_token", is_valid_token, T, dtype=(torch.bool, *C.INDEX))
+    _block_table(block_table)
+    out = lens = None
+    if output_buffers is not None:
+        if not isinstance(output_buffers, (tuple, list)) or len(output_buffers) != 2:
+            raise ValueError("output_buffers must be a pair (global_topk_indices, topk_lens)")
+        out, lens = output_buffers
+        _rows("output_buffers[0]", C.tensor("output_buffers[0]", out, dtype=topk_indices.dtype, shape=(T, K)))
+        C.tensor("output_buffers[1]", lens, dtype=torch.int32, shape=(T,))
+    C.same_device(topk_indices=topk_indices, token_to_req_indices=token_to_req_indices, block_table=block_table,
+                  is_valid_token=is_valid_token, output_buffers=out, topk_lens=lens)
+    if value_checks(topk_indices) and T and K:
+        valid = (is_valid_token[:T] != 0).cpu()
+        loc = topk_indices.long().cpu()
+        cols = torch.where(valid.unsqueeze(1) & (loc >= 0), loc // block_size, torch.full_like(loc, -1))
+        _check_pages(block_table, token_to_req_indices[:T].cpu().unsqueeze(1), cols, "a top-k index")
+    return _run("compute_global_topk_indices_and_lens", topk_indices.device, topk_indices, token_to_req_indices,
+                block_table, block_size, is_valid_token, output_buffers, needs_constant_topk=needs_constant_topk)
+
+
+def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens: int, token_to_req_indices,
+                              block_table, block_size: int, slot_mapping, global_decode_buffer, decode_lens_buffer,
+                              prefill_buffer, max_compressed_tokens: int = 8192, *, max_seq_len=None,
+                              needs_constant_topk: bool = False):
+    """C128A index sets of the step (the first num_decode_tokens tokens decode, the rest prefill) into the
+    caller's buffers; returns their slices (global decode slots, decode lens, prefill local indices)."""
+    C.tensor("positions", positions, dtype=C.INDEX, dim=1)
+    T = positions.shape[0]
+    C.positive_int("compress_ratio", compress_ratio)
+    _nonneg_int("num_decode_tokens", num_decode_tokens)
+    if num_decode_tokens > T:
+        raise ValueError(f"num_decode_tokens {num_decode_tokens} exceeds the {T} positions")
+    nd, npf = num_decode_tokens, T - num_decode_tokens
+    C.positive_int("block_size", block_size)
+    C.positive_int("max_compressed_tokens", max_compressed_tokens)
+    if max_seq_len is not None:
+        _nonneg_int("max_seq_len", max_seq_len)
+    _vector("token_to_req_indices", token_to_req_indices, nd)
+    _vector("slot_mapping", slot_mapping, nd)
+    _block_table(block_table)
+    C.tensor("decode_lens_buffer", decode_lens_buffer, dtype=torch.int32, dim=1)
+    for name, buf, rows in (("global_decode_buffer", global_decode_buffer, nd), ("prefill_buffer", prefill_buffer, npf),
+                            ("decode_lens_buffer", decode_lens_buffer, nd)):
+        C.tensor(name, buf, dtype=torch.int32)
+        if buf.shape[0] < rows:
+            raise ValueError(f"{name} has {buf.shape[0]} rows for {rows} tokens")
+    for name, buf, rows in (("global_decode_buffer", global_decode_buffer, nd),
+                            ("prefill_buffer", prefill_buffer, npf)):
+        if buf.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(buf.shape)}")
+        _rows(name, buf)
+        if rows and buf.shape[1] < max_compressed_tokens:
+            raise ValueError(f"max_compressed_tokens {max_compressed_tokens} exceeds the {buf.shape[1]} columns of "
+                             f"{name} (rows would spill into the next row)")
+    C.same_device(positions=positions, token_to_req_indices=token_to_req_indices, block_table=block_table,
+                  slot_mapping=slot_mapping, global_decode_buffer=global_decode_buffer,
+                  decode_lens_buffer=decode_lens_buffer, prefill_buffer=prefill_buffer)
+    if value_checks(positions) and T:
+        p = positions.long().cpu()
+        real = torch.ones(T, dtype=torch.bool)
+        real[:nd] = slot_mapping[:nd].cpu() >= 0
+        if bool((p < 0)[real].any()):
+            raise ValueError("positions has a negative entry for a non-padding token")
+        if max_seq_len is not None and bool((p >= max_seq_len)[real].any()):
+            raise ValueError(f"positions has an entry >= max_seq_len ({max_seq_len})")
+        if nd:
+            (gd, _, _), cap = _rm.c128a_slices(T, nd, compress_ratio, global_decode_buffer, decode_lens_buffer,
+                                               prefill_buffer, max_compressed_tokens, max_seq_len)
+            n = (torch.div(p[:nd] + 1, compress_ratio, rounding_mode="floor")).clamp(0, cap)
+            i = torch.arange(gd.shape[1])
+            cols = torch.where(real[:nd].unsqueeze(1) & (i < n.unsqueeze(1)), i // block_size, torch.full_like(i, -1))
+            _check_pages(block_table, token_to_req_indices[:nd].cpu().unsqueeze(1), cols, "a visible C128A entry")
+    return _run("build_c128a_topk_metadata", positions.device, positions, compress_ratio, num_decode_tokens,
+                token_to_req_indices, block_table, block_size, slot_mapping, global_decode_buffer, decode_lens_buffer,
+                prefill_buffer, max_compressed_tokens, max_seq_len=max_seq_len, needs_constant_topk=needs_constant_topk)
+
+
+def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens, window_size: int,
+                             compress_ratio: int, topk: int, M: int, N: int, *, combined_indices=None,
+                             combined_lens=None):
+    """Prefill indices of one chunk into its workspace: per token [compressed rows | window rows | -1],
+    width round_up(topk + W, 128), and their lengths. Returns (indices int32 [T, width], lens int32 [T])."""
+    C.tensor("topk_indices", topk_indices, dtype=C.INDEX, dim=2)
+    _rows("topk_indices", topk_indices)
+    T, K = topk_indices.shape
+    C.positive_int("window_size", window_size)
+    C.positive_int("compress_ratio", compress_ratio)
+    _nonneg_int("topk", topk)
+    _nonneg_int("N", N)
+    C.positive_int("M", M)
+    if topk > K:
+        raise ValueError(f"topk {topk} exceeds the {K} columns of topk_indices")
+    if N >= M:
+        raise ValueError(f"N ({N} compressed rows) must be below M ({M} workspace rows per request)")
+    _rows("seq_lens", C.tensor("seq_lens", seq_lens, dtype=C.INDEX, dim=1))
+    R = seq_lens.shape[0]
+    _rows("query_start_loc", C.tensor("query_start_loc", query_start_loc, dtype=C.INDEX, shape=(R + 1,)))
+    _rows("gather_lens", C.tensor("gather_lens", gather_lens, dtype=C.INDEX, shape=(R,)))
+    if R * M > INT32_MAX:
+        raise ValueError(f"{R} requests x M = {M} workspace rows do not fit int32 indices")
+    width = _rm.combined_width(topk, window_size)
+    if combined_indices is not None:
+        C.tensor("combined_indices", combined_indices, dtype=torch.int32, dim=2)
+        _rows("combined_indices", combined_indices)
+        if combined_indices.shape[0] < T or combined_indices.shape[1] < width:
+            raise ValueError(f"combined_indices must have >= {T} rows of >= {width} columns, got "
+                             f"{tuple(combined_indices.shape)}")
+    if combined_lens is not None:
+        _vector("combined_lens", combined_lens, T, dtype=torch.int32)
+    C.same_device(topk_indices=topk_indices, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                  gather_lens=gather_lens, combined_indices=combined_indices, combined_lens=combined_lens)
+    _check_batch(query_start_loc, seq_lens, R, T, base=True)
+    if value_checks(gather_lens) and R:
+        ql = (query_start_loc[1:] - query_start_loc[:-1]).long().cpu()
+        sl, gl = seq_lens.long().cpu(), gather_lens.long().cpu()
+        need = ql + torch.clamp(sl - ql, max=window_size - 1)
+        if bool(((gl < need) | (gl > sl)).any()):
+            raise ValueError("gather_lens must lie in [query_len + min(prefix_len, window_size - 1), seq_lens]: "
+                             "the window of every token must be among the gathered rows")
+        if N + int(gl.max()) > M:
+            raise ValueError(f"N + gather_lens = {N + int(gl.max())} exceeds M = {M} workspace rows")
+        _check_topk_rows(topk_indices, query_start_loc, seq_lens, compress_ratio, topk, N)
+    return _run("combine_topk_swa_indices", topk_indices.device, topk_indices, query_start_loc, seq_lens, gather_lens,
+                window_size, compress_ratio, topk, M, N, combined_indices=combined_indices, combined_lens=combined_lens)
+
+
+def _check_topk_rows(topk_indices, query_start_loc, seq_lens, compress_ratio, topk, N):
+    """Value check: the first topk_len local indices of each token are -1 (skipped) or below N."""
+    T = topk_indices.shape[0]
+    qsl = query_start_loc.long().cpu()
+    t = torch.arange(T)
+    req, inside = _rm.request_of_tokens(t, qsl - qsl[0], seq_lens.shape[0])
+    pos = _rm.token_positions(t, req, inside, qsl - qsl[0], seq_lens.cpu())
+    tlen = torch.where(inside, torch.clamp((pos + 1) // compress_ratio, min=0, max=topk), torch.zeros_like(pos))
+    used = torch.arange(topk_indices.shape[1]).unsqueeze(0) < tlen.unsqueeze(1)
+    if bool((topk_indices.long().cpu() >= N)[used].any()):
+        raise ValueError(f"topk_indices has a local index >= N ({N}, the compressed rows of the workspace)")

@@ -1,4 +1,5 @@
-"""Output path: inverse RoPE + FP8 quant, grouped FP8 einsum, FP8 linear, merging of attention states."""
+"""Output path: inverse RoPE + FP8 quant (vLLM's form), the grouped FP8 einsum (DeepGEMM's form), the FP8
+linear, and merging of attention states."""
 import torch
 
 from .. import _checks as C
@@ -7,42 +8,111 @@ from ._dispatch import register, run as _run
 
 __all__ = ["fused_inv_rope_fp8_quant", "fp8_einsum", "fp8_linear", "merge_attn_states"]
 
-register("fused_inv_rope_fp8_quant", _ro.fused_inv_rope_fp8_quant)
-register("fp8_einsum", _ro.fp8_einsum)
-register("fp8_linear", _ro.fp8_linear)
+_TRITON_EINSUM = "dsv4_rocm.triton.fp8_einsum"
+register("fused_inv_rope_fp8_quant", _ro.fused_inv_rope_fp8_quant,
+         triton="dsv4_rocm.triton.fused_inv_rope_fp8_quant:fused_inv_rope_fp8_quant")
+register("fp8_einsum", _ro.fp8_einsum, triton=f"{_TRITON_EINSUM}:fp8_einsum")
+register("fp8_linear", _ro.fp8_linear, triton=f"{_TRITON_EINSUM}:fp8_linear")
 register("merge_attn_states", _ro.merge_attn_states)
 
 
-def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int):
-    C.tensor("o", o, dtype=torch.bfloat16, shape=(None, None, 512))
+def _flag(name, v):
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {v!r}")
+    return v
+
+
+def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,
+                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False):
+    """vLLM's ``fused_inv_rope_fp8_quant``: (fp8 [T, G, D] over [G, T, D] storage, MN-major scales), D =
+    heads_per_group * 512; fp32 scales [T, G, D/128] (SM90 form) or, with ``tma_aligned_scales``, UE8M0
+    bytes packed 4 an int32 [T, G, heads_per_group] (SM100 form). dsv4_rocm.reference.output has the math."""
+    C.tensor("o", o, dtype=torch.bfloat16, dim=3)
     C.positive_int("n_groups", n_groups)
-    if o.shape[1] % n_groups:
-        raise ValueError(f"n_groups {n_groups} must divide the {o.shape[1]} heads of o")
-    C.cos_sin(cos_sin_cache, positions)
-    return _run("fused_inv_rope_fp8_quant", o.device, o, positions, cos_sin_cache, n_groups)
+    C.positive_int("heads_per_group", heads_per_group)
+    if (nope_dim, rope_dim, quant_group_size) != (448, 64, 128):
+        raise ValueError(f"nope_dim, rope_dim, quant_group_size must be DeepSeek-V4's 448, 64, 128; got "
+                         f"{nope_dim}, {rope_dim}, {quant_group_size}")
+    _flag("tma_aligned_scales", tma_aligned_scales)
+    T, H, D = o.shape
+    if D != nope_dim + rope_dim or o.stride(2) != 1:
+        raise ValueError(f"o must be [T, H, {nope_dim + rope_dim}] with unit stride along the head dim, got shape "
+                         f"{tuple(o.shape)} strides {o.stride()}")
+    if H != n_groups * heads_per_group:
+        raise ValueError(f"n_groups * heads_per_group = {n_groups} * {heads_per_group} must equal o's {H} heads")
+    C.cos_sin(cos_sin_cache, positions, dtype=(torch.float32, torch.bfloat16), n_tokens=T)
+    if cos_sin_cache.stride(1) != 1:
+        raise ValueError("cos_sin_cache must have unit stride along its 64 columns")
+    C.same_device(o=o, positions=positions, cos_sin_cache=cos_sin_cache)
+    return _run("fused_inv_rope_fp8_quant", o.device, o, positions, cos_sin_cache, n_groups, heads_per_group,
+                nope_dim, rope_dim, quant_group_size, tma_aligned_scales)
 
 
-def fp8_einsum(a8, a_scale, w8, w_scale):
-    a8, w8 = C.fp8_bytes("a", a8), C.fp8_bytes("w", w8)
+def _pair(name, p):
+    if not (isinstance(p, (tuple, list)) and len(p) == 2):
+        raise ValueError(f"{name} must be a (fp8 tensor, scales) pair")
+    return p
+
+
+def _scales(name, s, lead, rows, r_blocks):
+    """fp32 [*lead, rows, r/128] or packed UE8M0 int32 [*lead, rows, ceil(r/512)]."""
+    C.tensor(name, s, dtype=(torch.float32, torch.int32), dim=len(lead) + 2)
+    cols = r_blocks if s.dtype == torch.float32 else (r_blocks + 3) // 4
+    C.tensor(name, s, shape=(*lead, rows, cols))
+
+
+def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128)) -> None:
+    """DeepGEMM's ``fp8_einsum("bhr,hdr->bhd", (a, a_scale), (w, w_scale), d, recipe=(1, gran_n, 128))``:
+    d [T, G, n] = sum_r dequant(a)[t, g, r] dequant(w)[g, n, r], written in place (bf16 or fp32). Scales:
+    fp32 or packed UE8M0 int32 (dsv4_rocm.reference.output lists the forms), any strides."""
+    if expr != "bhr,hdr->bhd":
+        raise ValueError(f"expr: only 'bhr,hdr->bhd' is implemented, got {expr!r}")
+    (a8, sa), (w8, sw) = _pair("a", a), _pair("b", b)
+    if c is not None:
+        raise ValueError("c (accumulating into d) is not supported for 'bhr,hdr->bhd'")
+    if not (isinstance(recipe, (tuple, list)) and len(recipe) == 3 and recipe[0] == 1 and recipe[1] in (1, 128)
+            and recipe[2] == 128):
+        raise ValueError(f"recipe must be (1, 128, 128) or (1, 1, 128), got {recipe!r}")
+    if isinstance(d, (tuple, list)):
+        raise ValueError("d: an fp8 (d, sfd) output is not supported; pass a bf16 or fp32 tensor")
+    C.fp8_bytes("a", a8)
+    C.fp8_bytes("w", w8)
     C.tensor("a", a8, dim=3)
     T, G, r = a8.shape
+    if r == 0 or r % 128:
+        raise ValueError(f"a: r = {r} must be a positive multiple of 128 (the scale block)")
     C.tensor("w", w8, shape=(G, None, r))
-    C.tensor("a_scale", a_scale, dtype=torch.float32, shape=(T, G, r // 128))
-    C.tensor("w_scale", w_scale, dtype=torch.float32, shape=(G, w8.shape[1] // 128, r // 128))
-    return _run("fp8_einsum", a8.device, a8, a_scale, w8, w_scale)
+    n = w8.shape[1]
+    C.tensor("d", d, dtype=(torch.bfloat16, torch.float32), shape=(T, G, n))
+    for name, t in (("a", a8), ("w", w8), ("d", d)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must have unit stride along its last dim, got strides {t.stride()}")
+    _scales("a_scale", sa, (T,), G, r // 128)
+    gran_n = recipe[1]
+    if sw.dtype == torch.int32 and gran_n != 1:
+        raise ValueError("w_scale: packed UE8M0 weight scales are per row: use recipe (1, 1, 128)")
+    _scales("w_scale", sw, (G,), -(-n // gran_n), r // 128)
+    C.same_device(a=a8, a_scale=sa, w=w8, w_scale=sw, d=d)
+    _run("fp8_einsum", a8.device, expr, (a8, sa), (w8, sw), d, None, tuple(recipe))
 
 
 def fp8_linear(x, w8, w_scale):
-    w8 = C.fp8_bytes("weight", w8)
+    """bf16 x [T, K] times a block-FP8 weight [N, K] (fp32 scales [N/128, K/128]) -> bf16 [T, N]; x is
+    quantized per token per 128 columns (UE8M0, eps 1e-4) as DeepGEMM's 1x128 recipe does."""
+    C.fp8_bytes("weight", w8)
     C.tensor("x", x, dtype=torch.bfloat16, dim=2)
     C.tensor("weight", w8, shape=(None, x.shape[1]))
+    if x.shape[1] % 128 or w8.shape[0] % 128:
+        raise ValueError(f"weight dims {tuple(w8.shape)} must be multiples of 128")
     C.tensor("weight_scale", w_scale, dtype=torch.float32, shape=(w8.shape[0] // 128, x.shape[1] // 128))
+    C.same_device(x=x, weight=w8, weight_scale=w_scale)
     return _run("fp8_linear", x.device, x, w8, w_scale)
 
 
 def merge_attn_states(out_a, lse_a, out_b, lse_b):
-    C.tensor("out_a", out_a, dim=3)
-    C.tensor("out_b", out_b, shape=tuple(out_a.shape))
+    """Merge two partial attentions over disjoint key sets (dsv4_rocm.reference.output.merge_attn_states)."""
+    C.tensor("out_a", out_a, dtype=(torch.bfloat16, torch.float16, torch.float32), dim=3)
+    C.tensor("out_b", out_b, dtype=out_a.dtype, shape=tuple(out_a.shape))
     C.tensor("lse_a", lse_a, dtype=torch.float32, shape=tuple(out_a.shape[:2]))
     C.tensor("lse_b", lse_b, dtype=torch.float32, shape=tuple(out_a.shape[:2]))
     return _run("merge_attn_states", out_a.device, out_a, lse_a, out_b, lse_b)

@@ -1,4 +1,4 @@
-"""Sparse MLA attention with an attention sink (DSV4_SPEC §7), FlashMLA semantics.
+"""Sparse MLA attention with an attention sink, FlashMLA semantics.
 
 For query head h with valid gathered keys K_i (K = V, 512-d):
     l_i = sm * <q_h, K_i>,  lse = log sum_i exp(l_i)   (natural log, sink excluded)
@@ -8,7 +8,8 @@ sink = +inf gives out = 0.
 """
 import torch
 
-from .cache import decode_k_records, gather_k_records, as_pages
+from ..cache_views import pages as as_pages
+from .cache import decode_k_records, gather_k_records
 
 _QUERY_CHUNK = 64
 
@@ -17,7 +18,7 @@ def attend(q: torch.Tensor, K: torch.Tensor, valid: torch.Tensor, sm_scale: floa
     """q [N, H, D], K [N, S, D], valid [N, S] bool -> (out fp32 [N, H, D], lse [N, H], max_logits [N, H])."""
     l = torch.einsum("nhd,nsd->nhs", q.float(), K.float()) * sm_scale
     l = l.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    mx = l.amax(-1)
+    mx = l.amax(-1) if l.shape[-1] else l.new_full(l.shape[:-1], float("-inf"))
     any_valid = valid.any(-1).unsqueeze(1).expand_as(mx)
     safe_mx = torch.where(any_valid, mx, torch.zeros_like(mx))
     p = torch.exp(l - safe_mx.unsqueeze(-1))
@@ -31,51 +32,62 @@ def attend(q: torch.Tensor, K: torch.Tensor, valid: torch.Tensor, sm_scale: floa
     return out, lse, mx
 
 
-def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None):
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None,
+                         out=None):
     """FlashMLA prefill semantics. q [s_q, h, 512] bf16, kv [s_kv, 1, 512] bf16, indices [s_q, 1, topk]
-    int32 (-1 or >= s_kv = invalid), topk_length [s_q] -> (out bf16 [s_q, h, 512], max_logits, lse [s_q, h])."""
+    int32 (negative or >= s_kv = invalid), topk_length [s_q] -> (out bf16 [s_q, h, 512], max_logits,
+    lse [s_q, h]); ``out``, when given, receives the output and is returned."""
     s_q, h, d = q.shape
     s_kv = kv.shape[0]
     idx = indices[:, 0].long()
     valid = (idx >= 0) & (idx < s_kv)
     if topk_length is not None:
         valid &= torch.arange(idx.shape[1], device=idx.device).unsqueeze(0) < topk_length.long().unsqueeze(1)
-    out = torch.empty(s_q, h, d_v, dtype=torch.float32, device=q.device)
+    res = torch.empty(s_q, h, d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
     mx = torch.empty_like(lse)
-    kvf = kv[:, 0].float()
+    kvf = kv[:, 0].float() if s_kv else kv.new_zeros(1, d, dtype=torch.float32)   # an empty kv: every key absent
     for a in range(0, s_q, _QUERY_CHUNK):
         b = min(a + _QUERY_CHUNK, s_q)
         K = kvf[torch.where(valid[a:b], idx[a:b], torch.zeros_like(idx[a:b]))]
         o, l, m = attend(q[a:b], K, valid[a:b], sm_scale, attn_sink)
-        out[a:b], lse[a:b], mx[a:b] = o[..., :d_v], l, m
-    return out.to(torch.bfloat16), mx, lse
+        res[a:b], lse[a:b], mx[a:b] = o[..., :d_v], l, m
+    return _into(out, res), mx, lse
+
+
+def _into(out, res):
+    """res as bf16, written into ``out`` when one is given."""
+    if out is None:
+        return res.to(torch.bfloat16)
+    out.copy_(res)
+    return out
 
 
 def _paged_set(cache, indices, lengths, b, s_q):
     """Gather the dequantized K rows of one index set: returns (K [b*s_q, topk, 512], valid)."""
     bs = cache.shape[1]
     pages = as_pages(cache, bs)
-    idx = indices.reshape(b * s_q, -1).long()
+    idx = indices.reshape(b * s_q, indices.shape[-1]).long()
     valid = (idx >= 0) & (idx < pages.shape[0] * bs)
     if lengths is not None:
         ln = lengths.long()
         ln = ln.unsqueeze(1).expand(b, s_q) if ln.dim() == 1 else ln
         valid &= torch.arange(idx.shape[1], device=idx.device).unsqueeze(0) < ln.reshape(-1, 1)
     safe = torch.where(valid, idx, torch.full_like(idx, -1)).reshape(-1)
-    K = decode_k_records(gather_k_records(pages, safe, bs)).reshape(b * s_q, -1, 512)
+    K = decode_k_records(gather_k_records(pages, safe, bs)).reshape(b * s_q, idx.shape[1], 512)
     return K, valid
 
 
 def flash_mla_with_kvcache_sparse(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
-                                  extra_indices_in_kvcache, extra_topk_length, softmax_scale: float):
+                                  extra_indices_in_kvcache, extra_topk_length, softmax_scale: float, out=None):
     """FlashMLA sparse decode semantics over fp8_ds_mla pages: one softmax over the main set
-    (indices into k_cache) and the optional extra set; -> (out bf16 [b, s_q, h, 512], lse [b, h, s_q])."""
+    (indices into k_cache) and the optional extra set; -> (out bf16 [b, s_q, h, 512], lse [b, h, s_q]);
+    ``out``, when given, receives the output and is returned. Lengths are [b] or [b, s_q]."""
     b, s_q, h, d = q.shape
     K, valid = _paged_set(k_cache, indices, topk_length, b, s_q)
     if extra_k_cache is not None:
         K2, v2 = _paged_set(extra_k_cache, extra_indices_in_kvcache, extra_topk_length, b, s_q)
         K, valid = torch.cat([K, K2], 1), torch.cat([valid, v2], 1)
     qf = q.reshape(b * s_q, h, d)
-    out, lse, _ = attend(qf, K, valid, softmax_scale, attn_sink)
-    return out.reshape(b, s_q, h, d).to(torch.bfloat16), lse.reshape(b, s_q, h).transpose(1, 2).contiguous()
+    res, lse, _ = attend(qf, K, valid, softmax_scale, attn_sink)
+    return _into(out, res.reshape(b, s_q, h, d)), lse.reshape(b, s_q, h).transpose(1, 2)

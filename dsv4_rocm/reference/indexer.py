@@ -1,65 +1,161 @@
-"""Lightning indexer of C4 layers (DSV4_SPEC §6): q RoPE + FP8 quant with weight fold, logits, top-k.
+"""Lightning indexer of C4 layers (DSV4_SPEC §6), in vLLM's and DeepGEMM's call forms.
 
-    logit[t, j] = sum_h w'[t, h] * ReLU((q8[t, h] . k8[j]) * s_k[j])     j in [ks[t], ke[t])
-    w'[t, h]    = w[t, h] * s_q[t, h] * 128^-0.5 * H^-0.5
-Outside the row's range the logit is -inf. Top-k returns indices relative to the row start, the valid
-ones first, -1 after them; with n <= k valid columns it returns [0, 1, ..., n-1, -1, ...].
+Query (``fused_indexer_q_rope_quant``), per token t and head h of qi (bf16 [T, H, 128]):
+    x      = [qi[:64], bf16(RoPE(qi)[64:])]            GPT-J pairs on the last 64 dims, fp32, one bf16 rounding
+    FP8:   e = ceil(log2(max(max|x|, 1e-4) / 448)),  q = e4m3(x * 2^-e),  w' = ((w * 2^e) * softmax_scale) * head_scale
+    MXFP4: four blocks of 32 (reference.quant.mxfp4_quantize),            w' = (w * softmax_scale) * head_scale
+A head holding NaN or +-inf is poisoned (docs/conventions.md): FP8 bytes 0x7F and w' NaN; an MXFP4 block
+gets scale 0xFF and nibbles 0x7.
+
+Logits (DeepGEMM's ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits``), for a query row m and key n:
+    logit[m, n] = sum_h w'[m, h] * ReLU((q[m, h] . k[n]) * s_k[n])           (fp32)
+and -inf outside the keys the row sees: [ks, ke) in prefill; in decode, draft row i of request b sees
+keys [0, L - next_n + i + 1) for DeepGEMM's 1-D context_lens L = context_lens[b], or [0, context_lens[b, i])
+for 2-D ones. A key whose block-table entry is negative or past the cache is -inf too (it is never read).
+The oracle writes every entry; with DeepGEMM's clean_logits=False the entries outside a row's keys are
+unspecified (the kernels may leave them unwritten).
+
+Indexer-K cache (``indexer_k_quant_and_cache`` / ``cp_gather_indexer_k_quant_cache``): 132-byte records,
+128 e4m3 bytes at ``page + off * 128`` and the fp32 scale 2^e at ``page + bs * 128 + off * 4``.
 """
 import torch
 
-from .cache import indexer_k_gather
-from .quant import e4m3_decode, e4m3_encode, ue8m0_exponent
+from .. import cache_views as V
+from .. import layout as L
+from .cache import _read_records, _write_records
+from .quant import e4m3_decode, mxfp4_quantize, quantize_blocks
 from .rope import rope_fwd
 
 INDEX_EPS = 1e-4
+ROPE_DIM = 64
+SCALE_NAN_BITS = 0x7FC00000        # the fp32 scale of a poisoned entry
 
 
-def indexer_q_rope_quant(qi: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                         weights: torch.Tensor, softmax_scale: float = 128 ** -0.5):
-    """qi bf16 [T, H, 128], weights [T, H] -> (q8 uint8 [T, H, 128], w' fp32 [T, H])."""
-    T, H, D = qi.shape
-    rope = rope_fwd(qi, positions, cos_sin_cache)[..., D - 64:].to(torch.bfloat16).float()
-    x = torch.cat([qi[..., :D - 64].float(), rope], dim=-1)
-    e = ue8m0_exponent(x.abs().amax(-1), INDEX_EPS)
-    q8 = e4m3_encode(torch.ldexp(x, -e.unsqueeze(-1).float()))
-    w = weights.float() * torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.float()) \
-        * softmax_scale * H ** -0.5
-    return q8, w
+def _f32(v: float) -> torch.Tensor:
+    """A Python float as the fp32 value a kernel argument holds."""
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def pow2_or_nan(e: torch.Tensor) -> torch.Tensor:
+    """fp32 2^e of UE8M0 exponents; the poisoned exponent 128 gives NaN."""
+    bits = torch.where(e >= 128, torch.full_like(e, SCALE_NAN_BITS), (e + 127) << 23)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
+                               index_weights_softmax_scale: float, index_weights_head_scale: float,
+                               use_fp4: bool = False):
+    """vLLM's op: -> (q float8_e4m3fn [T, H, 128], w' fp32 [T, H]) or, with use_fp4, ((packed uint8
+    [T, H, 64], ue8m0 scales as int32 [T, H]), w')."""
+    D = index_q.shape[-1]
+    roped = rope_fwd(index_q, positions, index_q_cos_sin_cache)[..., D - ROPE_DIM:]
+    x = torch.cat([index_q[..., :D - ROPE_DIM].float(), roped.to(torch.bfloat16).float()], dim=-1)
+    w = index_weights.float()
+    if use_fp4:
+        packed, scales = mxfp4_quantize(x)
+        w = (w * _f32(index_weights_softmax_scale)) * _f32(index_weights_head_scale)
+        return (packed, scales.contiguous().view(torch.int32).squeeze(-1)), w
+    q, e = quantize_blocks(x, D, INDEX_EPS)
+    w = ((w * pow2_or_nan(e[..., 0])) * _f32(index_weights_softmax_scale)) * _f32(index_weights_head_scale)
+    return q.view(torch.float8_e4m3fn), w
 
 
 def _logits(q8, k8, k_scale, weights):
-    s = torch.einsum("thd,nd->thn", e4m3_decode(q8), e4m3_decode(k8)) * k_scale.float().view(1, 1, -1)
-    return torch.einsum("thn,th->tn", torch.relu(s), weights.float())
+    """fp32 [M, N] = sum_h w[m, h] * relu((q[m, h] . k[n]) * s[n]) (q8 [M, H, D], k8 [N, D] bytes)."""
+    kf = e4m3_decode(k8.view(torch.uint8))
+    rows = []
+    for m0 in range(0, q8.shape[0], 64):        # row chunks keep the [m, h, n] scores small
+        s = torch.einsum("mhd,nd->mhn", e4m3_decode(q8[m0:m0 + 64].view(torch.uint8)), kf) * k_scale.float()
+        rows.append(torch.einsum("mhn,mh->mn", torch.relu(s), weights[m0:m0 + 64].float()))
+    return torch.cat(rows) if rows else torch.zeros(0, k8.shape[0], device=k8.device)
 
 
-def fp8_mqa_logits(q8, k8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke) -> torch.Tensor:
-    """Prefill logits over a contiguous K: q8 [T, H, 128], k8 [N, 128], k_scale [N] -> fp32 [T, N]."""
-    lg = _logits(q8, k8, k_scale, weights)
+def fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits: bool = True) -> torch.Tensor:
+    """DeepGEMM's prefill logits over a contiguous K: q fp8 [M, H, D], kv = (k fp8 [N, D], scale fp32 [N]),
+    weights fp32 [M, H], ks / ke int32 [M] -> fp32 [M, N], -inf outside [ks[m], ke[m])."""
+    k8, k_scale = kv
+    lg = _logits(q, k8, k_scale, weights)
     j = torch.arange(k8.shape[0], device=lg.device).unsqueeze(0)
     ok = (j >= cu_seqlen_ks.long().unsqueeze(1)) & (j < cu_seqlen_ke.long().unsqueeze(1))
     return lg.masked_fill(~ok, float("-inf"))
 
 
-def fp8_paged_mqa_logits(q8, kv_cache, weights, context_lens, block_table, block_size: int,
-                         max_context_len: int) -> torch.Tensor:
-    """Decode logits over the paged indexer cache: q8 [B, next_n, H, 128], weights [B*next_n, H],
-    context_lens [B] or [B, next_n] -> fp32 [B*next_n, max_context_len], -inf past the context."""
-    B, nn, H, D = q8.shape
+def visible_keys(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """int64 [B, next_n]: keys each draft row sees (module docstring), not clamped."""
     cl = context_lens.long()
-    cl = cl.unsqueeze(1).expand(B, nn) if cl.dim() == 1 else cl
-    out = torch.full((B * nn, max_context_len), float("-inf"), device=q8.device)
-    j = torch.arange(max_context_len, device=q8.device)
+    if cl.dim() == 2:
+        return cl
+    return cl.unsqueeze(1) - next_n + 1 + torch.arange(next_n, device=cl.device)
+
+
+def entry_slots(block_row: torch.Tensor, j: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
+    """Cache slots of entries j of one request through its block-table row; -1 where the row has no such
+    column or its entry is negative or past the cache's num_blocks pages."""
+    col = j // block_size
+    page = torch.full_like(j, -1)
+    if block_row.shape[0]:
+        page = torch.where(col < block_row.shape[0], block_row[col.clamp(max=block_row.shape[0] - 1)].long(), page)
+    ok = (page >= 0) & (page < num_blocks)
+    return torch.where(ok, page * block_size + j % block_size, torch.full_like(j, -1))
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len: int,
+                         clean_logits: bool = True) -> torch.Tensor:
+    """DeepGEMM's decode logits over the paged indexer-K cache: q fp8 [B, next_n, H, D], kv_cache
+    [nb, bs, 132] or [nb, bs, 1, 132], weights fp32 [B * next_n, H] -> fp32 [B * next_n, max_model_len]."""
+    B, nn = q.shape[:2]
+    bs = kv_cache.shape[1]
+    pages = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K)
+    vis = visible_keys(context_lens, nn).clamp(0, max_model_len)
+    out = torch.full((B * nn, max_model_len), float("-inf"), device=q.device)
     for b in range(B):
-        n = int(cl[b].max()) if nn else 0
+        n = int(vis[b].max()) if nn else 0
         if n <= 0:
             continue
-        jj = j[:n]
-        slots = block_table[b, jj // block_size].long() * block_size + jj % block_size
-        k8, ks = indexer_k_gather(kv_cache, slots, block_size)
-        lg = _logits(q8[b], k8, ks, weights[b * nn:(b + 1) * nn])
-        ok = jj.unsqueeze(0) < cl[b].unsqueeze(1)
-        out[b * nn:(b + 1) * nn, :n] = lg.masked_fill(~ok, float("-inf"))
+        j = torch.arange(n, device=q.device)
+        slots = entry_slots(block_tables[b], j, bs, pages.shape[0])
+        ok = slots >= 0
+        rec = _read_records(kv_cache, slots, bs, V.INDEXER_K)
+        k_scale = rec[:, L.INDEXER_DIM:].contiguous().view(torch.float32).reshape(-1)
+        lg = _logits(q[b], rec[:, :L.INDEXER_DIM], k_scale, weights[b * nn:(b + 1) * nn])
+        seen = (j.unsqueeze(0) < vis[b].unsqueeze(1)) & ok.unsqueeze(0)
+        out[b * nn:(b + 1) * nn, :n] = lg.masked_fill(~seen, float("-inf"))
     return out
+
+
+def get_paged_mqa_logits_metadata(context_lens, block_size: int, num_sms: int) -> torch.Tensor:
+    """DeepGEMM's schedule tensor, int32 [num_sms + 1, 2]. dsv4_rocm's paged logits kernel balances its work
+    from context_lens itself and does not read it: it is returned zeroed, in DeepGEMM's shape and dtype."""
+    return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
+
+
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt: str) -> None:
+    """vLLM's op: UE8M0 FP8 of k [T, 128] (one 128-value block a row, eps 1e-4; a non-finite row gives bytes
+    0x7F and scale NaN) written at slot_mapping[:n] of the indexer-K cache; negative slots are skipped."""
+    n = slot_mapping.shape[0]
+    q, e = quantize_blocks(k[:n].float(), L.INDEXER_DIM, INDEX_EPS)
+    scale = pow2_or_nan(e).contiguous().view(torch.uint8)
+    _write_records(torch.cat([q, scale], dim=1), kv_cache, slot_mapping, kv_cache.shape[1], V.INDEXER_K)
+
+
+def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+    """vLLM's op: row t of dst_k / dst_scale, for cu_seq_lens[b] <= t < cu_seq_lens[b + 1], gets entry
+    t - cu_seq_lens[b] of request b (its 128 fp8 bytes and the 4 bytes of its fp32 scale), through
+    block_table[b]. Rows no request covers are not written; an entry whose block-table entry is negative
+    or past the cache gives zero bytes."""
+    bs = kv_cache.shape[1]
+    cu = cu_seq_lens.long().tolist()
+    kb, sb = dst_k.view(torch.uint8), dst_scale.view(torch.uint8).view(dst_scale.shape[0], 4)
+    nb = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K).shape[0]
+    for b in range(block_table.shape[0]):
+        lo, hi = max(cu[b], 0), min(cu[b + 1], dst_k.shape[0])
+        if hi <= lo:
+            continue
+        j = torch.arange(lo - cu[b], hi - cu[b], device=dst_k.device)
+        slots = entry_slots(block_table[b], j, bs, nb)
+        rec = _read_records(kv_cache, slots, bs, V.INDEXER_K)
+        kb[lo:hi] = rec[:, :L.INDEXER_DIM]
+        sb[lo:hi] = rec[:, L.INDEXER_DIM:]
 
 
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor, k: int) -> torch.Tensor:

@@ -29,14 +29,16 @@ REFERENCE_IMPL = SimpleNamespace(
     compressor_kv_score=compressor.compressor_kv_score,
     save_partial_states=compressor.save_partial_states,
     compress_norm_rope_store=compressor.compress_norm_rope_store,
-    fused_indexer_q_rope_quant=indexer.indexer_q_rope_quant,
+    fused_indexer_q_rope_quant=indexer.fused_indexer_q_rope_quant,
     fp8_mqa_logits=indexer.fp8_mqa_logits,
     fp8_paged_mqa_logits=indexer.fp8_paged_mqa_logits,
+    get_paged_mqa_logits_metadata=indexer.get_paged_mqa_logits_metadata,
     top_k_per_row=indexer.top_k_per_row,
-    indexer_k_gather=cache.indexer_k_gather,
+    cp_gather_indexer_k_quant_cache=indexer.cp_gather_indexer_k_quant_cache,
     dequantize_and_gather_k_cache=cache.dequantize_and_gather_k_cache,
     get_compressed_slot_mapping=metadata.get_compressed_slot_mapping,
     compute_swa_indices_and_lens=metadata.compute_swa_indices_and_lens,
+    compute_prefill_gather_lens=metadata.compute_prefill_gather_lens,
     compute_global_topk_indices_and_lens=metadata.compute_global_topk_indices_and_lens,
     build_c128a_topk_metadata=metadata.build_c128a_topk_metadata,
     combine_topk_swa_indices=metadata.combine_topk_swa_indices,
@@ -174,21 +176,24 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
     """Lightning indexer of a C4 layer: writes the indexer K cache, returns local top-k [T, K]."""
     T = x.shape[0]
     nh = cfg.index_n_heads
-    islots = impl.get_compressed_slot_mapping(positions, t2r, batch.compressed_block_table, 4, 64, slot_mapping)
+    islots = impl.get_compressed_slot_mapping(T, batch.query_start_loc, batch.seq_lens, batch.compressed_block_table,
+                                              64, 4).masked_fill(slot_mapping < 0, -1)
     _compress(cfg, impl, x, W.idx_comp_w, W.idx_comp_ape, W.idx_comp_norm, positions, t2r, cache_.idx_state, batch,
               sslots, cos_sin, cache_.idx, islots, 4, 128)
     qi = impl.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, nh, 128)
     wi = (x.float() @ W.idx_wproj.float().t()).to(torch.bfloat16)
-    q8, wq = impl.fused_indexer_q_rope_quant(qi, positions, cos_sin, wi)
+    q8, wq = impl.fused_indexer_q_rope_quant(positions, qi, cos_sin, wi, 128 ** -0.5, nh ** -0.5)
     K = cfg.index_topk
     topk = torch.full((T, K), -1, dtype=torch.int32, device=x.device)
     n_vis = (positions.long() + 1) // 4
+    kv = compressor.kv_cache_view(cache_.idx, 64, L.INDEXER_TOKEN_BYTES)
     dec = torch.nonzero(is_dec_tok).flatten()
     if dec.numel():
         cl = n_vis[dec]
         mcl = max(int(cl.max()), 1)
-        lg = impl.fp8_paged_mqa_logits(q8[dec].unsqueeze(1), cache_.idx, wq[dec], cl.to(torch.int32),
-                                       batch.compressed_block_table[t2r[dec]], 64, mcl)
+        cl32 = cl.to(torch.int32)
+        lg = impl.fp8_paged_mqa_logits(q8[dec].unsqueeze(1), kv, wq[dec], cl32, batch.compressed_block_table[t2r[dec]],
+                                       impl.get_paged_mqa_logits_metadata(cl32, 64, 1), mcl)
         topk[dec] = impl.top_k_per_row(lg, torch.zeros_like(cl), cl, K)
     qsl = batch.query_start_loc
     for b in range(qsl.shape[0] - 1):
@@ -196,11 +201,13 @@ def _indexer_topk(cfg, impl, W, cache_, batch, x, qr, positions, t2r, slot_mappi
         if e == a or bool(is_dec_tok[a]):
             continue
         n = int(batch.seq_lens[b]) // 4
-        j = torch.arange(n, device=x.device)
-        slots = batch.compressed_block_table[b, j // 64].long() * 64 + j % 64
-        k8, ks = impl.indexer_k_gather(cache_.idx, slots, 64)
-        starts = torch.zeros(e - a, dtype=torch.int64, device=x.device)
-        lg = impl.fp8_mqa_logits(q8[a:e], k8, ks, wq[a:e], starts, n_vis[a:e])
+        k8 = torch.empty(n, 128, dtype=torch.float8_e4m3fn, device=x.device)
+        ks = torch.empty(n, 4, dtype=torch.uint8, device=x.device)
+        impl.cp_gather_indexer_k_quant_cache(kv, k8, ks, batch.compressed_block_table[b:b + 1],
+                                             torch.tensor([0, n], dtype=torch.int32, device=x.device))
+        starts = torch.zeros(e - a, dtype=torch.int32, device=x.device)
+        lg = impl.fp8_mqa_logits(q8[a:e], (k8, ks.view(torch.float32).squeeze(-1)), wq[a:e], starts,
+                                 n_vis[a:e].to(torch.int32))
         topk[a:e] = impl.top_k_per_row(lg, starts, n_vis[a:e], K)
     return topk
 
@@ -236,7 +243,8 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
     bs_c = L.compressed_block_size(r) if r > 1 else 0
     sslots = None
     if r > 1:
-        cslots = impl.get_compressed_slot_mapping(positions, t2r, batch.compressed_block_table, r, bs_c, slot_mapping)
+        cslots = impl.get_compressed_slot_mapping(T, batch.query_start_loc, batch.seq_lens,
+                                                  batch.compressed_block_table, bs_c, r).masked_fill(slot_mapping < 0, -1)
         sslots = batch.state_slot_mapping if batch.state_slot_mapping is not None else torch.where(
             valid_tok, metadata.slot_mapping_from_block_table(positions, t2r, batch.state_block_table,
                                                               compressor.state_block_size(r)), -1)
@@ -253,16 +261,21 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
     from_pages = torch.ones_like(is_dec_tok) if paged_prefill else is_dec_tok
     dec = torch.nonzero(from_pages).flatten()
     if dec.numel():
-        swa_idx, swa_len = impl.compute_swa_indices_and_lens(positions[dec], t2r[dec], batch.swa_block_table,
-                                                             slot_mapping[dec], Wn, L.SWA_BLOCK_SIZE)
+        swa_idx, swa_len = impl.compute_swa_indices_and_lens(
+            torch.empty(T, Wn, dtype=torch.int32, device=x.device), torch.empty(T, dtype=torch.int32, device=x.device),
+            Wn, batch.query_start_loc, batch.seq_lens, t2r, valid_tok, batch.swa_block_table, L.SWA_BLOCK_SIZE)
+        swa_idx, swa_len = swa_idx[dec], swa_len[dec]
         extra_cache = extra_idx = extra_len = None
         if layer_type == LayerType.C4:
             extra_idx, extra_len = impl.compute_global_topk_indices_and_lens(
                 topk_local[dec], t2r[dec], batch.compressed_block_table, bs_c, valid_tok[dec])
         elif layer_type == LayerType.C128:
-            extra_idx, extra_len = impl.build_c128a_topk_metadata(
-                positions[dec], t2r[dec], batch.compressed_block_table, slot_mapping[dec],
-                torch.ones_like(dec, dtype=torch.bool), max_model_len, bs_c, r)
+            kmax, nd = metadata.c128_max_entries(max_model_len, r), dec.numel()
+            extra_idx, extra_len, _ = impl.build_c128a_topk_metadata(
+                positions[dec], r, nd, t2r[dec], batch.compressed_block_table, bs_c, slot_mapping[dec],
+                torch.empty(nd, kmax, dtype=torch.int32, device=x.device),
+                torch.empty(nd, dtype=torch.int32, device=x.device),
+                torch.empty(0, kmax, dtype=torch.int32, device=x.device), kmax)
         if extra_idx is not None:
             extra_cache = cache.flash_mla_view(cache_.comp, bs_c)
             extra_idx = extra_idx.unsqueeze(1)
@@ -274,8 +287,9 @@ def layer_forward(cfg: AttentionConfig, layer_type: LayerType, W: LayerWeights, 
                            topk_local, max_model_len, attn)
 
     # output path
-    a8, sa = impl.fused_inv_rope_fp8_quant(attn[:, :H].contiguous(), positions, cos_sin_cache, cfg.local_groups)
-    z = impl.fp8_einsum(a8, sa, W.wo_a8, W.wo_a_s)
+    a8, sa = impl.fused_inv_rope_fp8_quant(attn[:, :H], positions, cos_sin_cache, cfg.local_groups, cfg.heads_per_group)
+    z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16, device=attn.device)
+    impl.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
     y = impl.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)
     return (y, attn) if return_attn else y
 
@@ -292,7 +306,9 @@ def _prefill_attention(cfg, layer_type, impl, W, cache_, batch, q_pad, positions
         chunk = reqs[c0:c0 + PREFILL_CHUNK_REQUESTS]
         qlens = torch.stack([qsl[b + 1] - qsl[b] for b in chunk]).long()
         slens = torch.stack([batch.seq_lens[b] for b in chunk]).long()
-        glens = metadata.prefill_gather_lens(qlens, slens, Wn)
+        qsl_c = torch.cat([qlens.new_zeros(1), qlens.cumsum(0)])
+        glens = impl.compute_prefill_gather_lens(torch.empty(len(chunk), dtype=torch.int32, device=dev), slens, qsl_c,
+                                                 len(chunk), 0, Wn).long()
         M = N + Wn + int(qlens.max())
         ws = torch.zeros(len(chunk) * M, 512, dtype=torch.bfloat16, device=dev)
         ws3, rows = ws.view(len(chunk), M, 512), torch.tensor(chunk, device=dev)
@@ -300,24 +316,19 @@ def _prefill_attention(cfg, layer_type, impl, W, cache_, batch, q_pad, positions
             impl.dequantize_and_gather_k_cache(ws3, cache_.comp, slens // r, None,
                                                batch.compressed_block_table[rows], bs_c, 0)
         impl.dequantize_and_gather_k_cache(ws3, cache_.swa, slens, glens, batch.swa_block_table[rows], 64, N)
-        toks, req_in_chunk = [], []
-        for i, b in enumerate(chunk):
-            t = torch.arange(int(qsl[b]), int(qsl[b + 1]), device=dev)
-            toks.append(t)
-            req_in_chunk.append(torch.full_like(t, i))
-        toks, req_in_chunk = torch.cat(toks), torch.cat(req_in_chunk)
+        toks = torch.cat([torch.arange(int(qsl[b]), int(qsl[b + 1]), device=dev) for b in chunk])
         p = positions[toks]
         if layer_type == LayerType.C4:
             loc = topk_local[toks]
-            tlen = torch.clamp((p + 1) // 4, max=cfg.index_topk)
         elif layer_type == LayerType.C128:
-            loc, tlen = impl.build_c128a_topk_metadata(p, t2r[toks], batch.compressed_block_table, slot_mapping[toks],
-                                                       torch.zeros_like(toks, dtype=torch.bool), max_model_len, bs_c, r)
-            tlen = tlen.long()
+            kmax = metadata.c128_max_entries(max_model_len, r)
+            _, _, loc = impl.build_c128a_topk_metadata(
+                p, r, 0, t2r[toks], batch.compressed_block_table, bs_c, slot_mapping[toks],
+                torch.empty(0, kmax, dtype=torch.int32, device=dev), torch.empty(0, dtype=torch.int32, device=dev),
+                torch.empty(toks.numel(), kmax, dtype=torch.int32, device=dev), kmax)
         else:
             loc = torch.zeros(toks.numel(), 0, dtype=torch.int32, device=dev)
-            tlen = torch.zeros(toks.numel(), dtype=torch.long, device=dev)
-        idx, lens = impl.combine_topk_swa_indices(loc, tlen, p, req_in_chunk, slens - glens, N, M, Wn)
+        idx, lens = impl.combine_topk_swa_indices(loc, qsl_c, slens, glens, Wn, r, loc.shape[1], M, N)
         lens = torch.where(slot_mapping[toks] >= 0, lens, torch.zeros_like(lens))
         o, _, _ = impl.sparse_mla_prefill(q_pad[toks], ws.unsqueeze(1), idx.unsqueeze(1), cfg.softmax_scale, 512,
                                           W.attn_sink, lens)

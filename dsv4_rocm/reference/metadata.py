@@ -1,11 +1,22 @@
-"""Index metadata of one serving step (DSV4_SPEC §9). All outputs int32 unless noted; -1 = invalid.
+"""Index metadata of one serving step, in vLLM's call forms: the oracle of ``dsv4_rocm.ops.metadata``.
 
-Conventions: ``token_to_req[t]`` is the request of token t, ``positions[t]`` its absolute position,
-``block_table[b, i]`` the physical page of logical block i of request b, slot = page * bs + offset.
+Each function takes vLLM's arguments, writes the caller's buffers where vLLM passes them and returns what
+vLLM returns. Conventions: ``query_start_loc[b]..query_start_loc[b+1]`` are request b's tokens, token t
+of request b sits at absolute position ``seq_lens[b] - query_len[b] + (t - query_start_loc[b])``, and
+``block_table[b, i]`` is the page holding request b's logical block i, so slot = page * bs + offset.
+
+Padding and garbage never reach another request (docs/conventions.md): a request id, position,
+block-table column or page that is negative or out of range makes the entry it would produce -1 (and,
+where a token has no usable request at all, its length 0). The functions are vectorized torch so the
+whole layer can run on them; the per-token semantics are spelled out in each docstring.
 """
 import math
 
 import torch
+
+# FlashMLA's sparse prefill wants the index width to be a multiple of 128 (its B_TOPK); vLLM pads the
+# combined prefill indices and the C128A width to it, the padding stays -1
+TOPK_ALIGNMENT = 128
 
 
 def token_to_req_indices(query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -16,110 +27,307 @@ def token_to_req_indices(query_start_loc: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens)
 
 
-def _slots(block_table, req, logical, block_size):
+def _page(block_table: torch.Tensor, req: torch.Tensor, col: torch.Tensor):
+    """(page int64, ok): ``block_table[req, col]`` where req, col and the entry are all valid."""
+    rows, cols = block_table.shape
+    req, col = req.long(), col.long()
+    ok = (req >= 0) & (req < rows) & (col >= 0) & (col < cols)
+    if block_table.numel() == 0:
+        return torch.full_like(col, -1), torch.zeros_like(ok)
+    page = block_table[req.clamp(0, rows - 1), col.clamp(0, cols - 1)].long()
+    ok = ok & (page >= 0)
+    return torch.where(ok, page, torch.full_like(page, -1)), ok
+
+
+def _slots(block_table, req, logical, block_size: int) -> torch.Tensor:
+    """int64: slot of logical entry ``logical`` of request ``req``, -1 where any part of it is invalid."""
     logical = logical.long()
-    blk = block_table[req.long(), logical // block_size].long()
-    return blk * block_size + logical % block_size
+    page, ok = _page(block_table, req, torch.where(logical >= 0, logical // block_size, -1))
+    return torch.where(ok, page * block_size + logical % block_size, torch.full_like(page, -1))
 
 
 def slot_mapping_from_block_table(positions, token_to_req, block_table, block_size: int) -> torch.Tensor:
-    """int64 [T]: where each token's record goes (uncompressed cache)."""
+    """int64 [T]: where each token's record goes (uncompressed cache); -1 where it has no valid page."""
     return _slots(block_table, token_to_req, positions, block_size)
 
 
-def get_compressed_slot_mapping(positions, token_to_req, block_table, ratio: int, block_size: int,
-                                slot_mapping=None) -> torch.Tensor:
-    """int64 [T]: the slot of compressed entry j = p // r for tokens with (p + 1) % r == 0, else -1.
-    Tokens whose slot_mapping is negative (padding) get -1."""
-    p = positions.long()
-    boundary = (p + 1) % ratio == 0
-    if slot_mapping is not None:
-        boundary &= slot_mapping[:p.shape[0]] >= 0
-    j = p // ratio
-    s = _slots(block_table, token_to_req, torch.where(boundary, j, torch.zeros_like(j)), block_size)
-    return torch.where(boundary, s, torch.full_like(s, -1))
+def request_of_tokens(tokens: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int):
+    """(request, inside): request = #{i in [1, num_reqs] : query_start_loc[i] <= token}, and whether the
+    token lies in [query_start_loc[request], query_start_loc[request + 1]). For a monotone
+    query_start_loc that is the request owning the token; for any other it is still one fixed request
+    (the kernels count the same way), never an index outside the batch."""
+    tokens = tokens.long()
+    ends = query_start_loc[1:num_reqs + 1].long()
+    req = (ends.unsqueeze(0) <= tokens.unsqueeze(1)).sum(1) if num_reqs else torch.zeros_like(tokens)
+    has = req < num_reqs
+    r = req.clamp(max=max(num_reqs - 1, 0))
+    qsl = query_start_loc.long()
+    qs = qsl[r] if num_reqs else torch.zeros_like(tokens)
+    qe = qsl[r + 1] if num_reqs else torch.zeros_like(tokens)
+    return req, has & (qs <= tokens) & (tokens < qe)
 
 
-def compute_swa_indices_and_lens(positions, token_to_req, block_table, slot_mapping, window: int,
-                                 block_size: int = 64):
-    """Decode SWA set: slots of positions max(0, p-W+1)..p ascending, padded with -1 to width W;
-    lens = count (0 for padding tokens with slot_mapping < 0)."""
-    p = positions.long()
-    start = (p - window + 1).clamp(min=0)
-    lens = p - start + 1
-    lens = torch.where(slot_mapping[:p.shape[0]] >= 0, lens, torch.zeros_like(lens))
-    ar = torch.arange(window, device=p.device)
-    q = start.unsqueeze(1) + ar
-    ok = ar.unsqueeze(0) < lens.unsqueeze(1)
-    s = _slots(block_table, token_to_req.unsqueeze(1).expand_as(q), torch.where(ok, q, torch.zeros_like(q)),
-               block_size)
-    return torch.where(ok, s, torch.full_like(s, -1)).to(torch.int32), lens.to(torch.int32)
+def token_positions(tokens, req, inside, query_start_loc, seq_lens):
+    """Absolute position of each token (garbage where not ``inside``)."""
+    r = torch.where(inside, req, torch.zeros_like(req))
+    if seq_lens.numel() == 0:
+        return torch.full_like(tokens, -1)
+    qsl = query_start_loc.long()
+    qs, qe, sl = qsl[r], qsl[r + 1], seq_lens.long()[r]
+    return sl - (qe - qs) + (tokens.long() - qs)
 
 
-def compute_global_topk_indices_and_lens(topk_local, token_to_req, block_table, block_size: int,
-                                         is_valid_token):
-    """C4 decode: local compressed indices -> global slot ids of the compressed cache."""
-    l = topk_local.long()
-    ok = l >= 0
-    s = _slots(block_table, token_to_req.unsqueeze(1).expand_as(l), torch.where(ok, l, torch.zeros_like(l)),
-               block_size)
-    g = torch.where(ok, s, torch.full_like(s, -1)).to(torch.int32)
-    lens = torch.where(is_valid_token, ok.sum(1), torch.zeros_like(ok.sum(1))).to(torch.int32)
-    return g, lens
+def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table, block_size: int,
+                                compress_ratio: int, out=None, cp_world_size: int = 1, cp_rank: int = 0,
+                                cp_kv_cache_interleave_size: int = 1) -> torch.Tensor:
+    """int64 [num_tokens]: the compressed-cache slot each token writes, -1 for the others.
+
+    Requests are the rows of ``block_table``. Token t of request b at position p writes compressed entry
+    j = p // r iff (p + 1) % r == 0. With context parallelism (W = cp_world_size ranks, interleave I) the
+    logical block of j is ``j // (bs * W)``; j lives on rank ``((j mod bs*W) // I) % W`` at local offset
+    ``((j mod bs*W) // (W*I)) * I + (j mod bs*W) % I``; entries of other ranks get -1. With ``out`` all of
+    ``out`` is set to -1 first and ``out[:num_tokens]`` is returned (vLLM fills the whole buffer)."""
+    dev = query_start_loc.device
+    if out is not None:
+        out.fill_(-1)
+        res = out[:num_tokens]
+    else:
+        res = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)
+    R = block_table.shape[0]
+    t = torch.arange(num_tokens, device=dev)
+    req, inside = request_of_tokens(t, query_start_loc, R)
+    pos = token_positions(t, req, inside, query_start_loc, seq_lens)
+    ok = inside & (pos >= 0)
+    pos = torch.where(ok, pos, torch.zeros_like(pos))
+    ok = ok & ((pos + 1) % compress_ratio == 0)
+    j = pos // compress_ratio
+    W, I = cp_world_size, cp_kv_cache_interleave_size
+    vbs = block_size * W
+    col, voff = j // vbs, j % vbs
+    ok = ok & ((voff // I) % W == cp_rank)
+    page, pok = _page(block_table, torch.where(ok, req, torch.full_like(req, -1)), col)
+    slot = page * block_size + (voff // (W * I)) * I + voff % I
+    res.copy_(torch.where(ok & pok, slot, torch.full_like(slot, -1)))
+    return res
+
+
+def _rows_2d(swa_indices: torch.Tensor) -> torch.Tensor:
+    """[n, W] view of vLLM's [n, 1, W] (or [n, W]) SWA index buffer."""
+    return swa_indices[:, 0] if swa_indices.dim() == 3 else swa_indices
+
+
+def compute_swa_indices_and_lens(swa_indices, swa_lens, window_size: int, query_start_loc, seq_lens,
+                                 token_to_req_indices, is_valid_token, block_table, block_size: int,
+                                 token_offset: int = 0, num_tokens=None, *, needs_constant_topk: bool = False):
+    """The sliding window of each token, as slot ids (vLLM's ``_compute_swa_indices_and_lens_kernel``).
+
+    Row i describes token ``t = token_offset + i`` (i < num_tokens, default all rows of ``swa_indices``):
+    its request b = token_to_req_indices[t] and position p; the window is positions max(0, p-W+1)..p,
+    ``swa_indices[i, k]`` is the slot of the k-th of them (-1 where its page is invalid) and -1 past
+    them; ``swa_lens[i]`` = the window's length. A token with is_valid_token False, a request id outside
+    the batch, a place outside its request's query range or a negative position gets lens 0 and a row
+    of -1. ``needs_constant_topk`` (later vLLM): every lens is W. Returns the written rows of both."""
+    idx = _rows_2d(swa_indices)
+    n = idx.shape[0] if num_tokens is None else num_tokens
+    W, dev = window_size, idx.device
+    t = torch.arange(n, device=dev) + token_offset
+    R = min(seq_lens.shape[0], query_start_loc.shape[0] - 1, block_table.shape[0])
+    req = token_to_req_indices[t].long()
+    ok = (is_valid_token[t] != 0) & (req >= 0) & (req < R)
+    r = torch.where(ok, req, torch.zeros_like(req))
+    if R > 0:
+        qsl = query_start_loc.long()
+        qs, qe = qsl[r], qsl[r + 1]
+        ok = ok & (qs <= t) & (t < qe)
+        pos = seq_lens.long()[r] - (qe - qs) + (t - qs)
+    else:
+        pos = torch.full_like(t, -1)
+    ok = ok & (pos >= 0)
+    start = (pos - W + 1).clamp(min=0)
+    lens = torch.where(ok, pos - start + 1, torch.zeros_like(pos))
+    k = torch.arange(W, device=dev)
+    q = start.unsqueeze(1) + k
+    inwin = k.unsqueeze(0) < lens.unsqueeze(1)
+    slots = _slots(block_table, torch.where(inwin, r.unsqueeze(1), torch.full_like(q, -1)), q, block_size)
+    idx[:n].copy_(torch.where(inwin, slots, torch.full_like(slots, -1)))
+    swa_lens[:n].copy_(torch.full_like(lens, W) if needs_constant_topk else lens)
+    return swa_indices[:n], swa_lens[:n]
+
+
+def compute_prefill_gather_lens(prefill_gather_lens, seq_lens, query_start_loc, num_prefills: int,
+                                num_decodes: int, window_size: int) -> torch.Tensor:
+    """Raw tokens each prefill request gathers into the workspace (vLLM's ``_compute_prefill_metadata_kernel``):
+    for request b = num_decodes + i, ``query_len + min(prefix_len, W - 1)``, clamped to [0, seq_len]
+    (equal for every consistent batch). Writes and returns ``prefill_gather_lens[:num_prefills]``."""
+    b = torch.arange(num_decodes, num_decodes + num_prefills, device=seq_lens.device)
+    qsl = query_start_loc.long()
+    ql = qsl[b + 1] - qsl[b]
+    sl = seq_lens.long()[b]
+    g = ql + torch.clamp(sl - ql, max=window_size - 1)
+    g = torch.minimum(g.clamp(min=0), sl.clamp(min=0))
+    prefill_gather_lens[:num_prefills].copy_(g)
+    return prefill_gather_lens[:num_prefills]
+
+
+def global_topk_outputs(topk_indices, output_buffers=None):
+    """(indices, lens) compute_global_topk_indices_and_lens writes: the caller's pair, or new tensors."""
+    if output_buffers is not None:
+        return tuple(output_buffers)
+    T, K = topk_indices.shape
+    return (torch.empty(T, K, dtype=topk_indices.dtype, device=topk_indices.device),
+            torch.empty(T, dtype=torch.int32, device=topk_indices.device))
+
+
+def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, block_table, block_size: int,
+                                         is_valid_token, output_buffers=None, *, needs_constant_topk: bool = False):
+    """C4 decode: local compressed indices -> slots of the compressed cache, valid ones first.
+
+    For token t (a row of ``topk_indices``) of request b = token_to_req_indices[t], each local index
+    l >= 0 maps to ``block_table[b, l // bs] * bs + l % bs``; -1, and any index whose column or page is
+    invalid, maps to nothing. The valid slots are packed to the front of the row in their order, the
+    rest is -1, and lens[t] = their count (later vLLM's bounds semantics: invalid entries never count).
+    A token with is_valid_token False or a request id outside block_table gets a row of -1 and lens 0.
+    ``needs_constant_topk``: every lens is the row width. Returns (indices like topk_indices, int32 lens),
+    written into ``output_buffers`` when given."""
+    T, K = topk_indices.shape
+    out, lens = global_topk_outputs(topk_indices, output_buffers)
+    req = token_to_req_indices[:T].long()
+    tok_ok = (is_valid_token[:T] != 0) & (req >= 0) & (req < block_table.shape[0])
+    req = torch.where(tok_ok, req, torch.full_like(req, -1)).unsqueeze(1).expand(T, K)
+    slots = _slots(block_table, req, topk_indices.long(), block_size)
+    ok = slots >= 0
+    count = ok.sum(1)
+    packed = torch.full((T, K + 1), -1, dtype=torch.int64, device=slots.device)    # column K: discard
+    dest = torch.where(ok, ok.long().cumsum(1) - 1, torch.full_like(slots, K))
+    packed.scatter_(1, dest, slots)
+    out.copy_(packed[:, :K])
+    lens.copy_(torch.full_like(count, K) if needs_constant_topk else count)
+    return out, lens
+
+
+def c128a_effective_width(max_seq_len: int, compress_ratio: int, max_compressed_tokens: int) -> int:
+    """Width of the C128A index rows when the caller passes ``max_seq_len`` (later vLLM): the entries the
+    longest sequence can see, rounded up to 128, capped at max_compressed_tokens (0 for an empty batch)."""
+    max_pos = int(max_seq_len) - 1
+    if max_pos < 0:
+        return 0
+    n = min(max((max_pos + 1) // compress_ratio, 0), max_compressed_tokens)
+    if n == 0:
+        return min(max_compressed_tokens, TOPK_ALIGNMENT)
+    return min(max_compressed_tokens, -(-n // TOPK_ALIGNMENT) * TOPK_ALIGNMENT)
 
 
 def c128_max_entries(max_model_len: int, ratio: int = 128) -> int:
-    """Kmax = round_up(ceil(max_model_len / 128), 128)."""
-    return int(math.ceil(math.ceil(max_model_len / ratio) / 128) * 128)
+    """The C128A row width vLLM allocates: round_up(ceil(max_model_len / 128), 128)."""
+    return int(math.ceil(math.ceil(max_model_len / ratio) / TOPK_ALIGNMENT) * TOPK_ALIGNMENT)
 
 
-def build_c128a_topk_metadata(positions, token_to_req, block_table, slot_mapping, is_decode_token,
-                              max_model_len: int, block_size: int = 2, ratio: int = 128):
-    """C128: every visible entry j < (p+1)//128 (capped at Kmax). Decode tokens get global slot ids,
-    prefill tokens local indices; lens = n (0 for padding tokens)."""
-    kmax = c128_max_entries(max_model_len, ratio)
+def c128a_slices(num_tokens: int, num_decode_tokens: int, compress_ratio: int, global_decode_buffer,
+                 decode_lens_buffer, prefill_buffer, max_compressed_tokens: int, max_seq_len=None):
+    """(the three buffer slices build_c128a_topk_metadata returns, the cap on entries per token): full rows
+    in vLLM's original form, the first ``c128a_effective_width`` columns when ``max_seq_len`` is given."""
+    nd, npf = num_decode_tokens, num_tokens - num_decode_tokens
+    if max_seq_len is None:
+        return (global_decode_buffer[:nd], decode_lens_buffer[:nd], prefill_buffer[:npf]), max_compressed_tokens
+    w = c128a_effective_width(max_seq_len, compress_ratio, max_compressed_tokens) if num_tokens else 0
+    return (global_decode_buffer[:nd, :w], decode_lens_buffer[:nd], prefill_buffer[:npf, :w]), w
+
+
+def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens: int, token_to_req_indices,
+                              block_table, block_size: int, slot_mapping, global_decode_buffer, decode_lens_buffer,
+                              prefill_buffer, max_compressed_tokens: int = 8192, *, max_seq_len=None,
+                              needs_constant_topk: bool = False):
+    """C128A index sets of every token of the step (vLLM's ``build_c128a_topk_metadata``).
+
+    Token t (the first ``num_decode_tokens`` are decode tokens) at position p sees the compressed
+    entries i < n = min((p + 1) // r, cap) (n = 0 for p < 0; cap = max_compressed_tokens, or the
+    effective width with ``max_seq_len``). Decode token t, request b = token_to_req_indices[t]: row t of
+    the global slice holds ``block_table[b, i // bs] * bs + i % bs`` for i < n (-1 where that page is
+    invalid) and -1 after; decode lens = n, or 0 for a padding token (slot_mapping[t] < 0) or a request
+    id outside block_table, whose row is all -1. Prefill token t: row t - num_decode_tokens of the
+    prefill slice holds the local indices [0, 1, .., n-1, -1, ...]. Every column of the returned slices
+    is written. ``needs_constant_topk``: decode lens = the slice width. Returns the three slices."""
+    T = positions.shape[0]
+    nd = num_decode_tokens
+    (gd, dl, pf), cap = c128a_slices(T, nd, compress_ratio, global_decode_buffer, decode_lens_buffer,
+                                     prefill_buffer, max_compressed_tokens, max_seq_len)
     p = positions.long()
-    n = ((p + 1) // ratio).clamp(max=kmax)
-    ar = torch.arange(kmax, device=p.device)
-    ok = ar.unsqueeze(0) < n.unsqueeze(1)
-    loc = ar.unsqueeze(0).expand(p.shape[0], kmax)
-    g = _slots(block_table, token_to_req.unsqueeze(1).expand_as(loc), torch.where(ok, loc, torch.zeros_like(loc)),
-               block_size)
-    idx = torch.where(is_decode_token.unsqueeze(1), g, loc)
-    idx = torch.where(ok, idx, torch.full_like(idx, -1)).to(torch.int32)
-    lens = torch.where(slot_mapping[:p.shape[0]] >= 0, n, torch.zeros_like(n)).to(torch.int32)
-    return idx, lens
+    n = torch.where(p >= 0, torch.div(p + 1, compress_ratio, rounding_mode="floor"), torch.zeros_like(p))
+    n = n.clamp(max=cap)
+    if nd:
+        req = token_to_req_indices[:nd].long()
+        ok = (slot_mapping[:nd] >= 0) & (req >= 0) & (req < block_table.shape[0])
+        nn = torch.where(ok, n[:nd], torch.zeros_like(n[:nd]))
+        i = torch.arange(gd.shape[1], device=p.device)
+        vis = i.unsqueeze(0) < nn.unsqueeze(1)
+        slots = _slots(block_table, torch.where(vis, req.unsqueeze(1), torch.full_like(vis, -1, dtype=torch.long)),
+                       i.unsqueeze(0).expand_as(vis), block_size)
+        gd.copy_(torch.where(vis, slots, torch.full_like(slots, -1)))
+        dl.copy_(torch.full_like(nn, gd.shape[1]) if needs_constant_topk else nn)
+    if T - nd:
+        i = torch.arange(pf.shape[1], device=p.device)
+        loc = i.unsqueeze(0).expand(T - nd, -1)
+        pf.copy_(torch.where(loc < n[nd:].unsqueeze(1), loc, torch.full_like(loc, -1)))
+    return gd, dl, pf
 
 
-def prefill_gather_lens(query_lens: torch.Tensor, seq_lens: torch.Tensor, window: int) -> torch.Tensor:
-    """Raw tokens each prefill request gathers: query_len + min(prefix_len, W - 1)."""
-    prefix = seq_lens - query_lens
-    return query_lens + torch.clamp(prefix, max=window - 1)
+def combined_width(topk: int, window_size: int) -> int:
+    """Columns of combine_topk_swa_indices' output: topk + window rounded up to 128."""
+    return -(-(topk + window_size) // TOPK_ALIGNMENT) * TOPK_ALIGNMENT
 
 
-def combine_topk_swa_indices(topk_local, topk_lens, positions, req_in_chunk, gather_start, num_compressed_rows: int,
-                             rows_per_req: int, window: int):
-    """Prefill indices into the per-chunk bf16 workspace (request b owns rows [b*M, (b+1)*M)):
-    [topk_local + M*b (first topk_len) | N + (pos - swa_len + 1 - gather_start) + i + M*b (swa_len)],
-    padded with -1 to a multiple of 128. Returns (indices int32 [T, width], lens = topk_len + swa_len)."""
-    T, k = topk_local.shape
-    p = positions.long()
-    b = req_in_chunk.long()
-    base = b * rows_per_req
-    tl_ = topk_lens.long()
-    ar_k = torch.arange(k, device=p.device)
-    comp = torch.where(ar_k.unsqueeze(0) < tl_.unsqueeze(1), topk_local.long() + base.unsqueeze(1),
-                       torch.full_like(topk_local, -1, dtype=torch.long))
-    swa_len = torch.clamp(p + 1, max=window)
-    first = p - swa_len + 1 - gather_start.long()[b]
-    ar_w = torch.arange(window, device=p.device)
-    swa = torch.where(ar_w.unsqueeze(0) < swa_len.unsqueeze(1),
-                      base.unsqueeze(1) + num_compressed_rows + first.unsqueeze(1) + ar_w, torch.full((T, window), -1,
-                                                                                            device=p.device))
-    width = int(math.ceil((k + window) / 128) * 128)
-    # valid compressed entries first, the window right after them, then -1: a kernel stops at lens
-    out = torch.full((T, width + 1), -1, dtype=torch.long, device=p.device)   # last column: discard
-    col = torch.where(ar_w.unsqueeze(0) < swa_len.unsqueeze(1), tl_.unsqueeze(1) + ar_w, torch.full_like(swa, width))
-    out[:, :k] = comp
-    out.scatter_(1, col, swa)
-    return out[:, :width].to(torch.int32), (tl_ + swa_len).to(torch.int32)
+def combine_outputs(topk_indices, topk: int, window_size: int, combined_indices=None, combined_lens=None):
+    """(indices, lens) combine_topk_swa_indices writes: the first len(topk_indices) rows of the caller's
+    buffers, or new int32 tensors of ``combined_width`` columns."""
+    T, dev = topk_indices.shape[0], topk_indices.device
+    ci = combined_indices[:T] if combined_indices is not None else \
+        torch.empty(T, combined_width(topk, window_size), dtype=torch.int32, device=dev)
+    cl = combined_lens[:T] if combined_lens is not None else torch.empty(T, dtype=torch.int32, device=dev)
+    return ci, cl
+
+
+def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens, window_size: int,
+                             compress_ratio: int, topk: int, M: int, N: int, *, combined_indices=None,
+                             combined_lens=None):
+    """Prefill indices into one chunk's bf16 workspace (vLLM's ``combine_topk_swa_indices``).
+
+    The chunk holds requests b < len(seq_lens); ``query_start_loc`` (len + 1 entries) is taken relative to
+    its first entry, so row t of ``topk_indices`` is the chunk's t-th token. Request b owns workspace rows
+    [b*M, (b+1)*M): rows [0, N) its compressed entries, rows N + g for g < gather_lens[b] its raw tokens
+    at positions seq_len - gather_len + g. Token t of request b at position p, with
+    topk_len = min((p+1) // r, topk) and swa_len = min(p+1, W), gets the row
+        [ b*M + topk_indices[t, i] for i < topk_len | b*M + N + (p - swa_len + 1 + i - gather_start)
+          for i < swa_len | -1 ... ]
+    of ``combined_topk = round_up(topk + W, 128)`` columns, and lens = topk_len + swa_len. A local index
+    outside [0, N) or a window row outside the gathered rows (or past M) becomes -1 in place (the
+    length stays: the attention skips -1). Rows of tokens outside every request, or at a negative
+    position, are all -1 with lens 0. Returns (indices, lens) = the first len(topk_indices) rows of
+    ``combined_indices`` / ``combined_lens`` when given, else new tensors."""
+    T, K = topk_indices.shape
+    dev = topk_indices.device
+    ci, cl = combine_outputs(topk_indices, topk, window_size, combined_indices, combined_lens)
+    R = seq_lens.shape[0]
+    qsl = query_start_loc[:R + 1].long() - query_start_loc[0].long()
+    t = torch.arange(T, device=dev)
+    req, ok = request_of_tokens(t, qsl, R)
+    pos = token_positions(t, req, ok, qsl, seq_lens)
+    ok = ok & (pos >= 0)
+    zero = torch.zeros_like(pos)
+    tlen = torch.where(ok, torch.clamp(torch.div(pos + 1, compress_ratio, rounding_mode="floor"), max=topk), zero)
+    slen = torch.where(ok, torch.clamp(pos + 1, max=window_size), zero)
+    r = torch.where(ok, req, zero)
+    gl = gather_lens.long()[r] if R else zero
+    first = pos - slen + 1 - (seq_lens.long()[r] - gl if R else zero)
+    base = (r * M).unsqueeze(1)
+    c = torch.arange(ci.shape[1], device=dev).unsqueeze(0)
+    loc = torch.full((T, ci.shape[1]), -1, dtype=torch.int64, device=dev)
+    kk = min(K, ci.shape[1])
+    loc[:, :kk] = topk_indices[:, :kk].long()
+    in_top = c < tlen.unsqueeze(1)
+    vt = in_top & (loc >= 0) & (loc < N)
+    q = first.unsqueeze(1) + (c - tlen.unsqueeze(1))
+    vs = (~in_top) & (c < (tlen + slen).unsqueeze(1)) & (q >= 0) & (q < gl.unsqueeze(1)) & (N + q < M)
+    val = torch.where(vt, base + loc, torch.where(vs, base + N + q, torch.full_like(q, -1)))
+    ci.copy_(val)
+    cl.copy_(tlen + slen)
+    return ci, cl

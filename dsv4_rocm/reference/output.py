@@ -1,14 +1,31 @@
-"""Output path (DSV4_SPEC §8), FP8 linears with block scales, and merging of attention states.
+"""Output path of the layer (vLLM's and DeepGEMM's call forms), FP8 linears with block scales, and merging
+of attention states.
 
-    o'  = RoPE_inv(o) on dims 448..511, fp32 (no bf16 rounding)
-    a8  = UE8M0 FP8 of o' per 128 values (eps 1e-10), viewed [T, G, (H/G)*512]
-    z   = fp8_einsum("bhr,hdr->bhd", (a8, sa), (wo_a, s_w))  fp32 accumulate -> bf16 [T, G, o_lora]
-Weights are e4m3 with one power-of-two scale per 128 x 128 block (UE8M0); activations of an FP8
-linear are quantized per token per 128 columns with eps 1e-4.
+Output path (T tokens, H heads of 512 = 448 nope + 64 rope dims, G groups of H/G heads):
+    o'  = RoPE_inv(o, pos) on dims 448..511, in fp32 (never re-rounded to bf16)
+    a8  = UE8M0 fp8 of o' per 128 values of a head (eps 1e-10; docs/conventions.md "Numerics"), grouped
+          [T, G, (H/G) * 512]
+    z   = fp8_einsum("bhr,hdr->bhd", (a8, sa), (wo_a, s_w), z): sum over r of dequantized a8 x wo_a, in
+          exact arithmetic here (float64), rounded once to fp32 and then to z's dtype
+
+Layouts (vLLM's ``fused_inv_rope_fp8_quant``): the fp8 output is a [T, G, D] view of [G, T, D] storage,
+strides (D, T * D, 1). Scales are MN-major: a [T, G, K] view of [G, K, T4] storage (T4 = T rounded up to
+a multiple of 4, the TMA alignment; the rows past T hold 0), strides (1, K * T4, T4). With
+``tma_aligned_scales=False`` (vLLM's SM90 form) K = (H/G) * 4 fp32 scales 2^e; with ``True`` (the SM100
+form) K = H/G int32 words, one a head, byte j the UE8M0 byte e + 127 of the head's block j. A poisoned
+block has scale NaN (fp32) or byte 0xFF.
+
+DeepGEMM's scale forms for ``fp8_einsum`` (recipe = (1, gran_n, 128)): activation scales [T, G, r/128]
+fp32 or [T, G, ceil(r/512)] int32 (4 UE8M0 bytes a word, block 4i + j in byte j); weight scales
+[G, ceil(d/128), r/128] fp32 with gran_n = 128, or per row (gran_n = 1) as [G, d, r/128] fp32 or
+[G, d, ceil(r/512)] int32. Any strides. UE8M0 byte b is 2^(b - 127), 0xFF NaN.
+
+Weights of the FP8 linears are e4m3 with one power-of-two scale per 128 x 128 block; their activations
+are quantized per token per 128 columns with eps 1e-4.
 """
 import torch
 
-from .quant import e4m3_decode, quantize_blocks
+from .quant import UE8M0_NAN, e4m3_decode, exponent_to_ue8m0, quantize_blocks
 from .rope import rope_inv
 
 O_EPS = 1e-10
@@ -19,27 +36,63 @@ def _pow2(e):
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.float())
 
 
-def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int):
-    """o bf16 [T, H, 512] -> (a8 uint8 [T, G, (H/G)*512], scales fp32 [T, G, (H/G)*4])."""
+def tma_aligned_tokens(num_tokens: int) -> int:
+    """Rows of the MN-major scale storage: T rounded up to a multiple of 4 (16 bytes of 4-byte scales)."""
+    return (num_tokens + 3) // 4 * 4
+
+
+def _mn_major(values: torch.Tensor) -> torch.Tensor:
+    """[T, G, K] values -> the same values as a [T, G, K] view of zero-padded [G, K, T4] storage."""
+    T, G, K = values.shape
+    T4 = tma_aligned_tokens(T)
+    store = torch.zeros(G, K, T4, dtype=values.dtype, device=values.device)
+    store[:, :, :T] = values.permute(1, 2, 0)
+    return store.as_strided((G, T, K), (K * T4, 1, T4)).transpose(0, 1)
+
+
+def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,
+                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False):
+    """o bf16 [T, H, 512] -> (fp8 [T, G, (H/G) * 512] over [G, T, D] storage, MN-major scales); see above."""
     T, H, D = o.shape
-    if H % n_groups:
-        raise ValueError(f"n_groups {n_groups} must divide the head count {H}")
+    if H != n_groups * heads_per_group or (nope_dim, rope_dim, quant_group_size) != (448, 64, 128):
+        raise ValueError("expected H = n_groups * heads_per_group heads of 448 + 64 dims in blocks of 128")
     x = rope_inv(o, positions, cos_sin_cache)
     q, e = quantize_blocks(x, 128, O_EPS)
-    return q.reshape(T, n_groups, -1), _pow2(e).reshape(T, n_groups, -1)
+    d = heads_per_group * D
+    data = torch.empty(n_groups, T, d, dtype=torch.uint8, device=o.device)
+    data.copy_(q.reshape(T, n_groups, d).transpose(0, 1))
+    data = data.view(torch.float8_e4m3fn).transpose(0, 1)
+    e = e.reshape(T, n_groups, heads_per_group, D // 128)
+    if tma_aligned_scales:
+        words = exponent_to_ue8m0(e).contiguous().view(torch.int32)[..., 0]    # byte j = block j (little-endian)
+    else:
+        words = torch.where(e >= UE8M0_NAN - 127, float("nan"), _pow2(e)).reshape(T, n_groups, heads_per_group * 4)
+    return data, _mn_major(words)
 
 
-def dequant_scaled(q8, scale, block: int):
-    """bytes [..., n] with fp32 scales [..., n/block] -> fp32 (any scale, not only powers of two)."""
-    v = e4m3_decode(q8).reshape(*q8.shape[:-1], q8.shape[-1] // block, block)
-    return (v * scale.float().unsqueeze(-1)).reshape(q8.shape)
+def ue8m0_words_to_scales(words: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """int32 words [..., W] of 4 UE8M0 bytes (block 4i + j in byte j) -> fp32 scales [..., n_blocks]."""
+    b = torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], -1).flatten(-2)[..., :n_blocks]
+    return torch.where(b == UE8M0_NAN, float("nan"), _pow2(b - 127))
 
 
-def fp8_einsum(a8, a_scale, w8, w_scale) -> torch.Tensor:
-    """'bhr,hdr->bhd': a8 [T, G, r] (scales [T, G, r/128]) x w8 [G, d, r] (scales [G, d/128, r/128])."""
-    a = dequant_scaled(a8, a_scale, 128)
-    w = dequantize_weight(w8, w_scale)
-    return torch.einsum("bhr,hdr->bhd", a, w).to(torch.bfloat16)
+def scale_values(s: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """DeepGEMM scales (fp32 values or packed UE8M0 int32 words) -> fp32 [..., n_blocks]."""
+    return ue8m0_words_to_scales(s, n_blocks) if s.dtype == torch.int32 else s.float()
+
+
+def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128)) -> None:
+    """DeepGEMM's ``fp8_einsum("bhr,hdr->bhd", (a8, sa), (w8, sw), d, recipe=(1, gran_n, 128))``: writes d
+    [T, G, d_out] = sum_r a[t, g, r] * w[g, n, r] over the dequantized operands (scale forms above)."""
+    if expr != "bhr,hdr->bhd" or c is not None:
+        raise ValueError("only 'bhr,hdr->bhd' without c is implemented")
+    (a8, sa), (w8, sw) = a, b
+    T, G, r = a8.shape
+    N, nb = w8.shape[1], r // 128
+    av = e4m3_decode(a8.view(torch.uint8)) * scale_values(sa, nb).repeat_interleave(128, -1)
+    ws = scale_values(sw, nb).repeat_interleave(recipe[1], -2)[:, :N]
+    wv = e4m3_decode(w8.view(torch.uint8)) * ws.repeat_interleave(128, -1)
+    d.copy_(torch.einsum("bhr,hdr->bhd", av.double(), wv.double()).float().to(d.dtype))
 
 
 def quantize_weight(w: torch.Tensor):
@@ -67,7 +120,8 @@ def quantize_activation(x: torch.Tensor):
 def fp8_linear(x, w8, w_scale) -> torch.Tensor:
     """bf16 [T, K] x block-FP8 weight [N, K] -> bf16 [T, N] (DeepGEMM 1x128 / 128x128 recipe)."""
     q, s = quantize_activation(x)
-    return (dequant_scaled(q, s, 128) @ dequantize_weight(w8, w_scale).t()).to(torch.bfloat16)
+    xq = e4m3_decode(q) * s.repeat_interleave(128, -1)
+    return (xq @ dequantize_weight(w8.view(torch.uint8), w_scale).t()).to(torch.bfloat16)
 
 
 def merge_attn_states(out_a, lse_a, out_b, lse_b):

@@ -1,6 +1,6 @@
 """Sparse MLA attention straight from fp8_ds_mla pages (decode, and prefill without a workspace).
 
-Math (DSV4_SPEC §7), per query token t and head h, over the valid keys of two index sets (the
+Math, per query token t and head h, over the valid keys of two index sets (the
 sliding window in ``k_cache`` and the compressed entries in ``extra_k_cache``), K = V:
 
     l_i = sm * <q_h, K_i>      lse = ln sum_i exp(l_i)      out = softmax(l) @ K * sigmoid(lse - sink_h)
@@ -14,11 +14,13 @@ their natural 512-wide order: one MMA for the scores, one for P.V. Online softma
 rounded to bf16 for the P.V MMA (as FlashMLA does).
 
 On gfx942 the same bytes are read as fnuz e4m3, whose value is half the OCP value for every byte the
-cache can hold (-0 is never written), so the scale exponent is raised by one (PORTABILITY.md §4).
+cache can hold (-0 is never written), so the scale exponent is raised by one.
 
-Grid: (tokens, head blocks, splits). With more than one split each program handles a contiguous range
-of key tiles and writes a normalized partial output and its lse; ``_combine_kernel`` merges them and
-applies the sink. A query with no valid key gets out = 0 and lse = +inf.
+Grid: (tokens x head blocks, splits); token t = b * s_q + s is query s of batch row b, and q, indices,
+lengths and out are addressed through their (b, s, head) strides, so strided views are read and written
+in place. With splits (SPLIT, count at run time) each program handles a contiguous range of key tiles
+and writes a normalized partial output and its lse into a cached scratch buffer; ``_combine_kernel``
+merges them and applies the sink. A query with no valid key gets out = 0 and lse = +inf.
 """
 import functools
 
@@ -26,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..platform import detect
+from ._launch import device_facts, scratch
 
 LOG2E = 1.4426950408889634
 
@@ -101,42 +103,56 @@ def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.con
     return tl.reshape(k3.to(tl.bfloat16), (kb.shape[0], 512))
 
 
-@triton.jit
+# arguments that vary with the batch or the lengths' layout are not specialized on (a new value would
+# compile a new kernel inside a serving step): capacities, token and split counts, lengths strides
+@triton.jit(do_not_specialize=["main_cap", "extra_cap", "num_tokens", "s_q", "num_splits", "main_len_sb",
+                               "main_len_ss", "extra_len_sb", "extra_len_ss"],
+            do_not_specialize_on_alignment=["main_len_ptr", "extra_len_ptr"])
 def _sparse_mla_paged_kernel(
-        q_ptr, stride_qt, stride_qh,
-        main_ptr, main_stride, main_cap, main_idx_ptr, stride_mi, main_len_ptr, main_topk,
-        extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_ei, extra_len_ptr, extra_topk,
-        sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
-        part_o_ptr, part_lse_ptr, num_tokens, sm_log2,
+        q_ptr, stride_qb, stride_qs, stride_qh,
+        main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_len_ptr, main_len_sb,
+        main_len_ss, main_topk,
+        extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_len_ptr, extra_len_sb,
+        extra_len_ss, extra_topk,
+        sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+        part_o_ptr, part_lse_ptr, num_tokens, s_q, num_splits, sm_log2,
         MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr,
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        NSPLIT: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, HEADS: tl.constexpr):
+        SPLIT: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, HEADS: tl.constexpr):
     # axis 0 = token * head blocks + head block: the head blocks of one token run side by side and share
-    # its keys through L2; axis 1 = split
+    # its keys through L2; axis 1 = split. Token t is query si of batch row bi.
     t = tl.program_id(0) // (HEADS // BLOCK_H)
     hb = tl.program_id(0) % (HEADS // BLOCK_H)
     sp = tl.program_id(1)
     t64 = t.to(tl.int64)
+    bi = t64 // s_q
+    si = t64 - bi * s_q
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, 512)
-    q_row = q_ptr + t64 * stride_qt + heads[:, None].to(tl.int64) * stride_qh
+    q_row = q_ptr + bi * stride_qb + si * stride_qs + heads[:, None].to(tl.int64) * stride_qh
     q = tl.load(q_row + cols[None, :])
+    main_idx_row = main_idx_ptr + bi * stride_mib + si * stride_mis
+    extra_idx_row = extra_idx_ptr + bi * stride_eib + si * stride_eis
 
     n_main = main_topk
     if HAS_MAIN_LEN:
-        n_main = tl.minimum(tl.load(main_len_ptr + t), main_topk)
+        n_main = tl.minimum(tl.load(main_len_ptr + bi * main_len_sb + si * main_len_ss), main_topk)
     n_main = tl.maximum(n_main, 0)
     n_extra = 0
     if HAS_EXTRA:
         n_extra = extra_topk
         if HAS_EXTRA_LEN:
-            n_extra = tl.minimum(tl.load(extra_len_ptr + t), extra_topk)
+            n_extra = tl.minimum(tl.load(extra_len_ptr + bi * extra_len_sb + si * extra_len_ss), extra_topk)
         n_extra = tl.maximum(n_extra, 0)
     tiles_main = tl.cdiv(n_main, BLOCK_N)
     tiles_all = tiles_main + tl.cdiv(n_extra, BLOCK_N)
-    per = tl.cdiv(tiles_all, NSPLIT)
-    lo = sp * per
-    hi = tl.minimum(lo + per, tiles_all)
+    if SPLIT:
+        per = tl.cdiv(tiles_all, num_splits)
+        lo = sp * per
+        hi = tl.minimum(lo + per, tiles_all)
+    else:
+        lo = 0
+        hi = tiles_all
 
     acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -149,7 +165,7 @@ def _sparse_mla_paged_kernel(
     c_base = tl.where(in_main, main_ptr, extra_ptr)
     c_data, c_scal, c_valid = _tile_addr(c_base, tl.where(in_main, main_stride, extra_stride),
                                          tl.where(in_main, main_cap, extra_cap),
-                                         tl.where(in_main, main_idx_ptr + t64 * stride_mi, extra_idx_ptr + t64 * stride_ei),
+                                         tl.where(in_main, main_idx_row, extra_idx_row),
                                          tl.where(in_main, lo, lo - tiles_main) * BLOCK_N + offs_n,
                                          tl.where(in_main, n_main, n_extra), tl.where(in_main, MAIN_BS, EXTRA_BS))
     for tile in range(lo, hi):
@@ -158,7 +174,7 @@ def _sparse_mla_paged_kernel(
         n_base = tl.where(nx_main, main_ptr, extra_ptr)
         n_data, n_scal, n_valid = _tile_addr(n_base, tl.where(nx_main, main_stride, extra_stride),
                                              tl.where(nx_main, main_cap, extra_cap),
-                                             tl.where(nx_main, main_idx_ptr + t64 * stride_mi, extra_idx_ptr + t64 * stride_ei),
+                                             tl.where(nx_main, main_idx_row, extra_idx_row),
                                              tl.where(nx_main, nx, nx - tiles_main) * BLOCK_N + offs_n,
                                              tl.where(nx < hi, tl.where(nx_main, n_main, n_extra), 0),
                                              tl.where(nx_main, MAIN_BS, EXTRA_BS))
@@ -179,46 +195,52 @@ def _sparse_mla_paged_kernel(
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    if NSPLIT == 1:
+    if SPLIT:
+        base = (sp * num_tokens + t64) * HEADS + heads
+        po = part_o_ptr + base[:, None] * 512
+        tl.store(po + cols[None, :], acc * inv_l[:, None])
+        tl.store(part_lse_ptr + base, lse2)
+    else:
         factor = inv_l
         if HAS_SINK:
             sink = tl.load(sink_ptr + heads)
             # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2^(sink*log2e - lse2))
             factor = tl.where(empty, 0.0, inv_l / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))
-        o_row = out_ptr + t64 * stride_ot + heads[:, None].to(tl.int64) * stride_oh
+        o_row = out_ptr + bi * stride_ob + si * stride_os + heads[:, None].to(tl.int64) * stride_oh
         tl.store(o_row + cols[None, :], (acc * factor[:, None]).to(tl.bfloat16))
-        tl.store(lse_ptr + t64 * stride_lt + heads, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
-    else:
-        base = (sp * num_tokens + t64) * HEADS + heads
-        po = part_o_ptr + base[:, None] * 512
-        tl.store(po + cols[None, :], acc * inv_l[:, None])
-        tl.store(part_lse_ptr + base, lse2)
+        tl.store(lse_ptr + t64 * HEADS + heads, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
 
 
-@triton.jit
-def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, stride_lt,
-                    num_tokens, num_heads, HAS_SINK: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr):
+MAX_SPLITS = 16
+
+
+@triton.jit(do_not_specialize=["num_tokens", "s_q", "num_splits"])
+def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+                    num_tokens, s_q, num_splits, HEADS: tl.constexpr, HAS_SINK: tl.constexpr,
+                    MAX_SPLITS: tl.constexpr):
     """Merge split partials of one (token, head): out = sum_s 2^(lse_s - lse) o_s, then the sink."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, NSPLIT_P2)
+    bi = t // s_q
+    si = t - bi * s_q
+    s = tl.arange(0, MAX_SPLITS)
     cols = tl.arange(0, 512)
-    base = (s * num_tokens + t) * num_heads + h
-    lse_s = tl.load(part_lse_ptr + base, mask=s < NSPLIT, other=float("-inf"))
+    base = (s * num_tokens + t) * HEADS + h
+    lse_s = tl.load(part_lse_ptr + base, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     empty = m == float("-inf")
     m_use = tl.where(empty, 0.0, m)
     w = tl.exp2(lse_s - m_use)
     tot = tl.sum(w, 0)
-    o = tl.load(part_o_ptr + base[:, None] * 512 + cols[None, :], mask=(s < NSPLIT)[:, None], other=0.0)
+    o = tl.load(part_o_ptr + base[:, None] * 512 + cols[None, :], mask=(s < num_splits)[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0)
     lse2 = m_use + tl.log2(tl.where(empty, 1.0, tot))
     factor = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, tot))
     if HAS_SINK:
         sink = tl.load(sink_ptr + h)
         factor = factor / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + cols, (o * factor).to(tl.bfloat16))
-    tl.store(lse_ptr + t * stride_lt + h, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
+    tl.store(out_ptr + bi * stride_ob + si * stride_os + h * stride_oh + cols, (o * factor).to(tl.bfloat16))
+    tl.store(lse_ptr + t * HEADS + h, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
 
 
 def default_config(arch: str, num_heads: int) -> dict:
@@ -238,14 +260,6 @@ def default_config(arch: str, num_heads: int) -> dict:
     return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_facts(index: int):
-    """(arch, reads fnuz, SM count) of a GPU, cached: launches must not pay for a properties query."""
-    dev = torch.device("cuda", index)
-    plat = detect(dev)
-    return plat.arch, plat.fp8_decode == "fnuz_scale_plus_one", torch.cuda.get_device_properties(dev).multi_processor_count
-
-
 def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
     """Split the key tiles of each query only when the grid would leave SMs idle: aim at ``waves``
     programs per SM (one CTA fits per SM), at most one split per tile and 16 in all. Measured on the H100
@@ -253,77 +267,111 @@ def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) ->
     (to trim its last partial wave) loses to the extra fp32 partial traffic."""
     if programs >= sm_count or max_tiles <= 1:
         return 1
-    return int(min(max_tiles, max(1, (waves * sm_count) // programs), 16))
+    return int(min(max_tiles, max(1, (waves * sm_count) // programs), MAX_SPLITS))
 
 
-def _set_args(cache, indices, lengths, T):
-    bs = cache.shape[1]
-    stride = cache.stride(0)
-    idx = indices.reshape(T, -1)
-    if idx.stride(1) != 1:
-        idx = idx.contiguous()
-    ln = None
-    if lengths is not None:
-        ln = lengths.reshape(-1)
-        if ln.shape[0] != T:                      # [b] lengths shared by the s_q queries of a batch row
-            ln = ln.repeat_interleave(T // ln.shape[0])
-        ln = ln.contiguous()
-    return bs, stride, cache.shape[0] * bs, idx, ln
+@functools.lru_cache(maxsize=4096)
+def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = ()):
+    """Launch plan of a call shape: (config items, split count), cached per device and shape so a launch
+    pays no device query, no config dict and no split arithmetic. ``config_items`` override the default
+    config (sweeps)."""
+    arch, fnuz, sms = device_facts(device)
+    cfg = dict(default_config(arch, h), FNUZ=fnuz, **dict(config_items))
+    BN = cfg["BLOCK_N"]
+    max_tiles = triton.cdiv(main_topk, BN) + triton.cdiv(extra_topk, BN)
+    return tuple(cfg.items()), _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _constexprs(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
+                has_extra_len: bool, has_sink: bool, split: bool):
+    """(kernel constexprs and launch options, combine's), built once per variant."""
+    cfg = dict(cfg_items)
+    main = dict(MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len,
+                HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+                SPLIT=split, FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return main, dict(HEADS=h, HAS_SINK=has_sink, MAX_SPLITS=MAX_SPLITS, num_warps=4)
+
+
+def _lengths_strides(lengths):
+    """(batch stride, query stride) of [b] or [b, s_q] lengths: [b] lengths hold for every query of a row."""
+    st = lengths.stride()
+    return (st[0], 0) if len(st) == 1 else st
 
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                      extra_topk_length, softmax_scale: float, config: dict = None, num_splits: int = None):
-    """FlashMLA sparse decode semantics; arguments as ``dsv4_rocm.ops.sparse_mla_decode`` (checked there)."""
+                      extra_topk_length, softmax_scale: float, out=None, *, config: dict = None,
+                      num_splits: int = None, compile_only: bool = False):
+    """FlashMLA sparse decode over fp8_ds_mla pages -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q]).
+
+    Arguments as ``dsv4_rocm.ops.sparse_mla_decode``, which checks them: q [b, s_q, h, 512] and out (when
+    given, written in place) with a unit last stride and any other strides; caches [nb, bs, (1,) 584] of
+    uint8 / int8 / float8_e4m3fn with stride(1) = 584 and page stride stride(0); indices [b, s_q, topk]
+    int32 with a unit last stride; lengths [b] or [b, s_q] int32, any strides; attn_sink [h] contiguous.
+    Nothing is copied: the kernel takes every stride. ``config`` / ``num_splits`` override the tiles and
+    the split count (sweeps, tests); ``compile_only`` compiles the kernels this call needs and runs nothing.
+    """
     b, s_q, h, _ = q.shape
     T = b * s_q
-    arch, fnuz, sms = _device_facts(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    cfg = dict(default_config(arch, h), **(config or {}))
-    BH, BN = cfg["BLOCK_H"], cfg["BLOCK_N"]
-    qf = q.reshape(T, h, 512)
-    if qf.stride(2) != 1:
-        qf = qf.contiguous()
-    out = torch.empty(T, h, 512, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(T, h, dtype=torch.float32, device=q.device)
-    if T == 0:
-        return out.view(b, s_q, h, 512), lse.view(b, s_q, h).transpose(1, 2)
-    mbs, mstride, mcap, midx, mlen = _set_args(k_cache, indices, topk_length, T)
+    dev = q.device
     has_extra = extra_k_cache is not None
+    topk = indices.shape[2]
+    etopk = extra_indices_in_kvcache.shape[2] if has_extra else 0
+    cfg, ns = _plan(dev, h, T, topk, etopk, tuple(sorted(config.items())) if config else ())
+    if num_splits is not None:
+        ns = max(1, min(int(num_splits), MAX_SPLITS))
+    if out is None:
+        out = torch.empty((b, s_q, h, 512), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((b, s_q, h), dtype=torch.float32, device=dev)
+    if T == 0:
+        return out, lse.transpose(1, 2)
+    split = ns > 1
+    if split:
+        ws = scratch(dev, ns * T * h * 513)
+        part_o, part_lse = ws, ws[ns * T * h * 512:]
+    else:
+        part_o = part_lse = lse
+    kshape, kst = k_cache.shape, k_cache.stride()
+    main = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
+    ist = indices.stride()
+    mlen, mls = (topk_length, _lengths_strides(topk_length)) if topk_length is not None else (indices, (0, 0))
     if has_extra:
-        ebs, estride, ecap, eidx, elen = _set_args(extra_k_cache, extra_indices_in_kvcache, extra_topk_length, T)
+        eshape = extra_k_cache.shape
+        extra = extra_k_cache if extra_k_cache.dtype == torch.uint8 else extra_k_cache.view(torch.uint8)
+        eidx = extra_indices_in_kvcache
+        elen, els = (extra_topk_length, _lengths_strides(extra_topk_length)) if extra_topk_length is not None \
+            else (eidx, (0, 0))
+        ecap, ebs, estride = eshape[0] * eshape[1], eshape[1], extra_k_cache.stride(0)
     else:
-        ebs, estride, ecap, eidx, elen = 1, 0, 0, midx, None
-    max_tiles = triton.cdiv(midx.shape[1], BN) + (triton.cdiv(eidx.shape[1], BN) if has_extra else 0)
-    ns = num_splits or _num_splits(T * (h // BH), max_tiles, sms, cfg.get("split_waves", 1))
-    if ns > 1:
-        part_o = torch.empty(ns, T, h, 512, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(ns, T, h, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out
+        extra, eidx, elen, els, ecap, ebs, estride = main, indices, mlen, (0, 0), 0, 1, 0
+    est = eidx.stride()
     sink = attn_sink if attn_sink is not None else lse
-    dummy_len = midx
-    _sparse_mla_paged_kernel[(T * (h // BH), ns)](
-        qf, qf.stride(0), qf.stride(1),
-        k_cache, mstride, mcap, midx, midx.stride(0), mlen if mlen is not None else dummy_len, midx.shape[1],
-        extra_k_cache if has_extra else k_cache, estride, ecap, eidx, eidx.stride(0),
-        elen if elen is not None else dummy_len, eidx.shape[1] if has_extra else 0,
-        sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), part_o, part_lse, T,
-        softmax_scale * LOG2E,
-        MAIN_BS=mbs, EXTRA_BS=ebs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=mlen is not None,
-        HAS_EXTRA_LEN=elen is not None, HAS_SINK=attn_sink is not None, BLOCK_H=BH, BLOCK_N=BN, NSPLIT=ns,
-        FNUZ=fnuz, DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if ns > 1:
-        _combine_kernel[(T, h)](part_o, part_lse, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), T, h,
-                                HAS_SINK=attn_sink is not None, NSPLIT=ns, NSPLIT_P2=triton.next_power_of_2(ns),
-                                num_warps=4)
-    return out.view(b, s_q, h, 512), lse.view(b, s_q, h).transpose(1, 2)
+    qst, ost = q.stride(), out.stride()
+    consts, comb_consts = _constexprs(cfg, h, kshape[1], ebs, has_extra, topk_length is not None,
+                                      has_extra and extra_topk_length is not None, attn_sink is not None, split)
+    grid = (T * (h // consts["BLOCK_H"]), ns)
+    args = (q, qst[0], qst[1], qst[2],
+            main, kst[0], kshape[0] * kshape[1], indices, ist[0], ist[1], mlen, mls[0], mls[1], topk,
+            extra, estride, ecap, eidx, est[0], est[1], elen, els[0], els[1], etopk,
+            sink, out, ost[0], ost[1], ost[2], lse, part_o, part_lse, T, s_q, ns, softmax_scale * LOG2E)
+    comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns)
+    if compile_only:
+        _sparse_mla_paged_kernel.warmup(*args, grid=grid, **consts)
+        if split:
+            _combine_kernel.warmup(*comb, grid=(T, h), **comb_consts)
+    else:
+        _sparse_mla_paged_kernel[grid](*args, **consts)
+        if split:
+            _combine_kernel[(T, h)](*comb, **comb_consts)
+    return out, lse.transpose(1, 2)
 
 
 def _matrix_constexprs(arch, split=False):
     c = default_config(arch, 64)
     return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-                NSPLIT=4 if split else 1, FNUZ=arch == "gfx942",
+                SPLIT=split, FNUZ=arch == "gfx942",
                 DEQ_INT=c.get("DEQ_INT", False), HEADS=64)
 
 
@@ -345,6 +393,6 @@ COMPILE_SPECS = [
          fp8_convert=True),
     dict(name="sparse_mla_combine", fn=_combine_kernel,
          pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
-         floats=(), constexprs=lambda arch: dict(HAS_SINK=True, NSPLIT=4, NSPLIT_P2=4),
+         floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, MAX_SPLITS=MAX_SPLITS),
          options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False),
 ]

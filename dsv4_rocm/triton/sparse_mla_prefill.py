@@ -6,23 +6,27 @@
 
 Each program owns one query token and BLOCK_H heads and walks the token's indices in tiles of
 BLOCK_N keys: gather [BLOCK_N, 512] bf16 rows, one MMA for the scores, one for P.V, online softmax
-in base 2. No valid key: out 0, lse +inf, max_logits -inf.
+in base 2. Every operand is addressed through its strides (q, kv and indices rows, lengths, out), so
+strided views are read in place. A query with no valid key ("lonely") gets out 0, lse +inf and
+max_logits -inf whatever its sink (-inf, finite or +inf).
 
 For the fp8 pages themselves (no bf16 workspace), use ``sparse_mla_decode`` with one query per token:
 it reads the 584-byte records directly and is the workspace-free prefill path.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ..platform import detect
+from ._launch import device_facts
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_kv", "len_st"], do_not_specialize_on_alignment=["len_ptr"])
 def _sparse_mla_prefill_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, stride_kv, s_kv, idx_ptr, stride_it, topk,
-                               len_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, maxl_ptr, lse_ptr, stride_lt,
+                               len_ptr, len_st, sink_ptr, out_ptr, stride_ot, stride_oh, maxl_ptr, lse_ptr, stride_lt,
                                sm_log2, HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_N: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -32,7 +36,7 @@ def _sparse_mla_prefill_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, stride_kv, s
     q = tl.load(q_ptr + t * stride_qt + heads[:, None].to(tl.int64) * stride_qh + cols[None, :])
     n_valid = topk
     if HAS_LEN:
-        n_valid = tl.maximum(tl.minimum(tl.load(len_ptr + t), topk), 0)
+        n_valid = tl.maximum(tl.minimum(tl.load(len_ptr + t * len_st), topk), 0)
     acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -56,8 +60,10 @@ def _sparse_mla_prefill_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, stride_kv, s
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     factor = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if HAS_SINK:
+        # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2^(sink*log2e - lse2)); a lonely query (lse2 = -inf)
+        # is 0 without evaluating it: sink = -inf would give 2^(-inf + inf) = NaN there
         sink = tl.load(sink_ptr + heads)
-        factor = factor / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
+        factor = tl.where(empty, 0.0, factor / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))
     tl.store(out_ptr + t * stride_ot + heads[:, None].to(tl.int64) * stride_oh + cols[None, :],
              (acc * factor[:, None]).to(tl.bfloat16))
     tl.store(lse_ptr + t * stride_lt + heads, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
@@ -74,28 +80,39 @@ def default_config(arch: str) -> dict:
     return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=3)   # 2 stages spill 16 B on sm_90a
 
 
+@functools.lru_cache(maxsize=None)
+def _config(device: torch.device) -> dict:
+    return default_config(device_facts(device)[0])
+
+
 def sparse_mla_prefill(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None,
-                       config: dict = None):
-    """Arguments as ``dsv4_rocm.ops.sparse_mla_prefill`` (checked there) -> (out, max_logits, lse)."""
+                       out=None, *, config: dict = None, compile_only: bool = False):
+    """-> (out bf16 [s_q, h, 512], max_logits fp32 [s_q, h], lse fp32 [s_q, h]).
+
+    Arguments as ``dsv4_rocm.ops.sparse_mla_prefill``, which checks them: q and out (written in place when
+    given) [s_q, h, 512], kv [s_kv, 1, 512] and indices [s_q, 1, topk] with a unit last stride and any
+    other strides, topk_length [s_q] of any stride. ``compile_only`` compiles and runs nothing."""
     s_q, h, _ = q.shape
-    cfg = dict(default_config(detect(q.device).arch), **(config or {}))
-    BH = min(cfg["BLOCK_H"], h)
-    q = q if q.stride(2) == 1 else q.contiguous()
-    kv2 = kv[:, 0]
-    kv2 = kv2 if kv2.stride(1) == 1 else kv2.contiguous()
-    idx = indices[:, 0]
-    idx = idx if idx.stride(1) == 1 else idx.contiguous()
-    out = torch.empty(s_q, h, 512, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(s_q, h, dtype=torch.float32, device=q.device)
-    maxl = torch.empty_like(lse)
+    dev = q.device
+    cfg = _config(dev) if not config else dict(_config(dev), **config)
+    if out is None:
+        out = torch.empty((s_q, h, 512), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((s_q, h), dtype=torch.float32, device=dev)
+    maxl = torch.empty((s_q, h), dtype=torch.float32, device=dev)
     if s_q == 0:
         return out, maxl, lse
-    _sparse_mla_prefill_kernel[(s_q, h // BH)](
-        q, q.stride(0), q.stride(1), kv2, kv2.stride(0), kv2.shape[0], idx, idx.stride(0), idx.shape[1],
-        topk_length if topk_length is not None else idx, attn_sink if attn_sink is not None else lse,
-        out, out.stride(0), out.stride(1), maxl, lse, lse.stride(0), sm_scale * LOG2E,
-        HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None, BLOCK_H=BH, BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    BH = min(cfg["BLOCK_H"], h)
+    grid = (s_q, h // BH)
+    args = (q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0), indices.shape[2],
+            topk_length if topk_length is not None else indices, topk_length.stride(0) if topk_length is not None else 0,
+            attn_sink if attn_sink is not None else lse, out, out.stride(0), out.stride(1), maxl, lse, lse.stride(0),
+            sm_scale * LOG2E)
+    consts = dict(HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None, BLOCK_H=BH, BLOCK_N=cfg["BLOCK_N"],
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if compile_only:
+        _sparse_mla_prefill_kernel.warmup(*args, grid=grid, **consts)
+    else:
+        _sparse_mla_prefill_kernel[grid](*args, **consts)
     return out, maxl, lse
 
 

@@ -1,0 +1,207 @@
+"""Grouped FP8 GEMM with block scales: DeepGEMM's ``fp8_einsum("bhr,hdr->bhd", (a, sa), (w, sw), out)``.
+
+Math: out[t, g, n] = sum_kb sa[t, g, kb] * sw[g, n, kb] * sum_{r in block kb} a[t, g, r] * w[g, n, r], over the
+128-deep blocks kb of r. Each block's product of fp8 tiles runs on the matrix units (Hopper wgmma,
+Blackwell tcgen05, AMD fp8 MFMA) into a fresh fp32 tile, which is scaled by sa x sw and added to the fp32
+accumulator (DeepGEMM's promotion every 128 values of r); the accumulator is rounded once to out's dtype.
+
+Operands: a [T, G, r] and w [G, d, r] e4m3fn bytes with unit stride along r (any other strides: vLLM's
+[T, G, D] view of [G, T, D] storage included); out [T, G, d] with unit stride along d. Scales, any strides
+(``dsv4_rocm.reference.output`` lists the forms): fp32 values, or int32 words of 4 UE8M0 bytes (block kb
+in byte kb % 4 of word kb // 4; 0xFF is NaN); weight scales per 128 rows (W_GRAN_N = 128) or per row (1).
+
+gfx942 has only fnuz fp8 MFMA. An OCP byte read as fnuz is worth half its OCP value (bias 8 instead of 7)
+for every byte but 0x80 (OCP -0, fnuz NaN) and the OCP NaNs 0x7F / 0xFF (fnuz +-240): the kernel runs the
+fnuz MFMA on the bytes as they are and multiplies each block's scale product by 4 (2 x 2), which is exact.
+Weight tiles may hold -0 as 0x80 (checkpoints quantized elsewhere do): the kernel turns it into 0x00
+as it loads them. Activation bytes are taken as they are: every dsv4_rocm quantizer writes -0 as 0x00
+and poisons a non-finite block through its scale (docs/conventions.md), which makes its output NaN here
+too; an activation holding 0x80 itself would read as NaN on gfx942.
+
+Tiles: one program computes a BLOCK_M x BLOCK_N tile of one group; programs are ordered GROUP_M m-tiles
+at a time so that neighbours share w tiles in L2. Rows t >= T and columns n >= d are masked.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..platform import detect
+
+UE8M0_NAN_BITS = tl.constexpr(0x7FC00000)
+UE8M0_MIN_BITS = tl.constexpr(0x00400000)     # 2^-127, the fp32 subnormal of UE8M0 byte 0
+
+
+@triton.jit
+def _block_scale(ptr, kb, stride_k, mask, PACKED: tl.constexpr):
+    """fp32 scales of k-block kb at ptr (a vector of row addresses); masked rows read 0."""
+    if PACKED:
+        word = tl.load(ptr + (kb // 4) * stride_k, mask=mask, other=0)
+        b = (word >> ((kb % 4) * 8)) & 0xFF
+        bits = tl.where(b == 255, UE8M0_NAN_BITS, tl.where(b == 0, UE8M0_MIN_BITS, b << 23))
+        s = tl.where(mask, bits.to(tl.float32, bitcast=True), 0.0)
+    else:
+        s = tl.load(ptr + kb * stride_k, mask=mask, other=0.0)
+    return s
+
+
+@triton.jit
+def _fp8_tile(ptrs, mask, FNUZ: tl.constexpr, FIX_NEG_ZERO: tl.constexpr):
+    x = tl.load(ptrs, mask=mask, other=0)
+    if FNUZ and FIX_NEG_ZERO:
+        # 0x80 -> 0x00: b & (((b & 0x7F) + 0x7F) | 0x7F) clears bit 7 only where the low seven bits are 0
+        # (no carry leaves the byte: 0x7F + 0x7F < 0x100)
+        x = x & (((x & 0x7F) + 0x7F) | 0x7F).to(tl.uint8)
+    if FNUZ:
+        v = x.to(tl.float8e4b8, bitcast=True)
+    else:
+        v = x.to(tl.float8e4nv, bitcast=True)
+    return v
+
+
+@triton.jit
+def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_stride_g, sa_stride_k,
+                       w_ptr, w_stride_g, w_stride_n, sw_ptr, sw_stride_g, sw_stride_n, sw_stride_k,
+                       out_ptr, out_stride_t, out_stride_g, num_tokens, n_cols,
+                       K_BLOCKS: tl.constexpr, A_PACKED: tl.constexpr, W_PACKED: tl.constexpr, W_GRAN_N: tl.constexpr,
+                       FNUZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    num_m = tl.cdiv(num_tokens, BLOCK_M)
+    num_n = tl.cdiv(n_cols, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    m_ok = rm < num_tokens
+    n_ok = rn < n_cols
+    a_ptrs = a_ptr + g * a_stride_g + rm.to(tl.int64)[:, None] * a_stride_t + rk[None, :]
+    w_ptrs = w_ptr + g * w_stride_g + rn.to(tl.int64)[:, None] * w_stride_n + rk[None, :]
+    sa_rows = sa_ptr + g * sa_stride_g + rm.to(tl.int64) * sa_stride_t
+    # a w tile inside one 128-row scale block (BLOCK_N divides 128) has a single weight scale per k-block
+    W_UNIFORM: tl.constexpr = W_GRAN_N == 128 and 128 % BLOCK_N == 0
+    if W_UNIFORM:
+        sw_rows = sw_ptr + g * sw_stride_g + ((pid_n * BLOCK_N) // 128) * sw_stride_n + tl.arange(0, 1)
+        sw_mask = tl.arange(0, 1) == 0
+    else:
+        sw_rows = sw_ptr + g * sw_stride_g + (rn // W_GRAN_N).to(tl.int64) * sw_stride_n
+        sw_mask = n_ok
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K_BLOCKS):
+        a = _fp8_tile(a_ptrs, m_ok[:, None], FNUZ, False)
+        w = _fp8_tile(w_ptrs, n_ok[:, None], FNUZ, True)
+        part = tl.dot(a, tl.trans(w))
+        sa = _block_scale(sa_rows, kb, sa_stride_k, m_ok, A_PACKED)
+        if FNUZ:
+            sa = sa * 4.0
+        sw = _block_scale(sw_rows, kb, sw_stride_k, sw_mask, W_PACKED)
+        if W_UNIFORM:
+            acc += part * (sa * tl.sum(sw, axis=0))[:, None]
+        else:
+            acc += part * (sa[:, None] * sw[None, :])
+        a_ptrs += 128
+        w_ptrs += 128
+    out = out_ptr + g * out_stride_g + rm.to(tl.int64)[:, None] * out_stride_t + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def default_config(arch: str, num_tokens: int, per_row_w_scales: bool = False) -> dict:
+    """Tile per target and token count. Up to 64 tokens (decode): 64 x 64 tiles, many programs for a weight
+    read that bounds the time; more tokens: 128-row tiles (128 x 128 from 512 tokens), which the matrix
+    units need to approach their rate; 8 warps for them (4 spill on Hopper). Weight scales per row keep a
+    vector of BLOCK_N scales live beside two fp32 tiles: 64 columns, which compile without spills. AMD
+    keeps two stages in its 64 KB (gfx942) of LDS."""
+    amd = arch.startswith("gfx")
+    if num_tokens <= 64:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8, num_warps=4)
+    elif num_tokens <= 256 or per_row_w_scales:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=8)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8)
+    cfg["num_stages"] = 2 if amd else 4
+    if amd:
+        cfg.update(matrix_instr_nonkdim=16, kpack=1)
+    return cfg
+
+
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M")
+SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --sweep`` (merged over default_config); each
+    # compiles without spills for sm_90a
+    "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4),
+    "m64n128": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4),
+    "m64n256": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=3),
+    "m128n64": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8),
+    "m128n128": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
+    "m128n128s3": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: torch.device):
+    """(arch, gfx942's fnuz fp8), cached: a launch must not pay for a properties query."""
+    plat = detect(device)
+    return plat.arch, plat.arch == "gfx942"
+
+
+def grouped_fp8_gemm(a8, sa, w8, sw, out, w_gran_n: int, config: dict = None) -> None:
+    """out[t, g, :] = dequant(a8[t, g]) @ dequant(w8[g]).T (operands and scales as the module docstring)."""
+    T, G, K = a8.shape
+    N = w8.shape[1]
+    if T == 0 or G == 0 or N == 0:
+        return
+    arch, fnuz = _device_facts(a8.device)
+    cfg = dict(default_config(arch, T, w_gran_n == 1), **(config or {}))
+    meta = {k: v for k, v in cfg.items() if k not in TILE_KEYS}
+    grid = (triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), G)
+    _fp8_einsum_kernel[grid](
+        a8.view(torch.uint8), a8.stride(0), a8.stride(1), sa, sa.stride(0), sa.stride(1), sa.stride(2),
+        w8.view(torch.uint8), w8.stride(0), w8.stride(1), sw, sw.stride(0), sw.stride(1), sw.stride(2),
+        out, out.stride(0), out.stride(1), T, N, K_BLOCKS=K // 128, A_PACKED=sa.dtype == torch.int32,
+        W_PACKED=sw.dtype == torch.int32, W_GRAN_N=w_gran_n, FNUZ=fnuz,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], **meta)
+
+
+def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128), config: dict = None) -> None:
+    """DeepGEMM's call form; arguments checked by ``dsv4_rocm.ops.fp8_einsum``."""
+    (a8, sa), (w8, sw) = a, b
+    grouped_fp8_gemm(a8, sa, w8, sw, d, recipe[1], config)
+
+
+def fp8_linear(x, w8, w_scale, config: dict = None):
+    """bf16 [T, K] x block-fp8 weight [N, K] (fp32 scales [N/128, K/128]) -> bf16 [T, N]: the activation is
+    quantized per token per 128 columns (the oracle's quantizer, eps 1e-4), then one group of the GEMM."""
+    from ..reference.output import quantize_activation
+    T, K = x.shape
+    N = w8.shape[0]
+    q, s = quantize_activation(x)
+    out = torch.empty(T, 1, N, dtype=torch.bfloat16, device=x.device)
+    grouped_fp8_gemm(q.view(T, 1, K), s.view(T, 1, K // 128), w8.unsqueeze(0), w_scale.unsqueeze(0),
+                     out, 128, config)
+    return out.view(T, N)
+
+
+def _spec(name, a_packed, w_packed, gran, tokens):
+    def cfg(arch):
+        return default_config(arch, tokens, gran == 1)
+    return dict(
+        name=f"fp8_einsum[{name}]", fn=_fp8_einsum_kernel,
+        pointers=dict(a_ptr="*u8", sa_ptr="*i32" if a_packed else "*fp32", w_ptr="*u8",
+                      sw_ptr="*i32" if w_packed else "*fp32", out_ptr="*bf16"),
+        floats=(),
+        constexprs=lambda arch: dict(K_BLOCKS=32, A_PACKED=a_packed, W_PACKED=w_packed, W_GRAN_N=gran,
+                                     FNUZ=arch == "gfx942", **{k: v for k, v in cfg(arch).items() if k in TILE_KEYS}),
+        options=lambda arch: {k: v for k, v in cfg(arch).items() if k not in TILE_KEYS},
+        matrix=True, fp8_mma=True)
+
+
+COMPILE_SPECS = [
+    _spec("fp32 scales, 64-token tile", False, False, 128, 64),
+    _spec("fp32 scales, 128-token tile", False, False, 128, 128),
+    _spec("fp32 scales, prefill tile", False, False, 128, 4096),
+    _spec("packed ue8m0 scales per row, prefill tile", True, True, 1, 4096),
+]

@@ -1,0 +1,134 @@
+"""Inverse RoPE + UE8M0 fp8 quantization of the attention output (vLLM's ``fused_inv_rope_fp8_quant``).
+
+Math (``dsv4_rocm.reference.output``, the same operations in the same order, fp fusion off): for token t
+and head h of o [T, H, 512] bf16, x = o[t, h] in fp32; the pairs (448 + 2i, 449 + 2i), i < 32, rotate
+backwards with c = cs[pos_t, i], s = cs[pos_t, 32 + i]: e' = e c + o s, o' = o c - e s (fp32, not rounded
+to bf16). Each 128 values of the head form a block: amax = max|x| (at least 1e-10), e = ceil(log2(amax /
+448)) from the bits of the correctly rounded quotient, bytes = e4m3fn(clamp(x 2^-e, +-448)) with -0 written
+0x00 (gfx942 encodes x/2 with its fnuz convert: the same OCP byte). A block holding NaN or +-inf is
+poisoned: bytes 0x7F, scale NaN / UE8M0 0xFF (docs/conventions.md).
+
+Layout (G = n_groups groups of HPG heads, D = HPG * 512, T4 = T rounded up to 4):
+    data   [G, T, D] e4m3 bytes: head h = g * HPG + j at columns j * 512 .. j * 512 + 511 of row (g, t)
+    scales [G, K, T4] int32 words: fp32 bits of 2^e (K = HPG * 4, block k of the group's row), or with
+           PACKED one word a head (K = HPG) holding the head's 4 UE8M0 bytes, block j in byte j.
+           Rows t >= T are written 0 (vLLM's TMA padding).
+One program per (token row of T4, BH consecutive heads): a [BH * 4, 128] tile, one block a row. A
+token whose position is outside the cos/sin table is padding: its bytes and scales are written 0.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..platform import detect
+from ..reference.output import tma_aligned_tokens
+from .compress_norm_rope_store import _ceil_log2, _e4m3, _pow2
+
+O_EPS = tl.constexpr(1e-10)
+
+
+@triton.jit
+def _inv_rope_fp8_quant_kernel(o_ptr, o_stride_t, o_stride_h, pos_ptr, cs_ptr, cs_stride, cs_rows,
+                               data_ptr, data_stride_g, data_stride_t, scale_ptr, scale_stride_g, scale_stride_k,
+                               num_tokens, HPG: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr,
+                               FNUZ: tl.constexpr):
+    R: tl.constexpr = BH * 4
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1).to(tl.int64) * BH                          # first head of this program (BH divides HPG)
+    g = h0 // HPG
+    j0 = h0 % HPG                                       # its index inside the group
+    row = tl.arange(0, R)
+    col = tl.arange(0, 128)
+    if PACKED:
+        sk = j0 + tl.arange(0, BH)
+    else:
+        sk = j0 * 4 + row
+    scale_addr = scale_ptr + g * scale_stride_g + sk * scale_stride_k + t
+    if t >= num_tokens:                                 # TMA padding row of the scale storage
+        tl.store(scale_addr, tl.zeros_like(sk))
+        return
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    valid = (pos >= 0) & (pos < cs_rows)
+    head = h0 + row // 4
+    chunk = row % 4
+    x = tl.load(o_ptr + t * o_stride_t + head[:, None] * o_stride_h + (chunk * 128)[:, None]
+                + col[None, :]).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (R, 64, 2)))
+    i = tl.arange(0, 64) - 32                           # rotary pair of columns (2p, 2p + 1) of the last block
+    ci = tl.where(i >= 0, i, 0)
+    cmask = (i >= 0) & valid
+    cs_row = cs_ptr + tl.where(valid, pos, 0) * cs_stride
+    c = tl.load(cs_row + ci, mask=cmask, other=1.0).to(tl.float32)[None, :]
+    s = tl.load(cs_row + 32 + ci, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    rot = (chunk == 3)[:, None] & (i >= 0)[None, :]
+    x = tl.interleave(tl.where(rot, even * c + odd * s, even), tl.where(rot, odd * c - even * s, odd))
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
+    amax = tl.where(bad, 0.0, tl.max(tl.abs(x), axis=1))
+    e = _ceil_log2(tl.math.div_rn(tl.maximum(amax, O_EPS), 448.0))
+    q = _e4m3(x * _pow2(-e)[:, None], FNUZ)
+    q = tl.where(bad[:, None] & valid, 0x7F, tl.where(valid, q, 0))
+    tl.store(data_ptr + g * data_stride_g + t * data_stride_t + j0 * 512 + row[:, None] * 128 + col[None, :],
+             q.to(tl.uint8))
+    if PACKED:
+        byte = tl.where(bad, 255, e + 127)
+        word = tl.sum(tl.reshape(byte << (chunk * 8), (BH, 4)), axis=1)
+    else:
+        word = tl.where(bad, 0x7FC00000, (e + 127) << 23)
+    tl.store(scale_addr, tl.where(valid, word, 0))
+
+
+def default_config(arch: str) -> dict:
+    """Two heads (8 blocks of 128) a program: 1 KB of fp8 out and 2 KB of bf16 in, 16 values a lane."""
+    if arch.startswith("gfx"):
+        return dict(BH=2, num_warps=1)
+    return dict(BH=2, num_warps=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: torch.device):
+    """(arch, gfx942's fnuz fp8), cached: a launch must not pay for a properties query."""
+    plat = detect(device)
+    return plat.arch, plat.arch == "gfx942"
+
+
+def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,
+                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False,
+                             config: dict = None):
+    """vLLM's call form; arguments checked by ``dsv4_rocm.ops.fused_inv_rope_fp8_quant``."""
+    T, H, D = o.shape
+    G, HPG = n_groups, heads_per_group
+    T4 = tma_aligned_tokens(T)
+    K = HPG if tma_aligned_scales else HPG * 4
+    data = torch.empty(G, T, HPG * D, dtype=torch.float8_e4m3fn, device=o.device)
+    store = torch.empty(G * K * T4, dtype=torch.int32, device=o.device)
+    scales = store.as_strided((G, T, K), (K * T4, 1, T4))
+    if T4:
+        arch, fnuz = _device_facts(o.device)
+        cfg = dict(default_config(arch), **(config or {}))
+        bh = cfg["BH"]
+        if HPG % bh:
+            bh = 1
+        _inv_rope_fp8_quant_kernel[(T4, H // bh)](
+            o, o.stride(0), o.stride(1), positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
+            data.view(torch.uint8), data.stride(0), data.stride(1), store, K * T4, T4, T,
+            HPG=HPG, BH=bh, PACKED=bool(tma_aligned_scales), FNUZ=fnuz, num_warps=cfg["num_warps"], num_stages=1,
+            enable_fp_fusion=False)
+    if not tma_aligned_scales:
+        scales = scales.view(torch.float32)
+    return data.transpose(0, 1), scales.transpose(0, 1)
+
+
+def _spec(packed: bool, cs_dtype: str):
+    return dict(
+        name=f"fused_inv_rope_fp8_quant[{'packed ue8m0' if packed else 'fp32'} scales, cos_sin {cs_dtype}]",
+        fn=_inv_rope_fp8_quant_kernel,
+        pointers=dict(o_ptr="*bf16", pos_ptr="*i64", cs_ptr=f"*{cs_dtype}", data_ptr="*u8", scale_ptr="*i32"),
+        floats=(),
+        constexprs=lambda arch: dict(HPG=8, BH=default_config(arch)["BH"], PACKED=packed, FNUZ=arch == "gfx942"),
+        options=lambda arch: dict(num_warps=default_config(arch)["num_warps"], num_stages=1, enable_fp_fusion=False),
+        matrix=False, fp8_encode=True, exact_fp32=True)
+
+
+COMPILE_SPECS = [_spec(False, "fp32"), _spec(True, "bf16")]

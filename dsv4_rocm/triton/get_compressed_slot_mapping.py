@@ -1,0 +1,72 @@
+"""vLLM's ``get_compressed_slot_mapping``: the compressed-cache slot each token of the step writes.
+
+Math (dsv4_rocm/reference/metadata.py): token t of request b sits at position
+p = seq_lens[b] - query_len[b] + (t - query_start_loc[b]); it writes compressed entry j = p // r iff
+(p + 1) % r == 0, at slot ``block_table[b, j // (bs*W)] * bs + local offset`` (W context-parallel ranks,
+entries of other ranks -> -1); every other token -> -1.
+
+Layout: one program per BLOCK_T consecutive entries of ``out`` (int64 [out_len]); entries past
+num_tokens are -1, so the whole buffer is reset in this one launch as vLLM's ``fill_(-1)`` does. A
+token's request is the count of request ends <= t (query_start_loc[1..R], read BLOCK_R at a time),
+then checked against its own [start, end): every program writes only its own entries, so a
+non-monotone query_start_loc cannot make two programs race. Reads of block_table are masked to
+valid (request, column) pairs; a negative page is -1.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._token_position import token_position
+
+BLOCK_T = 128
+BLOCK_R = 32
+INT32_MAX = tl.constexpr(2 ** 31 - 1)
+
+
+@triton.jit
+def _compressed_slot_mapping_kernel(out_ptr, out_len, num_tokens, qsl_ptr, seq_lens_ptr, bt_ptr, bt_row, bt_cols,
+                                    num_reqs, block_size, ratio, cp_world, cp_rank, cp_interleave,
+                                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    req = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + 1 + tl.arange(0, BLOCK_R)
+        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=INT32_MAX).to(tl.int64)
+        req += tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+    ok = (t < num_tokens) & (req < num_reqs)
+    r = tl.where(ok, req, 0)
+    pos, ok = token_position(qsl_ptr, seq_lens_ptr, r, t, ok, 0)
+    pos = tl.where(ok, pos, 0)
+    ok = ok & ((pos + 1) % ratio == 0)
+    j = pos // ratio
+    vbs = block_size * cp_world
+    col = j // vbs
+    voff = j - col * vbs
+    ok = ok & ((voff // cp_interleave) % cp_world == cp_rank) & (col < bt_cols)
+    page = tl.load(bt_ptr + r.to(tl.int64) * bt_row + col, mask=ok, other=-1).to(tl.int64)
+    off = (voff // (cp_world * cp_interleave)) * cp_interleave + voff % cp_interleave
+    slot = tl.where(ok & (page >= 0), page * block_size + off, -1)
+    tl.store(out_ptr + t, slot, mask=t < out_len)
+
+
+def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table, block_size: int,
+                                compress_ratio: int, out=None, cp_world_size: int = 1, cp_rank: int = 0,
+                                cp_kv_cache_interleave_size: int = 1) -> torch.Tensor:
+    """Launcher (arguments checked by dsv4_rocm.ops.get_compressed_slot_mapping)."""
+    if out is None:
+        out = torch.empty(num_tokens, dtype=torch.int64, device=query_start_loc.device)
+    n = out.shape[0]
+    if n:
+        _compressed_slot_mapping_kernel[(triton.cdiv(n, BLOCK_T),)](
+            out, n, num_tokens, query_start_loc, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
+            block_table.shape[0], block_size, compress_ratio, cp_world_size, cp_rank, cp_kv_cache_interleave_size,
+            BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R, num_warps=4)
+    return out[:num_tokens]
+
+
+COMPILE_SPECS = [
+    dict(name="get_compressed_slot_mapping", fn=_compressed_slot_mapping_kernel,
+         pointers=dict(out_ptr="*i64", qsl_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32"), floats=(),
+         constexprs=lambda arch: dict(BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R),
+         options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False),
+]
