@@ -51,6 +51,7 @@ class TritonKernel:
     fp8_encode: bool = False             # must encode fp8 with the hardware convert
     exact_fp32: bool = False             # compiled with fp fusion off: no fma may appear in the PTX
     fp8_mma: bool = False                # its matrix instructions must take fp8 (e4m3) operands
+    sgpr_spills: str = ""                # why SGPR spills (to VGPR lanes, not memory) are accepted; "" = none are
 
     def signature(self):
         sig = {}
@@ -171,7 +172,7 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
             row["problems"].append("s_trap")
         if rep["vgpr_spill"] or rep["scratch"]:
             row["problems"].append(f"VGPR spills {rep['vgpr_spill']}, scratch {rep['scratch']} B")
-        if rep["sgpr_spill"]:
+        if rep["sgpr_spill"] and not k.sgpr_spills:
             row["problems"].append(f"SGPR spills {rep['sgpr_spill']}")
     else:
         ptx = c.asm["ptx"]

@@ -202,7 +202,8 @@ def case_indexer():
         ke = ((i["pos"] + 1) // 4).clamp(max=100).to(torch.int32)
         lq = i["lq"].view(torch.float8_e4m3fn)
         lg = ops.fp8_mqa_logits(lq, (k8, ks.view(torch.float32).squeeze(-1)), i["lw"], torch.zeros_like(ke), ke)
-        top = ops.top_k_per_row(lg, torch.zeros_like(ke), ke, 8)
+        top = torch.empty(lg.shape[0], 8, dtype=torch.int32, device=dev)
+        ops.top_k_per_row_prefill(lg, torch.zeros_like(ke), ke, top, lg.shape[0], lg.stride(0), lg.stride(1), 8)
         plg = ops.fp8_paged_mqa_logits(lq.view(2, 2, 64, 128), cache.unsqueeze(-2), i["lw"], i["cl"], i["bt"],
                                        ops.get_paged_mqa_logits_metadata(i["cl"], 64, 4), 100)
         return dict(q8=q8.view(torch.uint8), weights=wq, q4=q4, q4_scale=q4s, w4=w4, cache=cache,

@@ -19,7 +19,7 @@ from .library import _define, _none
 
 __all__ = ["fused_indexer_q_rope_quant", "fp8_mqa_logits", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
            "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "indexer_k_quant_and_cache",
-           "cp_gather_indexer_k_quant_cache", "top_k_per_row"]
+           "cp_gather_indexer_k_quant_cache"]
 
 _T = "dsv4_rocm.triton."
 register("fused_indexer_q_rope_quant", _ri.fused_indexer_q_rope_quant,
@@ -31,7 +31,6 @@ register("indexer_k_quant_and_cache", _ri.indexer_k_quant_and_cache,
          triton=_T + "indexer_k_quant_and_cache:indexer_k_quant_and_cache")
 register("cp_gather_indexer_k_quant_cache", _ri.cp_gather_indexer_k_quant_cache,
          triton=_T + "cp_gather_indexer_k_quant_cache:cp_gather_indexer_k_quant_cache")
-register("top_k_per_row", _ri.top_k_per_row)
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 FP8 = (torch.float8_e4m3fn, torch.uint8)
@@ -253,11 +252,104 @@ _define("cp_gather_indexer_k_quant_cache(Tensor kv_cache, Tensor(a!) dst_k, Tens
         "Tensor block_table, Tensor cu_seq_lens) -> ()", cp_gather_indexer_k_quant_cache, _none)
 
 
-def top_k_per_row(logits, row_starts, row_ends, k: int):
-    C.tensor("logits", logits, dtype=torch.float32, dim=2)
-    C.tensor("row_starts", row_starts, dtype=C.INDEX, shape=(logits.shape[0],))
-    C.tensor("row_ends", row_ends, dtype=C.INDEX, shape=(logits.shape[0],))
-    C.positive_int("k", k)
-    if logits.shape[0] and (int(row_starts.min()) < 0 or int(row_ends.max()) > logits.shape[1]):
-        raise ValueError(f"row_starts/row_ends must lie in [0, {logits.shape[1]}]")
-    return _run("top_k_per_row", logits.device, logits, row_starts, row_ends, k)
+# ---- top-k per row: vLLM's top_k_per_row_prefill / top_k_per_row_decode / persistent_topk ----------------
+__all__ += ["top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk"]
+
+register("top_k_per_row_prefill", _ri.top_k_per_row_prefill,
+         triton="dsv4_rocm.triton.top_k_per_row:top_k_per_row_prefill")
+register("top_k_per_row_decode", _ri.top_k_per_row_decode,
+         triton="dsv4_rocm.triton.top_k_per_row:top_k_per_row_decode")
+register("persistent_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.top_k_per_row:persistent_topk")
+register("cooperative_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.top_k_per_row:persistent_topk")
+
+TOP_K_MAX = 4096
+
+
+def _check_top_k(logits, out, out_name, num_rows, k, logits_dtypes=(torch.float32,)):
+    C.tensor("logits", logits, dtype=logits_dtypes, dim=2)
+    C.tensor(out_name, out, dtype=torch.int32, dim=2)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= TOP_K_MAX:
+        raise ValueError(f"k must be an int in [1, {TOP_K_MAX}], got {k!r}")
+    if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < 0:
+        raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
+    if num_rows > logits.shape[0] or num_rows > out.shape[0]:
+        raise ValueError(f"num_rows {num_rows} exceeds the rows of logits ({logits.shape[0]}) or {out_name} "
+                         f"({out.shape[0]})")
+    if out.shape[1] != k:
+        raise ValueError(f"{out_name} must have k = {k} columns, got {tuple(out.shape)}")
+
+
+def _check_strides(logits, stride0, stride1):
+    for d, (name, v) in enumerate((("stride0", stride0), ("stride1", stride1))):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+        if logits.shape[d] > 1 and v != logits.stride(d):
+            raise ValueError(f"{name} must be logits.stride({d}) = {logits.stride(d)}, got {v}")
+
+
+def top_k_per_row_prefill(logits, row_starts, row_ends, out_idx, num_rows: int, stride0: int, stride1: int,
+                          k: int) -> None:
+    """Rows r < num_rows of logits fp32 [rows, ncols]: out_idx[r] (int32 [>= num_rows, k]) gets the columns of
+    the k largest logits in [row_starts[r], row_ends[r]), relative to row_starts[r], unsorted; a row with
+    n <= k columns gets [0, 1, ..., n-1, -1, ...]. Order, ties and NaN: docs/conventions.md."""
+    _check_top_k(logits, out_idx, "out_idx", num_rows, k)
+    _check_strides(logits, stride0, stride1)
+    C.tensor("row_starts", row_starts, dtype=C.INDEX, dim=1)
+    C.tensor("row_ends", row_ends, dtype=C.INDEX, dim=1)
+    for name, t in (("row_starts", row_starts), ("row_ends", row_ends)):
+        if t.shape[0] < num_rows:
+            raise ValueError(f"{name} must have at least num_rows = {num_rows} entries, got {t.shape[0]}")
+    C.same_device(logits=logits, row_starts=row_starts, row_ends=row_ends, out_idx=out_idx)
+    from ._dispatch import value_checks
+    if num_rows and value_checks(row_starts):
+        s, e = row_starts[:num_rows].long(), row_ends[:num_rows].long()
+        if int(s.min()) < 0 or int(e.max()) > logits.shape[1] or bool((e < s).any()):
+            raise ValueError(f"row_starts/row_ends must satisfy 0 <= start <= end <= {logits.shape[1]}")
+    _run("top_k_per_row_prefill", logits.device, logits, row_starts, row_ends, out_idx, num_rows, stride0, stride1,
+         k)
+
+
+def top_k_per_row_decode(logits, next_n: int, seq_lens, out_idx, num_rows: int, stride0: int, stride1: int,
+                         k: int) -> None:
+    """Row r < num_rows of logits is draft r % next_n of request r // next_n. seq_lens [B] (or [B, 1]) holds
+    request lengths L and row r sees columns [0, L - next_n + r % next_n + 1); seq_lens [B, next_n] holds
+    each row's own count. Counts are clamped into [0, ncols] (a negative one is an empty row). out_idx as
+    for ``top_k_per_row_prefill``."""
+    _check_top_k(logits, out_idx, "out_idx", num_rows, k)
+    _check_strides(logits, stride0, stride1)
+    C.positive_int("next_n", next_n)
+    C.tensor("seq_lens", seq_lens, dtype=C.INDEX)
+    if seq_lens.dim() not in (1, 2) or (seq_lens.dim() == 2 and seq_lens.shape[1] not in (1, next_n)):
+        raise ValueError(f"seq_lens must be [B], [B, 1] or [B, next_n = {next_n}], got {tuple(seq_lens.shape)}")
+    if seq_lens.shape[0] * next_n < num_rows:
+        raise ValueError(f"seq_lens covers {seq_lens.shape[0]} requests x next_n {next_n} < num_rows {num_rows}")
+    C.same_device(logits=logits, seq_lens=seq_lens, out_idx=out_idx)
+    _run("top_k_per_row_decode", logits.device, logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1, k)
+
+
+def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int) -> None:
+    """Every row r of logits (fp32 or bf16 [rows, ncols]): output[r] (int32 [rows, k]) gets the top-k columns of
+    logits[r, :lengths[r]] (lengths int32, one per row, 1-D or 2-D; clamped into [0, ncols]). workspace (a
+    uint8 tensor) and max_seq_len are accepted as vLLM passes them; scratch comes from torch's allocator."""
+    _workspace_form("persistent_topk", logits, lengths, output, workspace, k, max_seq_len)
+
+
+def cooperative_topk(logits, lengths, output, workspace, k: int, max_seq_len: int) -> None:
+    """vLLM's cooperative_topk (its few-row variant of persistent_topk): the same call form and result."""
+    _workspace_form("cooperative_topk", logits, lengths, output, workspace, k, max_seq_len)
+
+
+def _workspace_form(op, logits, lengths, output, workspace, k, max_seq_len):
+    C.tensor("logits", logits, dtype=(torch.float32, torch.bfloat16), dim=2)
+    C.tensor("output", output, dtype=torch.int32, dim=2)
+    if output.shape[0] != logits.shape[0]:
+        raise ValueError(f"output must have {logits.shape[0]} rows, got {output.shape[0]}")
+    _check_top_k(logits, output, "output", logits.shape[0], k, logits_dtypes=(torch.float32, torch.bfloat16))
+    C.tensor("lengths", lengths, dtype=torch.int32)
+    if lengths.dim() not in (1, 2) or lengths.numel() != logits.shape[0]:
+        raise ValueError(f"lengths must be 1-D or 2-D with {logits.shape[0]} entries, got {tuple(lengths.shape)}")
+    C.tensor("workspace", workspace, dtype=torch.uint8)
+    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
+    C.same_device(logits=logits, lengths=lengths, output=output)
+    _run(op, logits.device, logits, lengths, output, workspace, k, max_seq_len)

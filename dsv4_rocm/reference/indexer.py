@@ -158,15 +158,64 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
         sb[lo:hi] = rec[:, L.INDEXER_DIM:]
 
 
-def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor, k: int) -> torch.Tensor:
-    """int32 [T, k] column indices relative to row_starts of the k largest logits in [start, end)."""
-    T, N = logits.shape
-    out = torch.full((T, k), -1, dtype=torch.int32, device=logits.device)
-    for t in range(T):
-        a, b = int(row_starts[t]), int(row_ends[t])
-        n = max(b - a, 0)
-        if n <= k:
-            out[t, :n] = torch.arange(n, dtype=torch.int32, device=logits.device)
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the selection order of docs/conventions.md (the float order, -0 = +0, every NaN above
+    +inf and tied): the kernels' uint32 keys. Tests compare selections through them."""
+    bits = x.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    key = torch.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+    key = torch.where(key == 0x7FFFFFFF, 0x80000000, key)                      # -0 ties with +0
+    return torch.where(torch.isnan(x), 0xFFFFFFFF, key)
+
+
+def _top_k_rows(logits, starts, n, out_idx, k):
+    """Rows r < len(n): the k columns of [starts[r], starts[r] + n[r]) with the largest logits (torch.topk:
+    NaN above +inf), relative to starts[r], in any order; with n[r] <= k, [0, 1, ..., n[r] - 1, -1, ...]."""
+    for r, (s, nr) in enumerate(zip(starts.tolist(), n.tolist())):
+        row = torch.full((k,), -1, dtype=torch.int64, device=logits.device)
+        if nr <= k:
+            row[:nr] = torch.arange(nr, device=logits.device)
         else:
-            out[t] = torch.topk(logits[t, a:b], k).indices.to(torch.int32)
-    return out
+            row[:] = torch.topk(logits[r, s:s + nr].float(), k).indices
+        out_idx[r] = row.to(out_idx.dtype)
+
+
+def prefill_rows(row_starts, row_ends, num_rows: int, ncols: int):
+    """(start, valid columns) per row: [row_starts, row_ends) clamped into [0, ncols]; end < start is empty."""
+    s = row_starts[:num_rows].long().clamp(0, ncols)
+    e = torch.maximum(row_ends[:num_rows].long(), s).clamp(max=ncols)
+    return s, e - s
+
+
+def decode_rows(seq_lens, next_n: int, num_rows: int, ncols: int):
+    """Valid columns per row (from column 0): row r is draft r % next_n of request r // next_n. 1-D
+    seq_lens (or [B, 1]) hold request lengths L, and row r sees L - next_n + r % next_n + 1 columns;
+    2-D [B, next_n] (next_n > 1) hold each row's own count. Clamped into [0, ncols]."""
+    r = torch.arange(num_rows, device=seq_lens.device)
+    if seq_lens.dim() == 2 and seq_lens.shape[1] == next_n and next_n > 1:
+        v = seq_lens.reshape(-1)[r].long()
+    else:
+        v = seq_lens.reshape(-1)[r // next_n].long() - next_n + r % next_n + 1
+    return v.clamp(0, ncols)
+
+
+def top_k_per_row_prefill(logits, row_starts, row_ends, out_idx, num_rows: int, stride0: int, stride1: int,
+                          k: int) -> None:
+    """vLLM's form: out_idx[r, :k] = top-k columns of logits[r, row_starts[r]:row_ends[r]], relative to the
+    row start (module docstring), for r < num_rows. stride0 / stride1 are logits' strides."""
+    s, n = prefill_rows(row_starts, row_ends, num_rows, logits.shape[1])
+    _top_k_rows(logits, s, n, out_idx, k)
+
+
+def top_k_per_row_decode(logits, next_n: int, seq_lens, out_idx, num_rows: int, stride0: int, stride1: int,
+                         k: int) -> None:
+    """vLLM's form: out_idx[r, :k] = top-k columns of logits[r, :n_r] with n_r from ``decode_rows``."""
+    n = decode_rows(seq_lens, next_n, num_rows, logits.shape[1])
+    _top_k_rows(logits, torch.zeros_like(n), n, out_idx, k)
+
+
+def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int) -> None:
+    """vLLM's form: output[r, :k] = top-k columns of logits[r, :lengths[r]] for every row of logits; lengths
+    holds one count per row in any 1-D or 2-D shape, clamped into [0, logits.shape[1]]. workspace and
+    max_seq_len are vLLM's launch resources and hint; they do not change the result."""
+    n = lengths.reshape(-1).long().clamp(0, logits.shape[1])
+    _top_k_rows(logits, torch.zeros_like(n), n, output, k)
