@@ -188,7 +188,7 @@ class DeepseekV4Attention(torch.nn.Module):
             logits = ops.fp8_paged_mqa_logits(q8[:nd].view(ndr, nn, nh, 128), idx_kv.unsqueeze(-2), wq[:nd], lens,
                                               step.compressed_block_table[:ndr],
                                               ops.get_paged_mqa_logits_metadata(lens, 64, 1), n_entries)
-            topk[:nd] = ops.top_k_per_row(logits, torch.zeros_like(lens.view(-1)), lens.view(-1), K)
+            ops.top_k_per_row_decode(logits, nn, lens, topk[:nd], nd, logits.stride(0), logits.stride(1), K)
         if nd < T:
             self._indexer_prefill(q8, wq, idx_kv, step, topk, K)
         return topk
@@ -213,4 +213,5 @@ class DeepseekV4Attention(torch.nn.Module):
                 ends = step.indexer_lens[r0:r1]
                 starts = torch.zeros_like(ends)
                 logits = ops.fp8_mqa_logits(q8[r0:r1], (k8, ks), wq[r0:r1], starts, ends)
-                topk[r0:r1] = ops.top_k_per_row(logits, starts, ends, K)
+                ops.top_k_per_row_prefill(logits, starts, ends, topk[r0:r1], r1 - r0, logits.stride(0),
+                                          logits.stride(1), K)
