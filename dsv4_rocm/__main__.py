@@ -67,6 +67,8 @@ def _parser():
     r.add_argument("--heads", type=_positive, default=None,
                    help="local heads (default: the config's; CPU default 8)")
     r.add_argument("--layers", type=_layers, default=list(LAYER_TYPES), help="comma-separated: swa,c4a,c128a")
+    r.add_argument("--chunk", type=_positive, default=512,
+                   help="tokens a step may hold (decode tokens first, then prefill chunks); default 512")
     b = sub.add_parser("bench", help="time the kernels against the measured floor and FlashMLA (needs a GPU)")
     b.add_argument("--device", default="cuda", help="cuda | cuda:N")
     b.add_argument("--json", default=None, help="write the report to this JSON file")

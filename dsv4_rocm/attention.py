@@ -1,46 +1,217 @@
-"""DeepseekV4Attention: one attention layer of DeepSeek-V4 as a torch module.
+"""DeepseekV4Attention: one DeepSeek-V4 attention layer as a torch module, in the shape of vLLM's layer.
 
-It owns the layer's weights and paged caches and runs the step order of ``reference.layer`` with the
-public ops (``dsv4_rocm.ops``), so each stage runs on the fastest implementation this platform has
-(``ops.backend_for``; ``DSV4_BACKEND`` / ``ops.use_backend`` override it). The serving engine supplies
-the step's batch (positions, block tables, compressor state block table) as a ``StepBatch``.
+vLLM's platform subclasses provide ``get_padded_num_q_heads``, ``forward_mqa(q, kv, positions, output)``
+and ``_o_proj(o, positions)``; this module has the same three, and a ``forward(positions, hidden_states)``
+running vLLM's step order over the public ops (``dsv4_rocm.ops``, so each stage runs on the fastest
+implementation the platform has):
+
+    fused wq_a + wkv projection -> q / kv RMSNorm -> wq_b -> per-head q norm + RoPE, kv RoPE + fp8 insert
+    into the SWA cache -> compressor (state save, then pooled entries into the compressed cache) ->
+    indexer (C4: its own compressor into the indexer-K cache, q quant, logits, top-k) -> sparse attention
+    over the sliding window and the compressed entries, with the sink -> inverse RoPE + FP8 quant ->
+    grouped FP8 einsum with wo_a -> wo_b.
+
+The step's batch comes as a ``StepMetadata`` (``dsv4_rocm.step``), passed to ``forward`` or set for a
+region with ``step_context``. Every token, decode and prefill alike, attends straight from the fp8 pages
+(no bf16 workspace): a decode step is a fixed sequence of kernels with no host sync, which
+``dsv4_rocm.graph`` captures into a CUDA/HIP graph. The indexer's prefill rows gather their request's
+indexer-K entries and run the contiguous logits op in chunks of rows, as vLLM does.
 """
+import contextlib
 from typing import Optional
 
 import torch
 
+from . import layout as L
 from . import ops
 from .config import AttentionConfig, LayerType
+from .kv_cache import LayerCache
 from .platform import detect
-from .reference.layer import LayerCache, LayerWeights, StepBatch, layer_forward
+from .reference.compressor import coff, state_block_size
 from .reference.rope import build_cos_sin_cache
+from .step import StepMetadata
+from .weights import LayerWeights
+
+_CURRENT_STEP: Optional[StepMetadata] = None
+INDEXER_PREFILL_ROWS = 2048     # query rows per prefill logits launch: bounds the [rows, entries] fp32 buffer
+
+
+@contextlib.contextmanager
+def step_context(step: StepMetadata):
+    """The step every DeepseekV4Attention.forward inside the block runs (vLLM's forward context)."""
+    global _CURRENT_STEP
+    prev, _CURRENT_STEP = _CURRENT_STEP, step
+    try:
+        yield step
+    finally:
+        _CURRENT_STEP = prev
 
 
 class DeepseekV4Attention(torch.nn.Module):
-    def __init__(self, cfg: AttentionConfig, layer: int, weights: LayerWeights, num_blocks: int,
-                 num_state_blocks: int, max_model_len: int, cos_sin_cache: Optional[torch.Tensor] = None,
-                 device=None):
+    timer = None        # an object with mark(stage): the main job's per-stage timing
+
+    def __init__(self, cfg: AttentionConfig, layer: int, weights: LayerWeights, cache: LayerCache,
+                 max_model_len: int, cos_sin_cache: Optional[torch.Tensor] = None, device=None):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.layer_type: LayerType = cfg.layer_type(layer)
-        self.max_model_len = max_model_len
+        self.ratio = {LayerType.SWA: 1, LayerType.C4: 4, LayerType.C128: 128}[self.layer_type]
+        if cache.ratio != self.ratio:
+            raise ValueError(f"cache was allocated for ratio {cache.ratio}, layer {layer} has ratio {self.ratio}")
         device = torch.device(device) if device is not None else weights.wqkv8.device
         self.platform = detect(device)
-        self.weights = weights.to(device)
-        self.cache = LayerCache.allocate(self.layer_type, num_blocks, num_state_blocks, device)
+        self.n_local_heads, self.n_local_groups = cfg.local_heads, cfg.local_groups
+        self.padded_heads = self.get_padded_num_q_heads(cfg.local_heads)
+        self.max_model_len = max_model_len
+        self.scale = cfg.softmax_scale
+        self.eps = cfg.rms_norm_eps
+        self.w = weights.to(device)
+        self.cache = cache
         if cos_sin_cache is None:
             cos_sin_cache = build_cos_sin_cache(cfg.rope_base(self.layer_type), max_model_len + 1, device=device)
         self.register_buffer("cos_sin_cache", cos_sin_cache.to(device), persistent=False)
 
-    @property
-    def backends(self) -> dict:
-        """The implementation each op of this layer runs on this platform."""
-        dev = self.cos_sin_cache.device
-        return {name: ops.backend_for(name, dev) for name in ops.registered_ops()}
+    # ---- vLLM's platform hooks ---------------------------------------------------------------------------
+    @classmethod
+    def get_padded_num_q_heads(cls, num_heads: int) -> int:
+        """The sparse kernels run 64 or 128 heads (as FlashMLA does); q and the output are padded to that."""
+        if not isinstance(num_heads, int) or not 0 < num_heads <= 128:
+            raise ValueError(f"DeepSeek-V4 attention supports 1..128 local heads, got {num_heads!r}")
+        return 64 if num_heads <= 64 else 128
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, decode_threshold: int = 1,
-                paged_prefill: bool = True) -> torch.Tensor:
-        """x bf16 [T, hidden] -> bf16 [T, hidden]; appends this step's tokens to the caches. Prefill tokens
-        attend straight from the fp8 pages unless ``paged_prefill=False`` (vLLM's bf16 workspace path)."""
-        return layer_forward(self.cfg, self.layer_type, self.weights, self.cache, batch, x, self.cos_sin_cache,
-                             self.max_model_len, decode_threshold, impl=ops, paged_prefill=paged_prefill)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                step: Optional[StepMetadata] = None) -> torch.Tensor:
+        """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches."""
+        step = step or _CURRENT_STEP
+        if step is None:
+            raise ValueError("no StepMetadata: pass step= or run inside dsv4_rocm.attention.step_context(step)")
+        x, cfg, w = hidden_states, self.cfg, self.w
+        T = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != cfg.hidden_size or x.dtype != torch.bfloat16:
+            raise ValueError(f"hidden_states must be bf16 [T, {cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
+        if positions.shape != (T,) or step.num_tokens != T:
+            raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
+                             f"cover the {T} tokens of hidden_states")
+        self._mark("start")
+        qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
+        qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
+                                        w.kv_norm, self.eps)
+        q = ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(T, self.n_local_heads, 512)
+        self._mark("projections")
+        q = ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
+            q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
+            L.SWA_BLOCK_SIZE)
+        self._mark("q norm + kv insert")
+        if self.ratio > 1:
+            self._compress(x, w.comp_w, w.comp_ape, w.comp_norm, positions, step, self.cache.comp_state,
+                           self.cache.comp_view(), step.compressed_slots[self.ratio], 512)
+            self._mark("compressor")
+        self._topk = self._indexer(x, qr, positions, step) if self.ratio == 4 else None
+        self._mark("indexer")
+        o_padded = torch.empty(T, self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
+        self.forward_mqa(q, kv, positions, o_padded, step)
+        self._mark("attention")
+        y = self._o_proj(o_padded[:, :self.n_local_heads], positions)
+        self._mark("output")
+        return y
+
+    def _mark(self, stage: str):
+        """End of a stage, for a timer the main job attaches (``timer.mark(stage)``); nothing otherwise."""
+        if self.timer is not None:
+            self.timer.mark(stage)
+
+    def forward_mqa(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, output: torch.Tensor,
+                    step: Optional[StepMetadata] = None) -> None:
+        """Sparse attention of every token over its sliding window and its compressed entries (the indexer's
+        top-k for C4, all visible entries for C128), with the sink, into ``output`` [T, padded_heads, 512].
+        ``kv`` is unused: the keys are read from the caches the fused insert has written."""
+        del kv
+        step = step or _CURRENT_STEP
+        T = q.shape[0]
+        extra = dict(extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None)
+        if self.ratio == 4:
+            idx, lens = ops.compute_global_topk_indices_and_lens(
+                self._topk, step.token_to_req, step.compressed_block_table, self.cache.compressed_block_size,
+                step.is_valid_token)
+            extra = dict(extra_k_cache=self.cache.comp_view().unsqueeze(-2), extra_indices_in_kvcache=idx.unsqueeze(1),
+                         extra_topk_length=lens)
+        elif self.ratio == 128:
+            extra = dict(extra_k_cache=self.cache.comp_view().unsqueeze(-2),
+                         extra_indices_in_kvcache=step.c128_indices.unsqueeze(1), extra_topk_length=step.c128_lens)
+        ops.sparse_mla_decode(q.unsqueeze(1), self.cache.swa_view().unsqueeze(-2), step.swa_indices.unsqueeze(1),
+                              step.swa_lens, self.w.attn_sink, extra["extra_k_cache"], extra["extra_indices_in_kvcache"],
+                              extra["extra_topk_length"], self.scale, out=output.view(T, 1, self.padded_heads, 512))
+
+    def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE + FP8 quant per 128, grouped FP8 einsum with wo_a, then wo_b."""
+        w, G = self.w, self.n_local_groups
+        a8, sa = ops.fused_inv_rope_fp8_quant(o, positions, self.cos_sin_cache, G, self.n_local_heads // G)
+        z = torch.empty(o.shape[0], G, self.cfg.o_lora_rank, dtype=torch.bfloat16, device=o.device)
+        ops.fp8_einsum("bhr,hdr->bhd", (a8, sa), (w.wo_a8.view(torch.float8_e4m3fn), w.wo_a_s), z)
+        return ops.fp8_linear(z.view(o.shape[0], -1), w.wo_b8, w.wo_b_s)
+
+    # ---- compressor and indexer --------------------------------------------------------------------------
+    def _compress(self, x, w_kv_gate, ape, norm_w, positions, step, state, kv_cache, kslots, dim: int,
+                  ratio: Optional[int] = None):
+        """vLLM's DeepseekCompressor.forward: projection, state save, then the pooled entries of the tokens
+        that close a window, normed, roped, quantized into ``kv_cache`` at ``kslots``."""
+        r = ratio or self.ratio
+        c, sbs, main = coff(r), state_block_size(r), dim == 512
+        kv, score = ops.compressor_kv_score(x, w_kv_gate).split([c * dim, c * dim], dim=-1)
+        sslots = step.state_slots[r]
+        ops.save_partial_states(kv, score, ape, positions, state, sslots, sbs, c * dim, r)
+        ops.compress_norm_rope_store(
+            state_cache=state, num_actual=x.shape[0], token_to_req_indices=step.token_to_req, positions=positions,
+            slot_mapping=sslots, block_table=step.state_block_table, block_size=sbs, state_width=c * dim,
+            cos_sin_cache=self.cos_sin_cache, kv_cache=kv_cache, k_cache_metadata=kslots, pdl_kwargs={},
+            head_dim=dim, rope_head_dim=64, compress_ratio=r, overlap=r == 4, use_fp4_cache=False,
+            rms_norm_weight=norm_w, rms_norm_eps=self.eps, quant_block=64 if main else 128,
+            token_stride=576 if main else 128, scale_dim=8 if main else 4)
+
+    def _indexer(self, x, qr, positions, step: StepMetadata) -> torch.Tensor:
+        """The lightning indexer of a C4 layer: writes the indexer-K cache, returns each token's top-k local
+        compressed indices int32 [T, index_topk] (valid first, -1 after)."""
+        cfg, w = self.cfg, self.w
+        T, nh, K = x.shape[0], cfg.index_n_heads, cfg.index_topk
+        idx_kv = self.cache.idx_view()
+        self._compress(x, w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm, positions, step, self.cache.idx_state,
+                       idx_kv, step.compressed_slots[4], 128, ratio=4)
+        qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(T, nh, 128)
+        wi = torch.matmul(x, w.idx_wproj.t())
+        q8, wq = ops.fused_indexer_q_rope_quant(positions, qi, self.cos_sin_cache, wi, 128 ** -0.5, nh ** -0.5)
+        topk = torch.empty(T, K, dtype=torch.int32, device=x.device)
+        n_entries = -(-self.max_model_len // 4)
+        nd, ndr = step.num_decode_tokens, step.num_decodes
+        if nd:
+            nn = step.decode_query_len
+            lens = step.indexer_lens[:nd].view(ndr, nn)
+            logits = ops.fp8_paged_mqa_logits(q8[:nd].view(ndr, nn, nh, 128), idx_kv.unsqueeze(-2), wq[:nd], lens,
+                                              step.compressed_block_table[:ndr],
+                                              ops.get_paged_mqa_logits_metadata(lens, 64, 1), n_entries)
+            ops.top_k_per_row_decode(logits, nn, lens, topk[:nd], nd, logits.stride(0), logits.stride(1), K)
+        if nd < T:
+            self._indexer_prefill(q8, wq, idx_kv, step, topk, K)
+        return topk
+
+    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int):
+        """Prefill rows: each request's indexer-K entries gathered once, logits over them in row chunks."""
+        dev = q8.device
+        qsl = step.query_start_loc_cpu if getattr(step, "query_start_loc_cpu", None) is not None \
+            else step.query_start_loc.cpu()
+        seq = step.seq_lens_cpu if getattr(step, "seq_lens_cpu", None) is not None else step.seq_lens.cpu()
+        for b in range(step.num_decodes, step.num_requests):
+            a, e = int(qsl[b]), int(qsl[b + 1])
+            n = int(seq[b]) // 4
+            if e == a:
+                continue
+            k8 = torch.empty(max(n, 1), 128, dtype=torch.float8_e4m3fn, device=dev)
+            ks = torch.empty(max(n, 1), dtype=torch.float32, device=dev)
+            ops.cp_gather_indexer_k_quant_cache(idx_kv, k8[:n], ks[:n], step.compressed_block_table[b:b + 1],
+                                                torch.tensor([0, n], dtype=torch.int32, device=dev))
+            for r0 in range(a, e, INDEXER_PREFILL_ROWS):
+                r1 = min(e, r0 + INDEXER_PREFILL_ROWS)
+                ends = step.indexer_lens[r0:r1]
+                starts = torch.zeros_like(ends)
+                logits = ops.fp8_mqa_logits(q8[r0:r1], (k8, ks), wq[r0:r1], starts, ends)
+                ops.top_k_per_row_prefill(logits, starts, ends, topk[r0:r1], r1 - r0, logits.stride(0),
+                                          logits.stride(1), K)

@@ -1,6 +1,16 @@
-"""The main job: one DeepSeek-V4 attention layer of each type (SWA-only, C4, C128) serving a synthetic
-batch (every request prefilled, then decoded step by step) on the best backend present."""
+"""The main job: one DeepSeek-V4 attention layer of each type (SWA-only, C4, C128) serving a synthetic trace
+on the best backend present.
+
+The trace is serving-shaped: requests arrive one step apart with prompt lengths spread around
+``--prompt-len``; every step holds up to ``--chunk`` tokens, the decode tokens of running requests first,
+then chunks of waiting prompts (chunked prefill), so most steps mix decode and prefill; each request
+decodes ``--decode-steps`` tokens. The trace runs once to warm up (kernel compilation), then again timed
+on fresh caches. Request 0's outputs are checked against the float reference run on the CPU, and the
+decode step of all requests is timed replayed from a CUDA/HIP graph. The report: prefill and decode
+rates, the check, and the time of each stage of the layer.
+"""
 import time
+from collections import defaultdict
 
 import torch
 
@@ -9,53 +19,163 @@ from .config import LayerType, get_config
 from .platform import detect
 from .serving import SyntheticServer
 
+STAGES = ("projections", "q norm + kv insert", "compressor", "indexer", "attention", "output")
+CHECK_TOL = {"cpu": 2e-3, "gpu": 5e-2}   # relative error of request 0's outputs (see docs/numerics.md)
+
+
+class StageTimer:
+    """End-of-stage marks of the layer (device events on a GPU, host clock on the CPU), summed per stage."""
+
+    def __init__(self, device):
+        self.gpu = torch.device(device).type == "cuda"
+        self.marks, self.totals = [], defaultdict(float)
+
+    def mark(self, stage):
+        if self.gpu:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((stage, ev))
+        else:
+            self.marks.append((stage, time.perf_counter()))
+
+    def collect(self):
+        if self.gpu:
+            torch.cuda.synchronize()
+        for (_, a), (stage, b) in zip(self.marks, self.marks[1:]):
+            if stage != "start":
+                self.totals[stage] += a.elapsed_time(b) / 1e3 if self.gpu else b - a
+        self.marks = []
+
+
+def trace(num_requests, prompt_len, decode_steps, chunk, seed=0):
+    """The steps of the trace: a list of {request: (first token, end token)}; and each request's length."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [max(1, int(prompt_len * (0.5 + float(torch.rand((), generator=g))))) for _ in range(num_requests)]
+    total = [p + decode_steps for p in prompts]
+    done, steps, t = [0] * num_requests, [], 0
+    while any(d < n for d, n in zip(done, total)):
+        arrived = [b for b in range(num_requests) if b <= t and done[b] < total[b]]
+        step, budget = {}, chunk
+        for b in arrived:                                   # decode tokens first
+            if done[b] >= prompts[b] and budget:
+                step[b] = (done[b], done[b] + 1)
+                budget -= 1
+        for b in arrived:                                   # then prefill chunks, first come first served
+            if done[b] < prompts[b] and budget:
+                n = min(prompts[b] - done[b], budget)
+                step[b] = (done[b], done[b] + n)
+                budget -= n
+        for b, (a, e) in step.items():
+            done[b] = e
+        if step:
+            steps.append(step)
+        t += 1
+    return steps, total
+
+
+def _run_trace(srv, xs, steps, device, timer=None):
+    """Run every step; returns (outputs of request 0, per-step (seconds, prefill tokens, decode tokens))."""
+    srv.layer.timer = timer
+    out0, times = [], []
+    for step in steps:
+        tokens = {b: xs[b][a:e] for b, (a, e) in step.items()}
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = srv.step(tokens)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if timer is not None:
+            timer.collect()
+        n_dec = sum(1 for (a, e) in step.values() if e - a == 1 and a > 0)
+        times.append((dt, sum(e - a for a, e in step.values()) - n_dec, n_dec))
+        for b, v in y.items():
+            if not torch.isfinite(v.float()).all():
+                raise RuntimeError(f"layer {srv.layer_type.value}: non-finite output for request {b}")
+        if 0 in y:
+            out0.append(y[0].float().cpu())
+    return torch.cat(out0), times
+
+
+def _check(cfg, lt, srv, xs, total0, y0, device):
+    """Request 0 through a CPU copy of the layer (same weights) on the reference backend, all at once then
+    token by token (the layer is chunk invariant); returns (relative error, tolerance)."""
+    ref_srv = SyntheticServer(cfg, lt, 1, srv.max_model_len, device="cpu", weights=srv.weights.to("cpu"))
+    x = xs[0][:total0].cpu()
+    with ops.use_backend("reference"):
+        ref = ref_srv.step({0: x})[0].float()
+    err = float((y0 - ref).norm() / ref.norm().clamp_min(1e-30))
+    return err, CHECK_TOL["cpu" if ops.backend_for("sparse_mla_decode", device) == "reference" else "gpu"]
+
+
+def _graph_decode_ms(srv, xs, device, reps=20):
+    """Median time of a decode step of every request replayed from a captured graph."""
+    from .graph import DecodeGraph
+    B = srv.num_requests
+    dg = DecodeGraph([srv.layer], B, 1, srv.swa_bt.shape[1], srv.comp_bt.shape[1], srv.state_bt.shape[1],
+                     srv.max_model_len, ratios=srv.ratios())
+    st = srv.make_step({b: 1 for b in range(B)})
+    x = torch.cat([xs[b][srv.done[b]:srv.done[b] + 1] for b in st.order])
+    args = (x, st.positions, st.query_start_loc, st.seq_lens, st.slot_mapping, st.swa_block_table,
+            st.compressed_block_table, st.state_block_table)
+    dg.replay(*args)
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dg.replay(*args)
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
 
 def main_job(a) -> int:
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = a.device
     cfg = get_config(a.config)
-    heads = a.heads or (8 if device == "cpu" else cfg.local_heads)
-    if cfg.num_heads % heads or cfg.o_groups % (cfg.num_heads // heads):
-        raise ValueError(f"--heads {heads} must be num_heads / tp for a tp that divides o_groups {cfg.o_groups}")
-    cfg = cfg.with_tp(cfg.num_heads // heads)
+    cfg = cfg.with_tp(cfg.num_heads // a.heads)
     types = [LayerType(t) for t in a.layers.split(",")]
     if a.backend:
         ops.use_backend(a.backend)
-    try:
-        from tqdm import tqdm
-    except ImportError:                                   # progress bar is cosmetic
-        def tqdm(it, **_):
-            return it
     plat = detect(device)
+    steps, total = trace(a.requests, a.prompt_len, a.decode_steps, a.chunk)
+    max_len = max(total) + 2
     print(f"dsv4_rocm run: {cfg.name}, {cfg.local_heads} local heads (tp {cfg.tp_size}), device {device} "
-          f"({plat.arch}), sparse attention backend {ops.backend_for('sparse_mla_decode', device)}")
-    print(f"batch: {a.requests} requests x {a.prompt_len} prompt tokens, then {a.decode_steps} decode steps")
-    max_len = a.prompt_len + a.decode_steps + 1
+          f"({plat.arch}), sparse attention on {ops.backend_for('sparse_mla_decode', device)}")
+    print(f"trace: {a.requests} requests, prompts of {min(t - a.decode_steps for t in total)}.."
+          f"{max(t - a.decode_steps for t in total)} tokens, {a.decode_steps} decode steps each, up to {a.chunk} "
+          f"tokens a step: {len(steps)} steps, {sum(1 for s in steps if len(set(e - x > 1 for x, e in s.values())) > 1)}"
+          " of them mixing decode and prefill")
     g = torch.Generator().manual_seed(0)
-    rows = []
+    rows, stage_rows = [], []
     for lt in types:
-        srv = SyntheticServer(cfg, lt, a.requests, max_len, device=device, impl=ops)
-        xs = {b: torch.randn(max_len, cfg.hidden_size, generator=g).bfloat16().to(device) for b in range(a.requests)}
-        steps = [("prefill", {b: xs[b][:a.prompt_len] for b in xs})]
-        steps += [(f"decode {i}", {b: xs[b][a.prompt_len + i:a.prompt_len + i + 1] for b in xs})
-                  for i in range(a.decode_steps)]
-        times = []
-        for name, batch in tqdm(steps, desc=f"layer {lt.value}", leave=False):
-            if device != "cpu":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = srv.step(batch)
-            if device != "cpu":
-                torch.cuda.synchronize()
-            times.append((name, time.perf_counter() - t0, sum(v.shape[0] for v in batch.values())))
-            for y in out.values():
-                if not torch.isfinite(y.float()).all():
-                    raise RuntimeError(f"layer {lt.value}, step {name}: non-finite output")
-        pre = times[0]
-        dec = times[1:]
-        dec_t = sum(t for _, t, _ in dec)
-        rows.append((lt.value, pre[1], pre[2] / pre[1], dec_t / max(len(dec), 1),
-                     sum(n for _, _, n in dec) / dec_t if dec_t else 0.0))
-    print(f"{'layer':7s} {'prefill ms':>11s} {'prefill tok/s':>14s} {'decode ms/step':>15s} {'decode tok/s':>13s}")
-    for lt, pt, ptok, dt, dtok in rows:
-        print(f"{lt:7s} {pt * 1e3:11.1f} {ptok:14.0f} {dt * 1e3:15.1f} {dtok:13.0f}")
+        xs = [torch.randn(max_len, cfg.hidden_size, generator=g).bfloat16().to(device) for _ in range(a.requests)]
+        _run_trace(SyntheticServer(cfg, lt, a.requests, max_len, device=device), xs, steps, device)   # warm-up
+        srv = SyntheticServer(cfg, lt, a.requests, max_len, device=device)
+        timer = StageTimer(device)
+        y0, times = _run_trace(srv, xs, steps, device, timer)
+        err, tol = _check(cfg, lt, srv, xs, total[0], y0, device)
+        t_all = sum(t for t, _, _ in times)
+        pre_tok = sum(p for _, p, _ in times)
+        dec_steps = [(t, d) for t, p, d in times if p == 0 and d > 0]
+        dec_ms = 1e3 * sum(t for t, _ in dec_steps) / max(len(dec_steps), 1)
+        graph_ms = _graph_decode_ms(srv, xs, device) if device != "cpu" else float("nan")
+        rows.append((lt.value, len(times), 1e3 * t_all, pre_tok / t_all if t_all else 0.0, dec_ms, graph_ms,
+                     a.requests / (graph_ms / 1e3) if graph_ms == graph_ms else a.requests / (dec_ms / 1e3),
+                     err, tol))
+        stage_rows.append((lt.value, {s: timer.totals.get(s, 0.0) for s in STAGES}))
+        if err > tol:
+            raise RuntimeError(f"layer {lt.value}: request 0 differs from the reference by {err:.2e} (tolerance "
+                               f"{tol:.0e})")
+    print(f"\n{'layer':7s} {'steps':>5s} {'total ms':>9s} {'prefill tok/s':>14s} {'decode ms/step':>15s} "
+          f"{'graph ms/step':>14s} {'decode tok/s':>13s}  check vs reference (request 0)")
+    for lt, n, tot, ptok, dms, gms, dtok, err, tol in rows:
+        print(f"{lt:7s} {n:5d} {tot:9.1f} {ptok:14.0f} {dms:15.2f} {gms:14.3f} {dtok:13.0f}  "
+              f"rel err {err:.1e} <= {tol:.0e} ok")
+    print("\ntime per stage over the timed trace (ms, share of the layer):")
+    print(f"{'layer':7s} " + " ".join(f"{s:>20s}" for s in STAGES))
+    for lt, st in stage_rows:
+        tot = sum(st.values()) or 1.0
+        print(f"{lt:7s} " + " ".join(f"{1e3 * st[s]:13.1f} ({st[s] / tot:4.0%})" for s in STAGES))
     return 0

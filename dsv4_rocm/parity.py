@@ -290,7 +290,7 @@ def case_layer_c4():
     inp = dict(x=torch.randn(70, cfg.hidden_size, generator=g).bfloat16())
 
     def run(i):
-        s = SyntheticServer(cfg, LayerType.C4, 1, 256, device=str(i["x"].device), impl=ops)
+        s = SyntheticServer(cfg, LayerType.C4, 1, 256, device=str(i["x"].device))
         y = torch.cat([s.step({0: i["x"][:60]})[0]] + [s.step({0: i["x"][t:t + 1]})[0] for t in range(60, 70)])
         return dict(y=y)     # cache bytes depend on the device's GEMM summation order: op cases cover them
     # a whole layer re-quantizes to fp8 twice and selects top-k: compare the relative error of the tensor

@@ -1,19 +1,26 @@
-"""A small synthetic serving loop over one attention layer: page allocation, step batches, outputs.
+"""A small synthetic serving loop over one attention layer: page allocation, vLLM-shaped step metadata,
+outputs per request.
 
-Used by the main job (``python -m dsv4_rocm run``), the layer invariance tests and the parity report.
-Each request owns a fixed range of pages (no sharing), enough for ``max_model_len`` tokens.
+Used by the main job (``python -m dsv4_rocm run``), the layer tests, the parity report and the layer
+benchmark. Each request owns a fixed range of pages (no sharing), enough for ``max_model_len`` tokens;
+the pages of different requests are interleaved so that a wrong block-table read shows up. A step is
+ordered as vLLM's scheduler orders it: decode requests (query length == ``decode_query_len``) first,
+then prefill and chunked-prefill requests.
 """
 import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from . import layout as L
+from .attention import DeepseekV4Attention
 from .config import AttentionConfig, LayerType
+from .kv_cache import LayerCache
 from .reference.compressor import state_block_size
-from .reference.layer import LayerCache, LayerWeights, StepBatch, layer_forward, REFERENCE_IMPL
 from .reference.rope import build_cos_sin_cache
+from .step import StepMetadata
+from .weights import LayerWeights
 
 
 @dataclass
@@ -24,50 +31,78 @@ class SyntheticServer:
     max_model_len: int
     device: str = "cpu"
     seed: int = 0
-    impl: object = None
-    decode_threshold: int = 1
+    decode_query_len: int = 1
+    weights: Optional[LayerWeights] = None
 
     def __post_init__(self):
-        self.impl = self.impl or REFERENCE_IMPL
+        dev = self.device
         self.swa_pages = math.ceil(self.max_model_len / L.SWA_BLOCK_SIZE)
         self.comp_pages = math.ceil(self.max_model_len / L.LOGICAL_BLOCK_TOKENS)
-        nb = self.num_requests * max(self.swa_pages, self.comp_pages)
         ratio = {LayerType.C4: 4, LayerType.C128: 128}.get(self.layer_type, 128)
         self.state_pages = math.ceil(self.max_model_len / state_block_size(ratio))
+        nb = self.num_requests * max(self.swa_pages, self.comp_pages)
         ns = self.num_requests * self.state_pages
-        self.weights = LayerWeights.random(self.cfg, self.layer_type, self.seed, self.device)
-        self.cache = LayerCache.allocate(self.layer_type, nb, ns, self.device)
-        # interleave pages of different requests so that a wrong block-table read shows up
-        perm = torch.randperm(nb, generator=torch.Generator().manual_seed(self.seed + 7))
+        self.weights = self.weights if self.weights is not None else \
+            LayerWeights.random(self.cfg, self.layer_type, self.seed, dev)
+        self.cache = LayerCache.allocate(self.layer_type, nb, ns, dev)
+        g = torch.Generator().manual_seed(self.seed + 7)
+        perm = torch.randperm(nb, generator=g)
         self.swa_bt = perm[:self.num_requests * self.swa_pages].view(self.num_requests, self.swa_pages)
         self.comp_bt = perm[:self.num_requests * self.comp_pages].view(self.num_requests, self.comp_pages)
-        sperm = torch.randperm(ns, generator=torch.Generator().manual_seed(self.seed + 11))
-        self.state_bt = sperm.view(self.num_requests, self.state_pages)
-        self.swa_bt, self.comp_bt, self.state_bt = (t.to(torch.int32).to(self.device)
+        self.state_bt = torch.randperm(ns, generator=torch.Generator().manual_seed(self.seed + 11)).view(
+            self.num_requests, self.state_pages)
+        self.swa_bt, self.comp_bt, self.state_bt = (t.to(torch.int32).to(dev)
                                                     for t in (self.swa_bt, self.comp_bt, self.state_bt))
-        self.cos_sin = build_cos_sin_cache(self.cfg.rope_base(self.layer_type), self.max_model_len + 1,
-                                           device=self.device)
+        self.cos_sin = build_cos_sin_cache(self.cfg.rope_base(self.layer_type), self.max_model_len + 1, device=dev)
+        self.layer = DeepseekV4Attention(self.cfg, self.cfg.first_layer_of(self.layer_type), self.weights,
+                                         self.cache, self.max_model_len, self.cos_sin, device=dev)
         self.done = [0] * self.num_requests
+
+    def make_step(self, lens: Dict[int, int]) -> StepMetadata:
+        """The step metadata of ``lens[req]`` new tokens per request, decode requests first (unbuilt)."""
+        for b, n in lens.items():
+            if not 0 <= b < self.num_requests:
+                raise ValueError(f"request {b} is not one of the server's {self.num_requests}")
+            if n <= 0:
+                raise ValueError(f"request {b}: a step must add at least one token, got {n}")
+            if self.done[b] + n > self.max_model_len:
+                raise ValueError(f"request {b} would exceed max_model_len {self.max_model_len}")
+        reqs = self.order(lens)
+        n = [lens[b] for b in reqs]
+        qsl_cpu = torch.tensor([0] + list(torch.cumsum(torch.tensor(n), 0)), dtype=torch.int32)
+        seq_cpu = torch.tensor([self.done[b] + k for b, k in zip(reqs, n)], dtype=torch.int32)
+        pos = torch.cat([torch.arange(self.done[b], self.done[b] + k) for b, k in zip(reqs, n)])
+        idx = torch.tensor(reqs, dtype=torch.long)
+        bt = self.swa_bt.cpu()[idx]
+        t2r = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(n))
+        slots = bt[t2r, pos // L.SWA_BLOCK_SIZE].long() * L.SWA_BLOCK_SIZE + pos % L.SWA_BLOCK_SIZE
+        nd = sum(1 for b in reqs if lens[b] == self.decode_query_len)
+        dev = self.device
+        step = StepMetadata(qsl_cpu.to(dev), seq_cpu.to(dev), pos.to(dev), slots.to(dev), self.swa_bt[idx.to(dev)],
+                            self.comp_bt[idx.to(dev)], self.state_bt[idx.to(dev)], num_decodes=nd,
+                            num_decode_tokens=nd * self.decode_query_len, max_model_len=self.max_model_len,
+                            window=self.cfg.sliding_window, query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu)
+        step.order = reqs
+        return step
+
+    def order(self, lens: Dict[int, int]) -> list:
+        """vLLM's batch order: decode requests first, then the others, each by request id."""
+        dec = sorted(b for b, n in lens.items() if n == self.decode_query_len)
+        return dec + sorted(b for b in lens if b not in dec)
 
     def step(self, tokens: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
         """Run one step: ``tokens[req]`` = the next bf16 hidden rows [n, hidden] of that request.
         Returns the layer output rows per request."""
-        reqs = sorted(tokens)
-        if not reqs:
+        if not tokens:
             return {}
-        for b in reqs:
-            if self.done[b] + tokens[b].shape[0] > self.max_model_len:
-                raise ValueError(f"request {b} would exceed max_model_len {self.max_model_len}")
-        lens = [tokens[b].shape[0] for b in reqs]
-        qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(lens), 0)), dtype=torch.int32, device=self.device)
-        pos = torch.cat([torch.arange(self.done[b], self.done[b] + n) for b, n in zip(reqs, lens)]).to(self.device)
-        idx = torch.tensor(reqs, device=self.device)
-        batch = StepBatch(qsl, torch.tensor([self.done[b] + n for b, n in zip(reqs, lens)], dtype=torch.int32,
-                                            device=self.device),
-                          pos, self.swa_bt[idx], self.comp_bt[idx], self.state_bt[idx])
-        x = torch.cat([tokens[b] for b in reqs]).to(self.device)
-        y = layer_forward(self.cfg, self.layer_type, self.weights, self.cache, batch, x, self.cos_sin,
-                          self.max_model_len, self.decode_threshold, self.impl)
-        for b, n in zip(reqs, lens):
-            self.done[b] += n
-        return {b: y[int(qsl[i]):int(qsl[i + 1])] for i, b in enumerate(reqs)}
+        step = self.make_step({b: t.shape[0] for b, t in tokens.items()})
+        step.build(self.ratios())
+        x = torch.cat([tokens[b] for b in step.order]).to(self.device)
+        y = self.layer(step.positions, x, step)
+        for b in step.order:
+            self.done[b] += tokens[b].shape[0]
+        qsl = step.query_start_loc_cpu
+        return {b: y[int(qsl[i]):int(qsl[i + 1])] for i, b in enumerate(step.order)}
+
+    def ratios(self) -> tuple:
+        return {LayerType.SWA: (), LayerType.C4: (4,), LayerType.C128: (128,)}[self.layer_type]

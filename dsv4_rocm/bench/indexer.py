@@ -19,6 +19,8 @@ the tile configurations of SWEEP (config column: BN/num_warps/num_stages/program
 """
 import torch
 
+from . import timing
+
 from .. import layout as L
 from ..reference.compressor import kv_cache_view
 from ..reference.rope import build_cos_sin_cache
@@ -28,22 +30,6 @@ H, D, BS = 64, 128, 64
 SWEEP = [dict(BN=bn, num_warps=nw, num_stages=st, waves=wv) for bn, nw, st, wv in
          ((128, 8, 3, 8), (128, 8, 4, 8), (128, 8, 2, 8), (128, 8, 3, 4), (128, 8, 3, 16), (64, 4, 3, 8),
           (64, 4, 2, 16), (64, 8, 3, 8))]
-
-
-def fp8_matmul_rate(device, n: int = 8192) -> float:
-    """FLOP/s of an n^3 fp8 e4m3 matmul (torch._scaled_mm; the fnuz dtype where the GPU has only that)."""
-    from .timing import time_ms
-    for dt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        try:
-            a = torch.randn(n, n, device=device).to(dt)
-            b = torch.randn(n, n, device=device).to(dt).t()
-            one = torch.ones((), device=device)
-            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            return 2 * n ** 3 / (time_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
-                                                                     out_dtype=torch.bfloat16)) * 1e-3)
-        except (RuntimeError, TypeError):
-            continue
-    return 0.0
 
 
 def _paged_case(b, avg_tokens, next_n, device, g, gc):
@@ -104,7 +90,7 @@ def suite(ctx):
     dev = ctx.device
     g = torch.Generator(device=dev).manual_seed(0)
     gc = torch.Generator().manual_seed(0)
-    rate = fp8_matmul_rate(dev) if ctx.wants("indexer") or ctx.wants("logits") else 0.0
+    rate = timing.fp8_matmul_rate(str(dev)) if ctx.wants("indexer") or ctx.wants("logits") else 0.0
     with ops.use_backend("triton"):
         paged = [(b, t, 1) for b in (64, 128) for t in (8192, 32768, 131072)] + [(64, 32768, 2)]
         for b, tokens, nn in paged:

@@ -12,20 +12,10 @@ Bytes, each counted once:
 """
 import torch
 
+from . import timing
+
 MODELS = {"flash": dict(G=8, hpg=8, d=1024), "pro": dict(G=16, hpg=8, d=1024)}
 TOKENS = (128, 4096)
-
-
-def fp8_matmul_rate(device, n: int = 8192) -> float:
-    """FLOP/s of an n^3 e4m3 x e4m3 -> bf16 ``torch._scaled_mm`` (fnuz e4m3 on gfx942)."""
-    from ..platform import detect
-    from .timing import time_ms
-    dt = torch.float8_e4m3fnuz if detect(device).arch == "gfx942" else torch.float8_e4m3fn
-    a = torch.randn(n, n, device=device).to(dt)
-    b = torch.randn(n, n, device=device).to(dt).t()
-    one = torch.ones((), device=device)
-    ms = time_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-    return 2 * n ** 3 / (ms * 1e-3)
 
 
 def _inputs(m, T, device, seed=0):
@@ -56,7 +46,7 @@ def suite(ctx):
     names = [(f"{k} T={T}", k, T) for k in MODELS for T in TOKENS]
     if not any(ctx.wants(f"inv_rope_quant {n}") or ctx.wants(f"fp8_einsum {n}") for n, _, _ in names):
         return
-    fp8_rate = fp8_matmul_rate(ctx.device)
+    fp8_rate = timing.fp8_matmul_rate(str(ctx.device))
     for name, model, T in names:
         m = MODELS[model]
         timer = time_graph_ms if T <= 128 else time_ms

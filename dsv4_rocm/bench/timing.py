@@ -28,6 +28,19 @@ def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
+@functools.lru_cache(maxsize=None)
+def fp8_matmul_rate(device, n: int = 8192) -> float:
+    """FLOP/s of an n^3 e4m3 x e4m3 -> bf16 ``torch._scaled_mm`` on random data (fnuz e4m3 on gfx942),
+    measured once per device and process: the ceiling of the fp8 matrix ops."""
+    from ..platform import detect
+    dt = torch.float8_e4m3fnuz if detect(device).arch == "gfx942" else torch.float8_e4m3fn
+    a = torch.randn(n, n, device=device).to(dt)
+    b = torch.randn(n, n, device=device).to(dt).t()
+    one = torch.ones((), device=device)
+    ms = time_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
 def bf16_matmul_rate(device, n: int = 8192) -> float:
     """FLOP/s of an n^3 bf16 matmul on random data."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
