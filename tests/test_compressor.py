@@ -350,7 +350,7 @@ _INTERPRETED_EXP = textwrap.dedent("""
 def test_kernel_exp_equals_the_oracle_bit_for_bit(tmp_path):
     """The kernel's exponential (its own NaN handling) gives the oracle's bits on random, boundary and
     special inputs (x <= 0: scores minus their max)."""
-    r = _interpret(_INTERPRETED_EXP, tmp_path)
+    r = run_interpreted(_INTERPRETED_EXP, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     n, bad = r.stdout.split()
     print(f"{n} values, {bad} differ")
@@ -482,7 +482,7 @@ def test_kernel_grids_and_poolings_write_the_same_records_under_the_interpreter(
     launch, tiles with and without prefetch) writes the same bytes, and only inside the step's records.
     (Value exactness against the oracle is the GPU tests' job: the interpreter rounds fp8 / bf16 its own
     way; the fp32 part is checked above.)"""
-    r = _interpret(_INTERPRETED_CONFIGS, tmp_path)
+    r = run_interpreted(_INTERPRETED_CONFIGS, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print(rows)
