@@ -70,7 +70,8 @@ def _decode_forms(a):
     invalid = a["indices"].clone()
     bad = invalid < 0
     cap = a["k_cache"].shape[0] * a["k_cache"].shape[1]
-    invalid[bad] = torch.tensor([-2 ** 31, 2 ** 31 - 1, cap, -5], dtype=torch.int32).repeat(bad.numel())[:int(bad.sum())]
+    invalid[bad] = torch.tensor([-2 ** 31, 2 ** 31 - 1, cap, -5], dtype=torch.int32,
+                                device=invalid.device).repeat(bad.numel())[:int(bad.sum())]
     yield "invalid indices of every kind", dict(a, indices=invalid)
 
 
