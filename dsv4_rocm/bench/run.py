@@ -23,21 +23,25 @@ def run(device="cuda", out_json=None, only=None, sweep=False, plot=None) -> dict
     ctx = BenchContext(device=device, only=only, sweep=sweep)
     ctx.measure_ceilings()
     for mod in suites():
+        n = len(ctx.rows)
         mod.suite(ctx)
+        if len(ctx.rows) > n:                 # each suite's rows as they come, and the report so far on disk
+            print_table(dict(ctx.report(), rows=ctx.rows[n:]), header=n == 0)
+            if out_json:
+                with open(out_json, "w") as f:
+                    json.dump(ctx.report(), f, indent=1)
     report = ctx.report()
-    print_table(report)
-    if out_json:
-        with open(out_json, "w") as f:
-            json.dump(report, f, indent=1)
     if plot and report["rows"]:
         from .plot import write_plot
         write_plot(report, plot)
     return report
 
 
-def print_table(rep):
-    print(f"\n{rep['device']} ({rep['arch']}), copy {rep['copy_TBps']:.2f} TB/s, bf16 mm {rep['bf16_TFLOPs']:.0f} TFLOP/s")
-    print(f"{'case':36s} {'config':10s} {'us':>9s} {'TFLOP/s':>8s} {'TB/s':>6s} {'floor':>6s} {'peer':>24s}")
+def print_table(rep, header=True):
+    if header:
+        print(f"\n{rep['device']} ({rep['arch']}), copy {rep['copy_TBps']:.2f} TB/s, "
+              f"bf16 mm {rep['bf16_TFLOPs']:.0f} TFLOP/s")
+        print(f"{'case':36s} {'config':10s} {'us':>9s} {'TFLOP/s':>8s} {'TB/s':>6s} {'floor':>6s} {'peer':>24s}")
     for r in rep["rows"]:
         peer = ""
         if r.get("ratio") is not None:
