@@ -106,3 +106,15 @@ def run_interpreted(script: str, tmp_path):
     f.write_text(script)
     return subprocess.run([sys.executable, str(f)], cwd=root, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=root), timeout=600)
+
+
+def patch_interpreter_scalars():
+    """Triton 3.6's interpreter turns a scalar used as a loop bound into int(array of shape (1,)), which
+    NumPy >= 2.3 rejects; take the element instead (the compiled kernels are unaffected)."""
+    import triton.runtime.interpreter as ti
+    patch = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    ti._patch_lang_tensor = patched

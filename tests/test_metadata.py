@@ -13,6 +13,8 @@ import sys
 
 import pytest
 import torch
+
+from helpers import patch_interpreter_scalars
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dsv4_rocm import ops
@@ -905,25 +907,13 @@ def check_kernel_case(op, args, kwargs, kernel, device):
         assert torch.equal(a, b.cpu()), (op, a, b.cpu())
 
 
-def _patch_interpreter_scalars():
-    """Triton 3.6's interpreter turns a scalar used as a loop bound into int(array of shape (1,)), which
-    NumPy >= 2.3 rejects; take the element instead (the compiled kernels are unaffected)."""
-    import triton.runtime.interpreter as ti
-    patch = ti._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-    ti._patch_lang_tensor = patched
-
-
 def kernel_of(op):
     import importlib
     return getattr(importlib.import_module(f"dsv4_rocm.triton.{op}"), op)
 
 
 def interpreter_main(seeds=range(40)):
-    _patch_interpreter_scalars()
+    patch_interpreter_scalars()
     counts = {}
     for seed in seeds:
         for op, args, kwargs in garbage_cases(seed) + batch_cases(seed, max_prefix=300):

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from helpers import patch_interpreter_scalars
+
 from dsv4_rocm import ops
 from dsv4_rocm.reference import indexer as I
 
@@ -217,21 +219,9 @@ def test_triton_kernel_under_interpreter():
     assert r.returncode == 0 and "interpreter cases passed" in r.stdout
 
 
-def _patch_interpreter_scalars():
-    """Triton 3.6's interpreter turns a scalar used as a loop bound into int(array of shape (1,)), which
-    NumPy >= 2.3 rejects; take the element instead (the compiled kernels are unaffected)."""
-    import triton.runtime.interpreter as ti
-    patch = ti._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-    ti._patch_lang_tensor = patched
-
-
 def interpreter_cases():
     from dsv4_rocm.triton import top_k_per_row as T
-    _patch_interpreter_scalars()
+    patch_interpreter_scalars()
     g = torch.Generator().manual_seed(0)
     k, width = 512, 5000
     starts = torch.tensor([0, 100, 7, 0, 300, 1000, 0, 901], dtype=torch.int32)
