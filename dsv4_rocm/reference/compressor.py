@@ -129,9 +129,26 @@ def pool(score: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return pairwise_sum((e * kv).transpose(-1, -2)) / pairwise_sum(e.transpose(-1, -2))
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 sqrt (IEEE, as the GPUs' sqrt.rn), on any torch build: some CPU builds of
+    torch compute fp32 (and fp64) sqrt with a last-bit error. r = the fp32 rounding of the fp64 root is
+    then moved to a neighbour when x lies outside the squares of the midpoints around r; a midpoint of
+    two fp32 values has 25 significant bits, so its square is exact in fp64 (ties cannot occur)."""
+    xd = x.double()
+    r = torch.sqrt(xd).float()
+    inf = torch.full_like(r, float("inf"))
+    lo, hi = torch.nextafter(r, -inf).double(), torch.nextafter(r, inf).double()
+    rd = r.double()
+    below = xd < ((lo + rd) * 0.5) ** 2
+    above = xd > ((hi + rd) * 0.5) ** 2
+    fix = torch.isfinite(r) & (r > 0)
+    r = torch.where(fix & below, lo.float(), r)
+    return torch.where(fix & above & ~below, hi.float(), r)
+
+
 def rms_normalize(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     var = pairwise_sum(y * y) / _f32(y.shape[-1], y)
-    rrms = torch.ones_like(var) / torch.sqrt(var + _f32(eps, y))
+    rrms = torch.ones_like(var) / sqrt_rn(var + _f32(eps, y))
     rrms = torch.where(var < float("inf"), rrms, torch.full_like(rrms, float("nan")))
     return (y * rrms.unsqueeze(-1)) * weight.float()
 
