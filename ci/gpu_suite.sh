@@ -1,67 +1,110 @@
 #!/usr/bin/env bash
-# What a GPU machine runs: environment, GPU tests, a memcheck pass, the benchmarks; a short table last.
-# Usage: bash ci/gpu_suite.sh [quick]   (results under $OUT, default ./gpu_out)
+# What a GPU machine runs: environment, the HIP extension build, GPU tests, a memcheck pass, the parity
+# report, the main job, FlashMLA's own cases through our API, the benchmarks; a short summary last.
+#
+# Usage: bash ci/gpu_suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
+#   stages: build tests memcheck parity main flashmla bench   (default: all, in that order)
+#   e.g. `bash ci/gpu_suite.sh build tests` then `bash ci/gpu_suite.sh build flashmla bench` fit two calls
+#   of ten minutes each on an H100.
+# Environment: PYTEST_WORKERS (default 4, with pytest-xdist), FLASHMLA_DIR (default .peers/FlashMLA, see
+# ci/flashmla_peer.sh: built here in the background when it is not built yet), FLASHMLA_EVERY (every n-th
+# FlashMLA case, default 8), BENCH_ARGS (extra arguments of `python -m dsv4_rocm bench`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+STAGES=${*:-build tests memcheck parity main flashmla bench}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+T0=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
+declare -A RC
 status=0
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || rocm-smi 2>/dev/null
+record() { RC[$1]=$2; [ "$2" = 0 ] || [ "$2" = skipped ] || status=1; }
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || rocm-smi --showproductname 2>/dev/null
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 -m dsv4_rocm info
-start=$(date +%s)
-python3 -c "from dsv4_rocm._build import load; load()" 2>&1 | tail -5
-build_rc=${PIPESTATUS[0]}
-echo "dsv4_rocm._C build: rc=$build_rc, $(( $(date +%s) - start )) s"
-[ "$build_rc" = 0 ] || status=1
 
-python3 -m pytest -m gpu -q tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | grep -v "^\s*$" | tail -40
-gpu_rc=${PIPESTATUS[0]}
-[ "$gpu_rc" = 0 ] || status=1
-
-if command -v compute-sanitizer >/dev/null && [ "${1:-}" != "quick" ]; then
-  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
-    python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_mla.py tests/test_quantize_and_insert_k_cache.py \
-      tests/test_dequantize_and_gather_k_cache.py tests/test_dequantize_global_slots_k_cache.py \
-      tests/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py tests/test_qnorm_rope_and_insert_full_k_cache.py \
-      -k "all_invalid or smoke or (reference_bytes and 3-100) or garbage or 2-5-400 or 2-37-2048 or 17-16-64-0 or 300-16-64" \
-      > "$OUT/memcheck.log" 2>&1
-  mc_rc=$?
-  grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
-  [ "$mc_rc" = 0 ] || status=1
-else
-  mc_rc=skipped
+FLASHMLA_DIR=${FLASHMLA_DIR:-$PWD/.peers/FlashMLA}
+fm_built() { python3 -c "import sys; sys.path.insert(0, '$FLASHMLA_DIR'); import flash_mla.cuda" 2>/dev/null; }
+if want flashmla && [ -f "$FLASHMLA_DIR/setup.py" ] && ! fm_built; then
+  stamp "building FlashMLA in the background (log: $OUT/flashmla_build.log)"
+  ( FLASHMLA_DIR=$FLASHMLA_DIR bash ci/flashmla_peer.sh build > "$OUT/flashmla_build.log" 2>&1 ) &
+  FM_BUILD=$!
 fi
 
-python3 -m dsv4_rocm parity --report "$OUT/parity_$(python3 -c 'from dsv4_rocm.platform import detect; print(detect("cuda").arch)').json" | tail -3
-parity_rc=${PIPESTATUS[0]}
-[ "$parity_rc" = 0 ] || status=1
-python3 -m dsv4_rocm run --device cuda 2>&1 | tail -6
-run_rc=${PIPESTATUS[0]}
-[ "$run_rc" = 0 ] || status=1
-
-# FlashMLA's own d_qk-512 test cases through dsv4_rocm.flash_mla (every FLASHMLA_EVERY-th), and FlashMLA
-# timed beside it when its package is built here; needs a FlashMLA checkout in FLASHMLA_DIR
-if [ -n "${FLASHMLA_DIR:-}" ]; then
-  python3 ci/flashmla_cases.py --flashmla "$FLASHMLA_DIR" --every "${FLASHMLA_EVERY:-8}" --timing \
-    --json "$OUT/flashmla_cases.json" > "$OUT/flashmla_cases.log" 2>&1
-  fm_rc=$?
-  sed -n '/^case  /,/^ratio = /p; /^timing skipped/p; /== FlashMLA cases/,$p' "$OUT/flashmla_cases.log"
-  [ "$fm_rc" = 0 ] || status=1
-else
-  fm_rc="skipped (set FLASHMLA_DIR to a FlashMLA checkout)"
+if want build; then
+  stamp "dsv4_rocm._C"
+  python3 -m dsv4_rocm info
+  python3 -c "from dsv4_rocm._build import load; load()" 2>&1 | tail -5
+  record build "${PIPESTATUS[0]}"
 fi
 
-python3 -m dsv4_rocm bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -90
-bench_rc=${PIPESTATUS[0]}
+if want tests; then
+  stamp "pytest -m gpu"
+  workers=${PYTEST_WORKERS:-4}
+  xdist=""; python3 -c "import xdist" 2>/dev/null && [ "$workers" -gt 1 ] && xdist="-n $workers"
+  python3 -m pytest -m gpu -q -p no:cacheprovider $xdist tests 2>&1 | tee "$OUT/pytest_gpu.log" |
+    grep -vE "^\s*$|^SKIPPED|^[.sxF]+( +\[ *[0-9]+%\])?$" | tail -30
+  record tests "${PIPESTATUS[0]}"
+fi
+
+if want memcheck; then
+  if command -v compute-sanitizer >/dev/null; then
+    stamp "compute-sanitizer memcheck"
+    compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_mla.py tests/test_quantize_and_insert_k_cache.py \
+        tests/test_dequantize_and_gather_k_cache.py tests/test_dequantize_global_slots_k_cache.py \
+        tests/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py tests/test_qnorm_rope_and_insert_full_k_cache.py \
+        -k "all_invalid or smoke or (reference_bytes and 3-100) or garbage or 2-5-400 or 2-37-2048 or 17-16-64-0 or 300-16-64" \
+        > "$OUT/memcheck.log" 2>&1
+    record memcheck $?
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+  else
+    record memcheck skipped
+  fi
+fi
+
+if want parity; then
+  stamp "parity report"
+  arch=$(python3 -c 'from dsv4_rocm.platform import detect; print(detect("cuda").arch)')
+  python3 -m dsv4_rocm parity --report "$OUT/parity_$arch.json" | tail -3
+  record parity "${PIPESTATUS[0]}"
+fi
+
+if want main; then
+  stamp "main job"
+  python3 -m dsv4_rocm run --device cuda 2>&1 | tail -8
+  record main "${PIPESTATUS[0]}"
+fi
+
+if want flashmla; then
+  if [ -n "${FM_BUILD:-}" ]; then stamp "waiting for the FlashMLA build"; wait "$FM_BUILD"; tail -2 "$OUT/flashmla_build.log"; fi
+  if [ -f "$FLASHMLA_DIR/tests/lib.py" ]; then
+    stamp "FlashMLA's sparse cases through dsv4_rocm.flash_mla (every ${FLASHMLA_EVERY:-8}-th), FlashMLA timed beside"
+    python3 ci/flashmla_cases.py --flashmla "$FLASHMLA_DIR" --every "${FLASHMLA_EVERY:-8}" --timing \
+      --json "$OUT/flashmla_cases.json" > "$OUT/flashmla_cases.log" 2>&1
+    record flashmla $?
+    sed -n '/^case  /,/^ratio = /p; /^timing skipped/p; /== FlashMLA cases/,$p' "$OUT/flashmla_cases.log"
+  else
+    record flashmla skipped
+    echo "FlashMLA cases skipped: no checkout in $FLASHMLA_DIR (bash ci/flashmla_peer.sh fetch)"
+  fi
+fi
+
+if want bench; then
+  stamp "benchmarks"
+  fm_path=""; [ -d "$FLASHMLA_DIR/flash_mla" ] && fm_path="$FLASHMLA_DIR"
+  PYTHONPATH="$PYTHONPATH${fm_path:+:$fm_path}" python3 -m dsv4_rocm bench --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench.log" | tail -90
+  record bench "${PIPESTATUS[0]}"
+fi
 
 echo
-echo "== gpu_suite summary =="
-echo "_C build:      rc=$build_rc"
-echo "pytest -m gpu: rc=$gpu_rc ($(grep -Eo '[0-9]+ passed|[0-9]+ failed' "$OUT/pytest_gpu.log" | tr '\n' ' '))"
-echo "memcheck:      rc=$mc_rc"
-echo "parity:        rc=$parity_rc"
-echo "main job:      rc=$run_rc"
-echo "FlashMLA cases: rc=$fm_rc (log in $OUT/flashmla_cases.log)"
-echo "bench:         rc=$bench_rc (table above, JSON in $OUT/bench.json)"
+stamp "gpu_suite summary"
+for s in build tests memcheck parity main flashmla bench; do
+  want "$s" || continue
+  extra=""
+  [ "$s" = tests ] && extra=" ($(grep -Eo '[0-9]+ (passed|failed|error)' "$OUT/pytest_gpu.log" 2>/dev/null | tr '\n' ' '))"
+  printf '%-9s rc=%s%s\n' "$s" "${RC[$s]:-?}" "$extra"
+done
 exit $status
