@@ -194,9 +194,11 @@ _INTERPRETED = textwrap.dedent("""
     import torch
     sys.path.insert(0, "tests")
     from test_fp8_einsum import _operands, _packed, _mn_major, _g_t_d, _abs_sum
+    from helpers import patch_interpreter_scalars
     from dsv4_rocm.reference import output as O
     from dsv4_rocm.triton import fp8_einsum as E
 
+    patch_interpreter_scalars()                 # the split-K loop bounds are run-time values
     T, G, n, r = 70, 2, 192, 512
     a8, sa, w8, ws = _operands(T, G, n, r, 3)
     sa[5, 1, 2] = float("nan")
@@ -206,7 +208,9 @@ _INTERPRETED = textwrap.dedent("""
     S = _abs_sum(a8, sa.nan_to_num(), w8, ws).float()
     forms = [((a8, sa), (w8, ws), 128), ((_g_t_d(a8), _mn_major(_packed(sa))), (w8, _packed(per_row)), 1),
              ((a8, _mn_major(sa)), (w8, per_row), 1)]
-    for cfg in (dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2), dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1)):
+    # the third splits the 4 k-blocks 3 ways (2 + 2 + an empty split), twice: the counters reset themselves
+    for cfg in (dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2), dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1),
+                dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, SPLIT_K=3), dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, SPLIT_K=3)):
         for a, b, gran in forms:
             out = torch.full((T, G, n), float("nan"))
             E.fp8_einsum("bhr,hdr->bhd", a, b, out, recipe=(1, gran, 128), config=dict(cfg, num_warps=4))
@@ -217,14 +221,14 @@ _INTERPRETED = textwrap.dedent("""
 
 
 def test_kernel_equals_the_oracle_under_the_interpreter(tmp_path):
-    """Indexing, masking of partial tiles, the tile order, scale decoding (packed, per row, MN-major) and the
-    NaN row, with the fp8 operands decoded exactly: fp32 sums of exact products, so the error is fp32
+    """Indexing, masking of partial tiles, the tile order, scale decoding (packed, per row, MN-major), the
+    NaN row and the split-K reduction, with the fp8 operands decoded exactly: fp32 sums of exact products, so the error is fp32
     rounding of the block sums only (far below 2^-16 of S)."""
     r = run_interpreted(_INTERPRETED, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print("\n".join(" ".join(x) for x in rows))
-    assert len(rows) == 6 and all(x[0] == "1" and float(x[1]) < 2 ** -16 for x in rows)
+    assert len(rows) == 12 and all(x[0] == "1" and float(x[1]) < 2 ** -16 for x in rows)
 
 
 def _check_bound(z, ref, S, what):
@@ -318,3 +322,30 @@ def test_gpu_output_path_replays_from_a_cuda_graph(gpu):
         O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (w8, ws), ref)
         _check_bound(z.cpu(), ref.cpu(), _abs_sum(a8.view(torch.uint8).cpu(), sa.cpu(), w8.view(torch.uint8).cpu(),
                                                   ws.cpu()), f"graph replay {seed}")
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_is_deterministic_and_replays(gpu):
+    """The split-K reduction: the same bits on every call (partials added in split order, whichever program
+    finishes last), eagerly and replayed from a graph (the counters reset themselves)."""
+    from dsv4_rocm.triton.fp8_einsum import fp8_einsum
+    T, G, n, r = 128, 8, 1024, 4096
+    a8, sa, w8, ws = _operands(T, G, n, r, 9, gpu)
+    ref = torch.empty(T, G, n, dtype=torch.bfloat16, device=gpu)
+    O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (w8, ws), ref)
+    S = _abs_sum(a8.cpu(), sa.cpu(), w8.cpu(), ws.cpu())
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, SPLIT_K=4)
+    z = torch.full_like(ref, float("nan"))
+    fp8_einsum("bhr,hdr->bhd", (a8, sa), (w8, ws), z, config=cfg)
+    _check_bound(z.cpu(), ref.cpu(), S, "split 4")
+    first = z.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_einsum("bhr,hdr->bhd", (a8, sa), (w8, ws), z, config=cfg)
+    for _ in range(3):
+        z.fill_(float("nan"))
+        fp8_einsum("bhr,hdr->bhd", (a8, sa), (w8, ws), z, config=cfg)
+        assert torch.equal(z, first)
+        z.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(z, first)

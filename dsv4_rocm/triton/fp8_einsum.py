@@ -20,6 +20,13 @@ too; an activation holding 0x80 itself would read as NaN on gfx942.
 
 Tiles: one program computes a BLOCK_M x BLOCK_N tile of one group; programs are ordered GROUP_M m-tiles
 at a time so that neighbours share w tiles in L2. Rows t >= T and columns n >= d are masked.
+
+Split K (SPLIT_K > 1, for grids too small to keep the memory system busy: decode-sized T reads every w
+byte once but has few tiles): the k-blocks of a tile are divided among SPLIT_K programs. Each writes its
+fp32 partial tile to a workspace slot of its own, then counts itself in at the tile's arrival counter; the
+program that arrives last adds the SPLIT_K partials in split order (so the result does not depend on
+which program finishes when), stores the output and sets the counter back to 0, which leaves the
+counters ready for the next call and for graph replays. Counters and workspace are cached per device.
 """
 import functools
 
@@ -63,11 +70,14 @@ def _fp8_tile(ptrs, mask, FNUZ: tl.constexpr, FIX_NEG_ZERO: tl.constexpr):
 @triton.jit
 def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_stride_g, sa_stride_k,
                        w_ptr, w_stride_g, w_stride_n, sw_ptr, sw_stride_g, sw_stride_n, sw_stride_k,
-                       out_ptr, out_stride_t, out_stride_g, num_tokens, n_cols,
+                       out_ptr, out_stride_t, out_stride_g, num_tokens, n_cols, ws_ptr, count_ptr,
                        K_BLOCKS: tl.constexpr, A_PACKED: tl.constexpr, W_PACKED: tl.constexpr, W_GRAN_N: tl.constexpr,
-                       FNUZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                       FNUZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    KB_SPLIT: tl.constexpr = (K_BLOCKS + SPLIT_K - 1) // SPLIT_K        # k-blocks a split
     num_m = tl.cdiv(num_tokens, BLOCK_M)
     num_n = tl.cdiv(n_cols, BLOCK_N)
     width = GROUP_M * num_n
@@ -80,8 +90,14 @@ def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_st
     rk = tl.arange(0, 128)
     m_ok = rm < num_tokens
     n_ok = rn < n_cols
-    a_ptrs = a_ptr + g * a_stride_g + rm.to(tl.int64)[:, None] * a_stride_t + rk[None, :]
-    w_ptrs = w_ptr + g * w_stride_g + rn.to(tl.int64)[:, None] * w_stride_n + rk[None, :]
+    if SPLIT_K == 1:
+        kb0 = 0
+        kb_end = K_BLOCKS
+    else:
+        kb0 = split * KB_SPLIT
+        kb_end = tl.minimum(kb0 + KB_SPLIT, K_BLOCKS)
+    a_ptrs = a_ptr + g * a_stride_g + rm.to(tl.int64)[:, None] * a_stride_t + (kb0 * 128 + rk)[None, :]
+    w_ptrs = w_ptr + g * w_stride_g + rn.to(tl.int64)[:, None] * w_stride_n + (kb0 * 128 + rk)[None, :]
     sa_rows = sa_ptr + g * sa_stride_g + rm.to(tl.int64) * sa_stride_t
     # a w tile inside one 128-row scale block (BLOCK_N divides 128) has a single weight scale per k-block
     W_UNIFORM: tl.constexpr = W_GRAN_N == 128 and 128 % BLOCK_N == 0
@@ -92,7 +108,7 @@ def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_st
         sw_rows = sw_ptr + g * sw_stride_g + (rn // W_GRAN_N).to(tl.int64) * sw_stride_n
         sw_mask = n_ok
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, K_BLOCKS):
+    for kb in range(kb0, kb_end):
         a = _fp8_tile(a_ptrs, m_ok[:, None], FNUZ, False)
         w = _fp8_tile(w_ptrs, n_ok[:, None], FNUZ, True)
         part = tl.dot(a, tl.trans(w))
@@ -106,8 +122,24 @@ def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_st
             acc += part * (sa[:, None] * sw[None, :])
         a_ptrs += 128
         w_ptrs += 128
-    out = out_ptr + g * out_stride_g + rm.to(tl.int64)[:, None] * out_stride_t + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT_K > 1:
+        tile = (g * num_m + pid_m) * num_n + pid_n
+        n_tiles = tl.num_programs(1) * num_m * num_n
+        cell = (tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]).to(tl.int64)
+        tl.store(ws_ptr + (split * n_tiles + tile) * (BLOCK_M * BLOCK_N) + cell, acc)
+        tl.debug_barrier()                      # every thread's partial is stored before the count is released
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:              # the last split of this tile: add the partials in split order
+            tl.debug_barrier()
+            acc = tl.load(ws_ptr + tile * (BLOCK_M * BLOCK_N) + cell, cache_modifier=".cg")
+            for s2 in tl.static_range(1, SPLIT_K):
+                acc += tl.load(ws_ptr + (s2 * n_tiles + tile) * (BLOCK_M * BLOCK_N) + cell, cache_modifier=".cg")
+            out = out_ptr + g * out_stride_g + rm.to(tl.int64)[:, None] * out_stride_t + rn[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            tl.atomic_xchg(count_ptr + tile, 0)
+    else:
+        out = out_ptr + g * out_stride_g + rm.to(tl.int64)[:, None] * out_stride_t + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def default_config(arch: str, num_tokens: int, per_row_w_scales: bool = False) -> dict:
@@ -132,7 +164,7 @@ def default_config(arch: str, num_tokens: int, per_row_w_scales: bool = False) -
     return cfg
 
 
-TILE_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M")
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "SPLIT_K")
 SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --sweep`` (merged over default_config); each
     # compiles without spills for sm_90a
     "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4),
@@ -141,7 +173,34 @@ SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --sweep`` (merged
     "m128n64": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8),
     "m128n128": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
     "m128n128s3": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    "m64n64k2": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, SPLIT_K=2),
+    "m128n64k2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, SPLIT_K=2),
+    "m128n128k4": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, SPLIT_K=4),
+    "m128n128k8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, SPLIT_K=8),
+    "m64n128k4": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, SPLIT_K=4),
 }
+
+
+_SPLIT_BUFFERS = {}   # (device type, index, stream) -> (fp32 workspace, int32 arrival counters)
+_RETIRED = []         # replaced buffers: a graph captured earlier may still use them
+
+
+def _split_buffers(device: torch.device, ws_numel: int, tiles: int):
+    """The split-K workspace and the tiles' arrival counters (zero between calls: the last arriver of a
+    tile resets its counter), one pair per device and stream; they only grow."""
+    if device.type == "cpu":                 # the Triton interpreter
+        key = ("cpu", 0, 0)
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (device.type, index, torch.cuda.current_stream(index).cuda_stream)
+    ws, cnt = _SPLIT_BUFFERS.get(key, (None, None))
+    if ws is None or ws.numel() < ws_numel or cnt.numel() < tiles:
+        if ws is not None:
+            _RETIRED.append((ws, cnt))
+        ws = torch.empty(max(ws_numel, ws.numel() if ws is not None else 0), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(tiles, cnt.numel() if cnt is not None else 0), dtype=torch.int32, device=device)
+        _SPLIT_BUFFERS[key] = (ws, cnt)
+    return ws, cnt
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,13 +219,18 @@ def grouped_fp8_gemm(a8, sa, w8, sw, out, w_gran_n: int, config: dict = None) ->
     arch, fnuz = _device_facts(a8.device)
     cfg = dict(default_config(arch, T, w_gran_n == 1), **(config or {}))
     meta = {k: v for k, v in cfg.items() if k not in TILE_KEYS}
-    grid = (triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), G)
-    _fp8_einsum_kernel[grid](
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], min(cfg.get("SPLIT_K", 1), K // 128)
+    tiles = triton.cdiv(T, bm) * triton.cdiv(N, bn)
+    if split > 1:
+        ws, cnt = _split_buffers(a8.device, split * tiles * G * bm * bn, tiles * G)
+    else:
+        ws, cnt = out, sa        # not read
+    _fp8_einsum_kernel[(tiles, G, split)](
         a8.view(torch.uint8), a8.stride(0), a8.stride(1), sa, sa.stride(0), sa.stride(1), sa.stride(2),
         w8.view(torch.uint8), w8.stride(0), w8.stride(1), sw, sw.stride(0), sw.stride(1), sw.stride(2),
-        out, out.stride(0), out.stride(1), T, N, K_BLOCKS=K // 128, A_PACKED=sa.dtype == torch.int32,
-        W_PACKED=sw.dtype == torch.int32, W_GRAN_N=w_gran_n, FNUZ=fnuz,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], **meta)
+        out, out.stride(0), out.stride(1), T, N, ws, cnt, K_BLOCKS=K // 128, A_PACKED=sa.dtype == torch.int32,
+        W_PACKED=sw.dtype == torch.int32, W_GRAN_N=w_gran_n, FNUZ=fnuz, BLOCK_M=bm, BLOCK_N=bn,
+        GROUP_M=cfg["GROUP_M"], SPLIT_K=split, **meta)
 
 
 def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128), config: dict = None) -> None:
@@ -188,16 +252,17 @@ def fp8_linear(x, w8, w_scale, config: dict = None):
     return out.view(T, N)
 
 
-def _spec(name, a_packed, w_packed, gran, tokens):
+def _spec(name, a_packed, w_packed, gran, tokens, split=None):
     def cfg(arch):
-        return default_config(arch, tokens, gran == 1)
+        return dict(default_config(arch, tokens, gran == 1), **(split or {}))
     return dict(
         name=f"fp8_einsum[{name}]", fn=_fp8_einsum_kernel,
         pointers=dict(a_ptr="*u8", sa_ptr="*i32" if a_packed else "*fp32", w_ptr="*u8",
-                      sw_ptr="*i32" if w_packed else "*fp32", out_ptr="*bf16"),
+                      sw_ptr="*i32" if w_packed else "*fp32", out_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32"),
         floats=(),
         constexprs=lambda arch: dict(K_BLOCKS=32, A_PACKED=a_packed, W_PACKED=w_packed, W_GRAN_N=gran,
-                                     FNUZ=arch == "gfx942", **{k: v for k, v in cfg(arch).items() if k in TILE_KEYS}),
+                                     FNUZ=arch == "gfx942", **dict({"SPLIT_K": 1}, **{
+                                         k: v for k, v in cfg(arch).items() if k in TILE_KEYS})),
         options=lambda arch: {k: v for k, v in cfg(arch).items() if k not in TILE_KEYS},
         matrix=True, fp8_mma=True)
 
@@ -207,4 +272,6 @@ COMPILE_SPECS = [
     _spec("fp32 scales, 128-token tile", False, False, 128, 128),
     _spec("fp32 scales, prefill tile", False, False, 128, 4096),
     _spec("packed ue8m0 scales per row, prefill tile", True, True, 1, 4096),
+    _spec("fp32 scales, 128 x 128 tile split 4 ways along k", False, False, 128, 128,
+          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, SPLIT_K=4)),
 ]
