@@ -8,9 +8,12 @@ absolute. Block tables are vLLM's: the SWA cache in 64-token blocks, the compres
 token positions (64 entries of C4, 2 of C128; the indexer-K cache shares the C4 table), the compressor
 state in blocks of 4 (C4) or 8 (C128) token positions.
 
-``StepMetadata.build`` runs the metadata ops once per step (what vLLM's builders do), into tensors whose
-shapes depend only on the batch shape, so a decode step builds and runs inside a CUDA/HIP graph. The
-host integers (request and token counts) come from the scheduler, never from device tensors.
+``StepMetadata.build`` computes the index sets once per step (what vLLM's builders do), into tensors whose
+shapes depend only on the batch shape, so a decode step builds and runs inside a CUDA/HIP graph. On a GPU
+that is one kernel launch (dsv4_rocm/triton/step_index_sets.py); ``build_from_ops`` composes the same sets
+from the public metadata ops, the reference the kernel is tested against. Padding tokens (slot -1, or past
+the last request's query range) get token_to_req -1 where outside every request, lengths 0 and rows of
+-1. The host integers (request and token counts) come from the scheduler, never from device tensors.
 """
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -20,6 +23,7 @@ import torch
 from . import layout as L
 from . import ops
 from .reference.compressor import state_block_size
+from .reference.metadata import slot_mapping_from_block_table
 
 
 @dataclass
@@ -61,39 +65,108 @@ class StepMetadata:
         return self.num_decode_tokens // self.num_decodes if self.num_decodes else 0
 
     def build(self, ratios=(4, 128)) -> "StepMetadata":
-        """Fill the shared index sets for the layer ratios of the model (no host sync)."""
+        """Fill the shared index sets for the layer ratios of the model (no host sync): one launch of the
+        step's index-set kernel (dsv4_rocm/triton/step_index_sets.py) where the metadata ops run Triton,
+        else ``build_from_ops``. The results are the same; the kernel writes into the buffers of the
+        previous build when the step's shape is unchanged (a captured graph keeps their addresses)."""
+        ratios = self._check(ratios)
+        if ops.backend_for("compute_swa_indices_and_lens", self.positions.device) == "triton":
+            return self.build_fused(ratios)
+        return self.build_from_ops(ratios)
+
+    def build_fused(self, ratios=(4, 128)) -> "StepMetadata":
+        """``build`` in one kernel launch (a GPU, or CPU tensors under TRITON_INTERPRET=1)."""
+        from .triton.step_index_sets import step_index_sets
+        ratios = self._check(ratios)
         T, dev = self.num_tokens, self.positions.device
-        if self.num_decodes and self.num_decode_tokens % self.num_decodes:
-            raise ValueError(f"num_decode_tokens {self.num_decode_tokens} is not a multiple of num_decodes "
-                             f"{self.num_decodes}: decode requests must have the same query length")
-        lens = (self.query_start_loc[1:] - self.query_start_loc[:-1]).to(torch.int64)
-        self.token_to_req = torch.repeat_interleave(
-            torch.arange(self.num_requests, device=dev, dtype=torch.int32), lens, output_size=T)
+
+        def buf(old, shape, dtype):
+            if old is not None and tuple(old.shape) == shape and old.dtype == dtype and old.device == dev:
+                return old
+            return torch.empty(shape, dtype=dtype, device=dev)
+        self.token_to_req = buf(self.token_to_req, (T,), torch.int32)
+        self.is_valid_token = buf(self.is_valid_token, (T,), torch.bool)
+        self.swa_indices = buf(self.swa_indices, (T, self.window), torch.int32)
+        self.swa_lens = buf(self.swa_lens, (T,), torch.int32)
+        for r in ratios:
+            self.compressed_slots[r] = buf(self.compressed_slots.get(r), (T,), torch.int64)
+            self.state_slots[r] = buf(self.state_slots.get(r), (T,), torch.int64)
+        c4 = c128 = None
+        if 4 in ratios:
+            self.indexer_lens = buf(self.indexer_lens, (T,), torch.int32)
+            c4 = (self.compressed_slots[4], self.state_slots[4], self.indexer_lens)
+        if 128 in ratios:
+            self.c128_indices = buf(self.c128_indices, (T, c128_max_entries(self.max_model_len)), torch.int32)
+            self.c128_lens = buf(self.c128_lens, (T,), torch.int32)
+            c128 = (self.compressed_slots[128], self.state_slots[128], self.c128_indices, self.c128_lens)
+        step_index_sets(self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping, self.swa_block_table,
+                        self.compressed_block_table, self.state_block_table, self.token_to_req, self.is_valid_token,
+                        self.swa_indices, self.swa_lens, c4, c128)
+        return self
+
+    def build_from_ops(self, ratios=(4, 128), impl=ops) -> "StepMetadata":
+        """``build`` as a composition of the public metadata ops (``impl``: dsv4_rocm.ops, or the oracle
+        module dsv4_rocm.reference.metadata, which skips the ops' value checks) and torch: the reference
+        the one-launch kernel is tested against. A token outside every request's query range has
+        token_to_req -1; a state slot whose request, position, column or page is invalid is -1."""
+        ratios = self._check(ratios)
+        T, R, dev = self.num_tokens, self.num_requests, self.positions.device
+        req = torch.searchsorted(self.query_start_loc, torch.arange(T, device=dev, dtype=torch.int32), right=True,
+                                 out_int32=True) - 1
+        self.token_to_req = req.masked_fill(req == R, -1)
         self.is_valid_token = self.slot_mapping >= 0
         self.swa_indices = torch.empty(T, self.window, dtype=torch.int32, device=dev)
         self.swa_lens = torch.empty(T, dtype=torch.int32, device=dev)
-        ops.compute_swa_indices_and_lens(self.swa_indices, self.swa_lens, self.window, self.query_start_loc,
-                                         self.seq_lens, self.token_to_req, self.is_valid_token, self.swa_block_table,
-                                         L.SWA_BLOCK_SIZE)
+        impl.compute_swa_indices_and_lens(self.swa_indices, self.swa_lens, self.window, self.query_start_loc,
+                                          self.seq_lens, self.token_to_req, self.is_valid_token, self.swa_block_table,
+                                          L.SWA_BLOCK_SIZE)
         for r in ratios:
-            slots = ops.get_compressed_slot_mapping(T, self.query_start_loc, self.seq_lens,
-                                                    self.compressed_block_table, L.compressed_block_size(r), r)
+            slots = impl.get_compressed_slot_mapping(T, self.query_start_loc, self.seq_lens,
+                                                     self.compressed_block_table, L.compressed_block_size(r), r)
             self.compressed_slots[r] = slots.masked_fill(~self.is_valid_token, -1)
-            sbs = state_block_size(r)
-            col = torch.where(self.is_valid_token, self.positions // sbs, 0)   # padding reads column 0
-            blk = self.state_block_table[self.token_to_req.long(), col].long()
-            self.state_slots[r] = torch.where(self.is_valid_token, blk * sbs + self.positions % sbs, -1)
+            state = slot_mapping_from_block_table(self.positions, self.token_to_req, self.state_block_table,
+                                                  state_block_size(r))
+            self.state_slots[r] = state.masked_fill(~self.is_valid_token, -1)
         if 4 in ratios:
-            self.indexer_lens = torch.where(self.is_valid_token, (self.positions + 1) // 4, 0).to(torch.int32)
+            seen = self.is_valid_token & (self.positions >= 0)
+            self.indexer_lens = torch.where(seen, (self.positions + 1) // 4, 0).to(torch.int32)
         if 128 in ratios:
             kmax = c128_max_entries(self.max_model_len)
             self.c128_indices = torch.empty(T, kmax, dtype=torch.int32, device=dev)
             self.c128_lens = torch.empty(T, dtype=torch.int32, device=dev)
             # every token attends from the pages (decode and prefill alike): global slots for all of them
-            ops.build_c128a_topk_metadata(self.positions, 128, T, self.token_to_req, self.compressed_block_table,
-                                          L.compressed_block_size(128), self.slot_mapping, self.c128_indices,
-                                          self.c128_lens, self.c128_indices[:0], kmax)
+            impl.build_c128a_topk_metadata(self.positions, 128, T, self.token_to_req, self.compressed_block_table,
+                                           L.compressed_block_size(128), self.slot_mapping, self.c128_indices,
+                                           self.c128_lens, self.c128_indices[:0], kmax)
         return self
+
+    def _check(self, ratios) -> tuple:
+        """Structure of the step (ValueError naming the argument before any write); returns the ratios."""
+        ratios = tuple(ratios)
+        for r in ratios:
+            if r not in (4, 128):
+                raise ValueError(f"ratios: compress ratios are 4 and 128, got {r!r}")
+        if self.num_decodes and self.num_decode_tokens % self.num_decodes:
+            raise ValueError(f"num_decode_tokens {self.num_decode_tokens} is not a multiple of num_decodes "
+                             f"{self.num_decodes}: decode requests must have the same query length")
+        T, R = self.num_tokens, self.num_requests
+        for name, t, dtype, shape in (("query_start_loc", self.query_start_loc, torch.int32, (R + 1,)),
+                                      ("seq_lens", self.seq_lens, torch.int32, (R,)),
+                                      ("positions", self.positions, torch.int64, (T,)),
+                                      ("slot_mapping", self.slot_mapping, torch.int64, (T,))):
+            if t.dtype != dtype or tuple(t.shape) != shape or (t.numel() > 1 and t.stride(0) != 1):
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        for name in ("swa_block_table", "compressed_block_table", "state_block_table"):
+            t = getattr(self, name)
+            if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != R or (t.shape[1] > 1 and t.stride(1) != 1):
+                raise ValueError(f"{name} must be an int32 [{R}, blocks] tensor with contiguous rows (one row per "
+                                 f"request), got {t.dtype} {tuple(t.shape)}")
+        for name in ("query_start_loc", "seq_lens", "slot_mapping", "swa_block_table", "compressed_block_table",
+                     "state_block_table"):
+            if getattr(self, name).device != self.positions.device:
+                raise ValueError(f"{name} is on {getattr(self, name).device}, positions on {self.positions.device}")
+        return ratios
 
 
 def c128_max_entries(max_model_len: int) -> int:

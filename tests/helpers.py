@@ -108,6 +108,18 @@ def run_interpreted(script: str, tmp_path):
                           env=dict(os.environ, PYTHONPATH=root), timeout=600)
 
 
+def run_file_interpreted(test_file: str, timeout: int = 600):
+    """Run a test file as a script (its ``__main__`` block) under TRITON_INTERPRET=1 in a fresh process (the
+    variable must be set before triton is imported), with the repository and tests/ on PYTHONPATH. Prints
+    the ends of its output and returns the CompletedProcess."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    r = subprocess.run([sys.executable, os.path.abspath(test_file)], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    return r
+
+
 def patch_interpreter_scalars():
     """Triton 3.6's interpreter turns a scalar used as a loop bound into int(array of shape (1,)), which
     NumPy >= 2.3 rejects; take the element instead (the compiled kernels are unaffected)."""

@@ -7,14 +7,10 @@
 * the Triton kernels under TRITON_INTERPRET=1 (a subprocess, CPU) and on the GPU, equal to the oracle
   on random garbage too, and captured into a CUDA graph for the decode step.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import patch_interpreter_scalars
+from helpers import patch_interpreter_scalars, run_file_interpreted
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dsv4_rocm import ops
@@ -935,11 +931,7 @@ def interpreter_main(seeds=range(40)):
 def test_triton_kernels_under_interpreter():
     """Every kernel's integer logic, run by TRITON_INTERPRET=1 (set before triton is imported, hence a
     subprocess), equals the oracle byte for byte on random garbage batches and vLLM's bounds cases."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    print(r.stdout[-3000:], r.stderr[-3000:])
+    r = run_file_interpreted(__file__)
     assert r.returncode == 0 and "interpreter cases passed" in r.stdout
 
 

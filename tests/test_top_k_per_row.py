@@ -9,14 +9,10 @@ the lengths, graph replay with new lengths. Selections are compared as multisets
 implementation-defined, docs/conventions.md), indices must be distinct and in range, short rows exact.
 The kernels also promise the lowest columns among ties; ``check_topk(lowest_ties=True)`` checks that.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import patch_interpreter_scalars
+from helpers import patch_interpreter_scalars, run_file_interpreted
 
 from dsv4_rocm import ops
 from dsv4_rocm.reference import indexer as I
@@ -211,11 +207,7 @@ def test_triton_kernel_under_interpreter():
     """The kernel's integer logic runs exactly under TRITON_INTERPRET=1 (set before triton is imported, hence
     a subprocess): k = 512 on rows of 600-5000 columns through each path (short rows, group maxima, the
     streamed slow path) and each call form; see ``interpreter_cases``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    print(r.stdout[-4000:], r.stderr[-4000:])
+    r = run_file_interpreted(__file__)
     assert r.returncode == 0 and "interpreter cases passed" in r.stdout
 
 

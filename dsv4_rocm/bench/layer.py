@@ -11,7 +11,13 @@ projections, wo_b) are torch matmuls and stay out.
 
 Each op's floor is max(bytes / copy bandwidth, FLOP / matrix rate) with bytes counted once (inputs read,
 outputs written) and the fp8 rate for fp8 matrix work; the step's target is 1.3x the sum of the floors.
+
+The step's index sets (``StepMetadata.build``: one kernel, dsv4_rocm/triton/step_index_sets.py) are timed
+beside their peer, the composition of the public metadata ops they replace (``build_from_ops``), for the
+C4 sets this layer reads and for both ratios (what a V4 model's step builds for its C4 and C128 layers).
+``--sweep`` also times the kernel's launch configurations, each checked against the default first.
 """
+import dataclasses
 import math
 
 import torch
@@ -23,10 +29,12 @@ from ..kv_cache import LayerCache
 from ..reference.compressor import coff, state_block_size
 from ..reference.rope import build_cos_sin_cache
 from ..step import StepMetadata
+from ..triton.step_index_sets import step_index_sets
 from ..weights import LayerWeights
 from . import timing
 
 B, CTX = 128, 8192
+SWEEP_INDEX_SETS = [dict(BLOCK_T=bt, num_warps=w) for bt in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4)]
 
 
 def _filled_caches(cfg, device, g):
@@ -60,6 +68,52 @@ def _step(device, g):
     slot = swa_bt[torch.arange(B, device=device), pos // 64].long() * 64 + pos % 64
     return StepMetadata(torch.arange(B + 1, **i32), (pos + 1).to(torch.int32), pos, slot, swa_bt, comp_bt,
                         ring.to(torch.int32), num_decodes=B, num_decode_tokens=B, max_model_len=CTX + 1)
+
+
+def _unbuilt(step):
+    """A step with the same inputs and no index sets of its own (the peer builds into it)."""
+    return dataclasses.replace(step, token_to_req=None, is_valid_token=None, swa_indices=None, swa_lens=None,
+                               compressed_slots={}, state_slots={}, c128_indices=None, c128_lens=None,
+                               indexer_lens=None)
+
+
+def _index_set_fields(step, ratios):
+    out = [step.token_to_req, step.is_valid_token, step.swa_indices, step.swa_lens]
+    out += [d[r] for r in ratios for d in (step.compressed_slots, step.state_slots)]
+    out += [step.indexer_lens] if 4 in ratios else []
+    out += [step.c128_indices, step.c128_lens] if 128 in ratios else []
+    return out
+
+
+def _index_sets(ctx, name, step, nbytes):
+    """The index sets of both ratios beside the composition; with --sweep every launch configuration.
+    Every variant must give the composition's bytes before it is timed."""
+    both = (4, 128)
+    peer = _unbuilt(step)
+    want = [t.clone() for t in _index_set_fields(peer.build_from_ops(both), both)]
+    fused = _unbuilt(step).build(both)
+    if not all(torch.equal(a, b) for a, b in zip(_index_set_fields(fused, both), want)):
+        raise RuntimeError("step index sets (ratios 4 and 128) differ from the composition of the ops")
+    c128_bytes = B * (128 * 4 + 4 + 8 * 2)
+    ctx.add(f"{name}: step index sets, ratios 4 + 128", "graph", timing.time_graph_ms(lambda: fused.build(both)), 0,
+            nbytes + c128_bytes, peer="composition of the ops", peer_ms=timing.time_graph_ms(
+                lambda: peer.build_from_ops(both)))
+    for cfg in (SWEEP_INDEX_SETS if ctx.sweep else ()):
+        v = _unbuilt(step).build(both)
+        c4 = (v.compressed_slots[4], v.state_slots[4], v.indexer_lens)
+        c128 = (v.compressed_slots[128], v.state_slots[128], v.c128_indices, v.c128_lens)
+
+        def launch(v=v, c4=c4, c128=c128, cfg=cfg):
+            step_index_sets(v.query_start_loc, v.seq_lens, v.positions, v.slot_mapping, v.swa_block_table,
+                            v.compressed_block_table, v.state_block_table, v.token_to_req, v.is_valid_token,
+                            v.swa_indices, v.swa_lens, c4, c128, config=cfg)
+        for t in _index_set_fields(v, both):
+            t.fill_(0 if t.dtype == torch.bool else -3)
+        launch()
+        if not all(torch.equal(a, b) for a, b in zip(_index_set_fields(v, both), want)):
+            raise RuntimeError(f"step index sets with {cfg} differ from the composition of the ops")
+        ctx.add(f"{name}: step index sets, ratios 4 + 128", f"T{cfg['BLOCK_T']} w{cfg['num_warps']}",
+                timing.time_graph_ms(launch), 0, nbytes + c128_bytes)
 
 
 def suite(ctx):
@@ -112,6 +166,11 @@ def suite(ctx):
     def op_metadata():
         step.build((4,))
 
+    peer_step = _unbuilt(step)
+
+    def op_metadata_ops():                            # the peer: the same sets from the public ops
+        peer_step.build_from_ops((4,))
+
     def op_compressor():
         compress(kv_score, cache.comp_state, cache.comp_view(), 512, W.comp_norm, W.comp_ape, step.compressed_slots[4])
 
@@ -150,10 +209,11 @@ def suite(ctx):
     n_entries_seen = CTX / 4                         # compressed entries each token's logits read
     boundary = B / 4                                  # tokens that close a C4 window this step
     hd = cfg.heads_per_group * 512
+    index_bytes = T * (128 * 4 + 4 + 8 * 4)
     ops_list = [   # name, fn, FLOP, bytes, matrix rate
         ("q/kv rmsnorm", op_norm, 0, T * (cfg.q_lora_rank + 512) * 2 * 2, mm),
         ("q norm + rope, kv insert", op_insert, 0, T * (H * 512 * 2 * 2 + 512 * 2 + 584 + 256 + 16), mm),
-        ("step index sets", op_metadata, 0, T * (128 * 4 + 4 + 8 * 4), mm),
+        ("step index sets", op_metadata, 0, index_bytes, mm),
         ("compressor (main)", op_compressor, 0, T * 2 * 2048 * 4 * 2 + boundary * (8 * 1024 * 4 * 2 + 584), mm),
         ("compressor (indexer)", op_idx_compressor, 0, T * 2 * 512 * 4 * 2 + boundary * (8 * 256 * 4 * 2 + 132), mm),
         ("indexer q quant", op_q_quant, 0, T * nh * (128 * 2 + 2 + 128 + 4), mm),
@@ -169,14 +229,20 @@ def suite(ctx):
         for _, fn, _, _, _ in ops_list:
             fn()
         torch.cuda.synchronize()
+    peers = {"step index sets": ("composition of the ops", op_metadata_ops)}
     eager()
+    op_metadata_ops()
+    if not all(torch.equal(a, b) for a, b in zip(_index_set_fields(step, (4,)), _index_set_fields(peer_step, (4,)))):
+        raise RuntimeError("step index sets differ from the composition of the ops")
     floor_sum = 0.0
     for op_name, fn, flop, nbytes, rate in ops_list:
         ms = timing.time_graph_ms(fn)
+        peer, peer_fn = peers.get(op_name, (None, None))
+        peer_ms = timing.time_graph_ms(peer_fn) if peer_fn else None
         eager()                                       # a graph's outputs die with it: refresh st
         floor = max(nbytes / bw, flop / rate if flop else 0.0) * 1e3
         floor_sum += floor
-        ctx.add(f"{name}: {op_name}", "graph", ms, flop, nbytes, rate=rate)
+        ctx.add(f"{name}: {op_name}", "graph", ms, flop, nbytes, rate=rate, peer=peer, peer_ms=peer_ms)
 
     def whole():
         for _, fn, _, _, _ in ops_list:
@@ -189,3 +255,4 @@ def suite(ctx):
     row["frac_floor"] = floor_sum / ms
     print(f"{name}: whole step {ms * 1e3:.1f} us, sum of the ops' floors {floor_sum * 1e3:.1f} us, "
           f"ratio {ms / floor_sum:.2f} (target <= 1.3)")
+    _index_sets(ctx, name, step, index_bytes)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..reference.metadata import c128a_slices
+from ._token_position import paged_slot
 
 
 @triton.jit
@@ -34,8 +35,7 @@ def _c128a_kernel(gd_ptr, gd_row, lens_ptr, pf_ptr, pf_row, pos_ptr, ratio, cap,
             c = c0 + tl.arange(0, BLOCK)
             col = c // block_size
             m = (c < n) & (col < bt_cols)
-            page = tl.load(bt_ptr + r * bt_row + col, mask=m, other=-1).to(tl.int64)
-            slot = tl.where(m & (page >= 0), page * block_size + c % block_size, -1)
+            slot = paged_slot(bt_ptr, r * bt_row, col, c % block_size, m, block_size)
             tl.store(row + c, slot.to(tl.int32), mask=c < width_d)
         if CONSTANT_LEN:
             tl.store(lens_ptr + t, width_d)

@@ -14,7 +14,7 @@ block_table are masked to valid (request, column) pairs.
 import triton
 import triton.language as tl
 
-from ._token_position import token_position
+from ._token_position import paged_slot, token_position
 
 
 @triton.jit
@@ -39,8 +39,7 @@ def _swa_indices_kernel(idx_ptr, idx_row, lens_ptr, window, qsl_ptr, seq_lens_pt
         q = start + k
         col = q // block_size
         m = (k < n) & (col < bt_cols)
-        page = tl.load(bt_ptr + r * bt_row + col, mask=m, other=-1).to(tl.int64)
-        slot = tl.where(m & (page >= 0), page * block_size + q % block_size, -1)
+        slot = paged_slot(bt_ptr, r * bt_row, col, q % block_size, m, block_size)
         tl.store(row + k, slot.to(tl.int32), mask=k < window)
 
 

@@ -16,11 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._token_position import token_position
+from ._token_position import paged_slot, request_index, token_position
 
 BLOCK_T = 128
 BLOCK_R = 32
-INT32_MAX = tl.constexpr(2 ** 31 - 1)
 
 
 @triton.jit
@@ -28,11 +27,7 @@ def _compressed_slot_mapping_kernel(out_ptr, out_len, num_tokens, qsl_ptr, seq_l
                                     num_reqs, block_size, ratio, cp_world, cp_rank, cp_interleave,
                                     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    req = tl.zeros([BLOCK_T], dtype=tl.int32)
-    for r0 in range(0, num_reqs, BLOCK_R):
-        r = r0 + 1 + tl.arange(0, BLOCK_R)
-        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=INT32_MAX).to(tl.int64)
-        req += tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+    req = request_index(qsl_ptr, num_reqs, t, BLOCK_R)
     ok = (t < num_tokens) & (req < num_reqs)
     r = tl.where(ok, req, 0)
     pos, ok = token_position(qsl_ptr, seq_lens_ptr, r, t, ok, 0)
@@ -43,9 +38,8 @@ def _compressed_slot_mapping_kernel(out_ptr, out_len, num_tokens, qsl_ptr, seq_l
     col = j // vbs
     voff = j - col * vbs
     ok = ok & ((voff // cp_interleave) % cp_world == cp_rank) & (col < bt_cols)
-    page = tl.load(bt_ptr + r.to(tl.int64) * bt_row + col, mask=ok, other=-1).to(tl.int64)
     off = (voff // (cp_world * cp_interleave)) * cp_interleave + voff % cp_interleave
-    slot = tl.where(ok & (page >= 0), page * block_size + off, -1)
+    slot = paged_slot(bt_ptr, r.to(tl.int64) * bt_row, col, off, ok, block_size)
     tl.store(out_ptr + t, slot, mask=t < out_len)
 
 
