@@ -27,6 +27,18 @@ def gpu_torch() -> bool:
     return torch.version.hip is not None or torch.version.cuda is not None
 
 
+def skip_reason():
+    """Why the build at install compiles no extension here (None when it compiles one): one line."""
+    try:
+        import torch
+    except ImportError:
+        return ("no torch in the build environment (an isolated pip build has none): install the ROCm or CUDA "
+                "torch first, then pip install --no-build-isolation -e .")
+    if gpu_torch():
+        return None
+    return f"torch {torch.__version__} is a CPU build"
+
+
 def cuda_gencode() -> list:
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0a;10.0a").replace(" ", ";").split(";")
     flags = []

@@ -1,4 +1,4 @@
-"""Reverse hipify: translate the project's HIP sources to CUDA for nvcc (PORTABILITY.md §2).
+"""Reverse hipify: translate the project's HIP sources to CUDA for nvcc (docs/platforms.md#hip-extension).
 
 Built on PyTorch's ``torch.utils.hipify.cuda_to_hip_mappings`` (hipify-torch's tables), inverted with care:
   1. only entries whose HIP side names a HIP/ROCm symbol (``hip``/``roc``/``HIP``/``ROC``) are inverted;

@@ -1,5 +1,5 @@
 """A ROCm device-library root made from the HIP headers and ocml/ockl bitcode inside the triton wheel,
-so clang can compile HIP for gfx942 / gfx950 on a machine without ROCm (PORTABILITY.md §5). The oclc
+so clang can compile HIP for gfx942 / gfx950 on a machine without ROCm (docs/platforms.md#compile-matrix). The oclc
 control libraries the wheel lacks are one-constant LLVM modules, assembled here with llvm-as."""
 import os
 import shutil

@@ -10,3 +10,5 @@ if ! python3 -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
 fi
 say "installing torch==2.13.0 triton==3.6.0 dsv4_rocm${DSV4_EXTRAS:+[$DSV4_EXTRAS]} into $(python3 -c 'import sys; print(sys.prefix)')"
 python3 -m pip install -q --disable-pip-version-check torch==2.13.0 triton==3.6.0 -e ".${DSV4_EXTRAS:+[$DSV4_EXTRAS]}"
+# pip hides what the build printed (whether and why it skipped the HIP extension): say it here
+say "$(python3 -m dsv4_rocm info 2>/dev/null | grep -m1 '^HIP extension' || echo 'python -m dsv4_rocm info failed')"

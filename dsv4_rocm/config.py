@@ -1,4 +1,4 @@
-"""Attention configuration of a DeepSeek-V4 model (DSV4_SPEC §1).
+"""Attention configuration of a DeepSeek-V4 model (docs/math.md#config).
 
 ``AttentionConfig`` holds what the attention layer needs; ``V4_FLASH`` and ``V4_PRO`` are the released
 checkpoints; ``AttentionConfig.from_hf_config`` reads a Hugging Face ``config.json`` dict.

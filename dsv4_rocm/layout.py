@@ -1,4 +1,4 @@
-"""fp8_ds_mla paged-cache geometry (DSV4_SPEC §4.1-4.2). Numbers only; no tensors are touched here.
+"""fp8_ds_mla paged-cache geometry (docs/cache_format.md#page). Numbers only; no tensors are touched here.
 
 Per token, 584 bytes split over two regions of a page:
 

@@ -1,4 +1,4 @@
-"""Which GPU this is and what follows from it (PORTABILITY.md §3-4, §7).
+"""Which GPU this is and what follows from it (docs/platforms.md).
 
 Detection reads ``torch.version.hip`` and ``gcnArchName`` on ROCm and the capability on CUDA; the
 capability alone is never trusted (ROCm reports gfx942 as 9.4 and gfx90a as 9.0, like sm_90).

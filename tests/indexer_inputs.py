@@ -13,9 +13,9 @@ from dsv4_rocm.reference.compressor import kv_cache_view
 
 # Logits tolerance, relative to mag = |s_k| * sum_h |w_h| * sum_d |q_hd * k_d| (the same sums on absolute
 # values). Two fp32 summation orders of 128 exact fp8 products and 64 weighted heads differ by at most
-# about 192 * 2^-24 * mag, but Hopper's fp8 MMA accumulates its products with 13 mantissa bits, not 23
-# (DeepSeek-V3 technical report §3.3.2; SageAttention2 §4), so a 128-term dot may be off by up to
-# 128 * 2^-13 = 2^-6 of the sum of its absolute terms. The tests print the measured ratio.
+# about 192 * 2^-24 * mag, but Hopper's fp8 MMA accumulates its products with about 13 mantissa bits, not
+# 23, so a 128-term dot may be off by up to 128 * 2^-13 = 2^-6 of the sum of its absolute terms
+# (docs/numerics.md#indexer-logits). The tests print the measured ratio.
 LOGIT_TOL = 2.0 ** -6
 
 

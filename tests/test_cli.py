@@ -2,6 +2,7 @@
 is one line on stderr naming what is wrong and what to do, exit status 2, no traceback; bench's plot."""
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -14,13 +15,28 @@ from dsv4_rocm.__main__ import main
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_run_main_job_tiny(capsys):
+def test_run_main_job_tiny(capsys, monkeypatch):
+    """Each layer's trace runs once untimed (warm-up: compilation and first-touch costs) and then timed on a
+    fresh server; the table says that request 0 was checked against the reference, with its error and
+    tolerance."""
+    from dsv4_rocm import main_job
+    runs, run_trace = [], main_job._run_trace
+
+    def recording(srv, xs, steps, device, timer=None):
+        runs.append((srv.layer_type.value, srv, timer is not None))
+        return run_trace(srv, xs, steps, device, timer)
+    monkeypatch.setattr(main_job, "_run_trace", recording)
     assert main(["run", "--config", "tiny", "--requests", "2", "--prompt-len", "40", "--decode-steps", "2",
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    for layer in ("swa", "c4a", "c128a"):
-        assert f"\n{layer} " in out
-    assert "decode tok/s" in out
+    layers = ("swa", "c4a", "c128a")
+    assert [(lt, timed) for lt, _, timed in runs] == [(lt, t) for lt in layers for t in (False, True)]
+    assert all(runs[i][1] is not runs[i + 1][1] for i in range(0, 6, 2))    # the timed run starts on fresh caches
+    assert "decode tok/s" in out and "check vs reference (request 0)" in out
+    for layer in layers:
+        row = next(line for line in out.splitlines() if line.startswith(f"{layer} "))
+        err, tol = re.search(r"rel err (\S+) <= (\S+) ok$", row).groups()
+        assert float(err) <= float(tol) == main_job.CHECK_TOL["cpu"]
 
 
 def user_error(capsys, argv):

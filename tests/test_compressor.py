@@ -239,6 +239,8 @@ def _bad_calls(S, kv, score, pos, req, sslots, kslots):
     yield "rms_norm_eps", lambda: ops.compress_norm_rope_store(**dict(ck, rms_norm_eps=-1.0))
     yield "store_full_kv", lambda: ops.compress_norm_rope_store(**dict(ck, store_full_kv=True))
     yield "entries for 1000 tokens", lambda: ops.compress_norm_rope_store(**dict(ck, num_actual=10 ** 3))
+    # fewer positions than tokens: once wrote the first entries, then failed on an index
+    yield "positions has 5 entries for 24 tokens", lambda: ops.compress_norm_rope_store(**dict(ck, positions=pos[:5]))
 
 
 def test_rejected_calls_change_no_byte():

@@ -1,4 +1,4 @@
-"""build_tools.hip2cuda: the reverse hipify on the tricky inputs (PORTABILITY.md §2)."""
+"""build_tools.hip2cuda: the reverse hipify on the tricky inputs (docs/platforms.md#hip-extension)."""
 import pytest
 
 from build_tools.hip2cuda import TranslationError, reverse_table, translate

@@ -22,7 +22,7 @@ MAX_LEN = 512
 
 
 def _entries(x, w, ape, norm_w, ratio, D, n, cs):
-    """Compressed entries 0..n-1 of one request, straight from §5 (fp32 y-hat per entry)."""
+    """Compressed entries 0..n-1 of one request, straight from docs/math.md#compressor (fp32 y-hat per entry)."""
     c = 2 if ratio == 4 else 1
     ks = x.float() @ w.float().t()
     kv, sc = ks[:, :c * D], ks[:, c * D:] + ape[torch.arange(x.shape[0]) % ratio]

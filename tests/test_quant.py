@@ -1,4 +1,5 @@
-"""UE8M0 FP8 and MXFP4 quantization (DSV4_SPEC §2.3-2.4): hand-computed cases, brute-force encoders."""
+"""UE8M0 FP8 and MXFP4 quantization (docs/math.md#ue8m0-fp8, docs/math.md#mxfp4): hand-computed cases,
+brute-force encoders."""
 import math
 
 import pytest

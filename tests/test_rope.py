@@ -1,4 +1,4 @@
-"""RoPE (DSV4_SPEC §2.2): the YaRN table and the forward / inverse rotations."""
+"""RoPE (docs/math.md#rope): the YaRN table and the forward / inverse rotations."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""fp8_ds_mla records and paged caches (DSV4_SPEC §4): encode, insert, gather, dequantize.
+"""fp8_ds_mla records and paged caches (docs/cache_format.md): encode, insert, gather, dequantize.
 
 A record is 584 bytes: [448 e4m3 NoPE][64 bf16 RoPE as 128 bytes][7 UE8M0 scales][1 pad byte = 0].
 In a page the first 576 bytes of every record sit at ``off*576`` and the last 8 at

@@ -1,4 +1,4 @@
-"""Lightning indexer of C4 layers (DSV4_SPEC §6), in vLLM's and DeepGEMM's call forms.
+"""Lightning indexer of C4 layers (docs/math.md#indexer), in vLLM's and DeepGEMM's call forms.
 
 Query (``fused_indexer_q_rope_quant``), per token t and head h of qi (bf16 [T, H, 128]):
     x      = [qi[:64], bf16(RoPE(qi)[64:])]            GPT-J pairs on the last 64 dims, fp32, one bf16 rounding

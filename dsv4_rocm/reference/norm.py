@@ -1,4 +1,4 @@
-"""RMSNorm (DSV4_SPEC §2.1): fp32 math, one rounding at the store."""
+"""RMSNorm (docs/math.md#rmsnorm): fp32 math, one rounding at the store."""
 import torch
 
 

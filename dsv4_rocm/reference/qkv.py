@@ -1,4 +1,4 @@
-"""Q norm + RoPE and KV RoPE + quant + cache insert (DSV4_SPEC §3-4), as vLLM's fused ops do them.
+"""Q norm + RoPE and KV RoPE + quant + cache insert (docs/math.md#q-kv-insert), as vLLM's fused ops do them.
 
 Both ops work per token t: every q head gets a weightless RMSNorm over its 512 dims and GPT-J RoPE on
 dims 448..511 (fp32 inside); kv gets the same RoPE. What they store differs:

@@ -1,4 +1,5 @@
-"""FP8 and MXFP4 block quantization with power-of-two scales (DSV4_SPEC §2.3-2.4, PORTABILITY §4).
+"""FP8 and MXFP4 block quantization with power-of-two scales (docs/math.md#ue8m0-fp8,
+docs/math.md#mxfp4; the bytes: docs/cache_format.md#fp8-bytes).
 
 UE8M0 block quantization of fp32 values b (one block = 64 values for the KV cache, 128 for the indexer
 and output paths):
@@ -88,7 +89,7 @@ def ue8m0_qdq(x: torch.Tensor, block: int, eps: float) -> torch.Tensor:
     return dequantize_blocks(q, e, block)
 
 
-# ---- MXFP4 (indexer cache option, §2.4) ---------------------------------------------------------
+# ---- MXFP4 (indexer cache option, docs/math.md#mxfp4) -------------------------------------------
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> E2M1 nibble (sign bit 3), RNE with ties to the even code, saturating at 6."""
     grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=v.device)

@@ -1,4 +1,4 @@
-"""Rotary embedding of DeepSeek-V4 (DSV4_SPEC §2.2): YaRN cos/sin table, GPT-J interleaved pairs on
+"""Rotary embedding of DeepSeek-V4 (docs/math.md#rope): YaRN cos/sin table, GPT-J interleaved pairs on
 the last 64 dims, forward and inverse.
 
 cos_sin_cache: fp32 [max_pos, 64], row p = [cos(p*f_0..f_31) | sin(p*f_0..f_31)].
@@ -72,5 +72,5 @@ def rope_fwd(x, positions, cos_sin_cache):
 
 
 def rope_inv(x, positions, cos_sin_cache):
-    """Inverse rotation (the output path, §8), fp32 result."""
+    """Inverse rotation (the output path, docs/math.md#rope-inverse), fp32 result."""
     return _rotate(x, positions, cos_sin_cache, inverse=True)

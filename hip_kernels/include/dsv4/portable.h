@@ -1,4 +1,4 @@
-// Portable device helpers for the dsv4_rocm HIP kernels (PORTABILITY.md §3-4).
+// Portable device helpers for the dsv4_rocm HIP kernels (docs/platforms.md#fp8).
 //
 // Written in HIP; build_tools/hip2cuda.py translates the kernels for nvcc, and this header itself is
 // valid for hipcc/clang (AMD) and nvcc (NVIDIA). Kernels never use the literal 64 or warpSize for the
@@ -140,7 +140,7 @@ __device__ __forceinline__ uint8_t dsv4_fp8_encode_soft(float v) {
 }
 
 // Encode: RNE, saturating at +-448, never 0x80 (-0 is written 0x00). gfx942 has only the fnuz convert:
-// the fnuz byte of x/2 equals the OCP byte of x for every value the cache holds (PORTABILITY.md §4).
+// the fnuz byte of x/2 equals the OCP byte of x for every value the cache holds (docs/cache_format.md#fp8-bytes).
 __device__ __forceinline__ uint8_t dsv4_fp8_encode(float v) {
   v = dsv4_fminf(dsv4_fmaxf(v, -448.0f), 448.0f);
   uint8_t b;

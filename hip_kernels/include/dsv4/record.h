@@ -1,4 +1,4 @@
-// The fp8_ds_mla record writer shared by the cache-writing kernels (DSV4_SPEC §4, layout.py).
+// The fp8_ds_mla record writer shared by the cache-writing kernels (docs/cache_format.md#record).
 //
 // A 512-d vector is held by a group of 32 lanes, 16 consecutive values per lane: lanes 0..27 hold the
 // 448 NoPE dims (4 lanes = one 64-value quant block), lanes 28..31 the 64 RoPE dims. The record goes to
