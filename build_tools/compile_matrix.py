@@ -6,11 +6,13 @@ compile error, no ``s_trap``, no VGPR spills or scratch, no ptxas spills, and a 
 every kernel that writes fp8 bytes.
 
 Triton kernels are compiled ahead of time with ``triton.compile(ASTSource(...), target=GPUTarget(...))``
-using the tile configuration each kernel module picks for that arch, then checked:
+(``GluonASTSource`` for a Gluon kernel) using the tile configuration each kernel module picks for that arch,
+on the targets its spec names (``targets``; the others print as n/a), then checked:
   * AMD: ``v_mfma`` present in matrix kernels, no ``s_trap``, no VGPR spills or scratch, LDS within the
     workgroup limit (64 KB gfx942, 160 KB gfx950);
   * NVIDIA: ``wgmma`` (sm_90a) / ``tcgen05`` (sm_100a) present in matrix kernels, no spills (ptxas -v
-    with the ptxas Triton ships), shared memory within 227 KB;
+    with the ptxas Triton ships), shared memory within 227 KB; kernels marked ``wgmma_pipelined``: no
+    ptxas note that it serialized the wgmma;
   * fp8 GEMM kernels (``fp8_mma``): the matrix instruction takes fp8 operands (``v_mfma_*_fp8_*`` /
     ``v_mfma_*_f8f6f4``, ``wgmma ... .e4m3.e4m3``, ``tcgen05.mma ... kind::f8f6f4``);
   * kernels that write fp8 bytes use the hardware encode (``v_cvt_[scalef32_]pk_fp8_f32`` /
@@ -52,6 +54,11 @@ class TritonKernel:
     exact_fp32: bool = False             # compiled with fp fusion off: no fma may appear in the PTX
     fp8_mma: bool = False                # its matrix instructions must take fp8 (e4m3) operands
     sgpr_spills: str = ""                # why SGPR spills (to VGPR lanes, not memory) are accepted; "" = none are
+    targets: tuple = ()                  # the targets it is written for (a Gluon kernel: one arch); () = all
+    wgmma_pipelined: bool = False        # ptxas must keep its wgmma asynchronous (no C75xx serialization note)
+
+    def applies_to(self, target: str) -> bool:
+        return not self.targets or target in self.targets
 
     def signature(self):
         sig = {}
@@ -60,7 +67,7 @@ class TritonKernel:
                 sig[n] = self.pointers[n]
             elif n in self.floats:
                 sig[n] = "fp32"
-            elif n.isupper():
+            elif n.isupper() or n == "num_warps":      # a Gluon kernel takes num_warps as a constexpr
                 sig[n] = "constexpr"
             else:
                 sig[n] = "i32"
@@ -85,7 +92,7 @@ def triton_kernels():
     return kernels
 
 
-def _ptxas_report(ptx: str, arch: int):
+def _ptxas_report(ptx: str, arch: int, notes: list = None):
     import tempfile
     import triton
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -99,6 +106,8 @@ def _ptxas_report(ptx: str, arch: int):
                            capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
+    if notes is not None:
+        notes += [l for l in r.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in l]
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
     return int(regs.group(1)) if regs else -1, (int(spill.group(1)) + int(spill.group(2))) if spill else 0
@@ -116,6 +125,8 @@ def _amd_report(asm: str):
 def compile_triton(k: TritonKernel, target: str, only: str = None) -> dict:
     """The matrix row of kernel k on target, compiled in that target's own process (with every kernel
     whose name contains ``only``)."""
+    if not k.applies_to(target):
+        return dict(kernel=k.name, target=target, regs="-", smem=0, spills="-", problems=[], applies=False)
     rows = _target_rows(target, only)
     if k.name not in rows:
         raise RuntimeError(f"{k.name}: not compiled for {target} (worker rows: {sorted(rows)})")
@@ -135,7 +146,7 @@ def _target_rows(target: str, only: str = None) -> dict:
 def _worker(target: str, only: str = None) -> None:
     rows = []
     for k in triton_kernels():
-        if only and only not in k.name:
+        if (only and only not in k.name) or not k.applies_to(target):
             continue
         try:
             rows.append(_compile_triton_here(k, target))
@@ -151,8 +162,12 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     backend, arch, warp, plat_arch, limit = TARGETS[target]
-    src = ASTSource(k.fn, k.signature(), constexprs=k.constexprs(plat_arch), attrs=k.attrs())
-    c = triton.compile(src, target=GPUTarget(backend, arch, warp), options=k.options(plat_arch))
+    constexprs, options = k.constexprs(plat_arch), k.options(plat_arch)
+    if getattr(k.fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: F811
+        constexprs = dict(constexprs, num_warps=options["num_warps"])
+    src = ASTSource(k.fn, k.signature(), constexprs=constexprs, attrs=k.attrs())
+    c = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
     row = dict(kernel=k.name, target=target, problems=[])
     if backend == "hip":
         asm = c.asm["amdgcn"]
@@ -176,8 +191,14 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
             row["problems"].append(f"SGPR spills {rep['sgpr_spill']}")
     else:
         ptx = c.asm["ptx"]
-        regs, spill = _ptxas_report(ptx, arch)
-        row.update(regs=str(regs), smem=c.metadata.shared, spills=str(spill))
+        notes = []
+        regs, spill = _ptxas_report(ptx, arch, notes)
+        if k.wgmma_pipelined and notes:
+            row["problems"].append("ptxas serialized the wgmma")
+        # a warp-specialized kernel: the cap, then the register counts its partitions switch to
+        moves = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+        row.update(regs=f"{regs}" + (f" ({'/'.join(map(str, moves))})" if moves else ""), smem=c.metadata.shared,
+                   spills=str(spill))
         mma = "wgmma" if arch == 90 else "tcgen05"
         # fp8 readers decode with the hardware convert, or with the integer path (inline prmt with the
         # sign-replicate selector, dsv4_rocm/triton/sparse_mla_decode.py): never a software float path
@@ -284,7 +305,7 @@ def run(targets=None, only=None, quiet=False, workdir=None):
     if not quiet:
         print(f"{'kernel':40s} {'target':8s} {'status':6s} {'regs':>10s} {'LDS/smem':>9s} {'spills':>8s}  problems")
         for r in rows:
-            st = "ok" if not r["problems"] else "FAIL"
+            st = "n/a" if r.get("applies") is False else "ok" if not r["problems"] else "FAIL"
             print(f"{r['kernel']:40s} {r['target']:8s} {st:6s} {r['regs']:>10s} {r['smem']:9d} {r['spills']:>8s}  "
                   f"{'; '.join(r['problems'])}")
     return rows

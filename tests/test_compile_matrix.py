@@ -11,6 +11,8 @@ KERNELS = [k.name for k in cm.triton_kernels()]
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_triton_kernel_compiles_clean(kernel, target):
     k = next(k for k in cm.triton_kernels() if k.name == kernel)
+    if not k.applies_to(target):
+        pytest.skip(f"{kernel} is written for {', '.join(k.targets)} only")
     row = cm.compile_triton(k, target)
     print(row)
     assert row["problems"] == []

@@ -206,6 +206,20 @@ def test_prefill_kernel_lonely_queries_and_call_forms_under_the_interpreter(tmp_
     _interpret(_PREFILL_FORMS, tmp_path)
 
 
+def test_decode_kernel_choice():
+    """Hopper runs the warp-specialized kernel by default, every other target this file's kernel; either is
+    forced with config=dict(kernel=...), and the Hopper kernel is refused elsewhere by name."""
+    from dsv4_rocm.triton import sparse_mla_decode as D
+    assert D.default_config("sm_90", 64)["kernel"] == ("ws" if D._ws is not None else "triton")
+    for arch in ("gfx942", "gfx950", "sm_100", "sm_89", "cpu"):
+        assert D.default_config(arch, 64)["kernel"] == "triton"
+    assert D.default_config("sm_90", 128, "triton")["num_warps"] == 8
+    with pytest.raises(ValueError, match="kernel"):
+        D.default_config("sm_90", 64, "cuda")
+    with pytest.raises(ValueError, match="sm_90"):
+        D._plan(torch.device("cpu"), 64, 4, 128, 512, (("kernel", "ws"),))
+
+
 def test_split_plan():
     from dsv4_rocm.triton.sparse_mla_decode import MAX_SPLITS, _num_splits
     assert _num_splits(200, 20, 132) == 1                 # the grid fills the GPU
@@ -231,35 +245,55 @@ DECODE_CASES = [
 ]
 
 
+# the decode kernels: this file's Triton kernel (every GPU) and the warp-specialized Gluon kernel (Hopper)
+DECODE_KERNELS = ["triton", "ws"]
+
+
+def decode_kernel_config(kernel, device):
+    """``config`` forcing a decode kernel; skips the test where that kernel does not run."""
+    from dsv4_rocm.triton._launch import device_facts
+    from dsv4_rocm.triton.sparse_mla_decode import _ws
+    if kernel == "ws":
+        arch = device_facts(device)[0]
+        if arch != "sm_90" or _ws is None:
+            pytest.skip(f"the warp-specialized decode kernel is written for Hopper (sm_90) in Gluon; this is "
+                        f"{arch}{'' if _ws is not None else ' without Gluon'}")
+    return dict(kernel=kernel)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[str(c) for c in DECODE_CASES])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_triton_decode_matches_reference(case, splits, gpu):
+def test_triton_decode_matches_reference(case, splits, kernel, gpu):
     from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    cfg = decode_kernel_config(kernel, gpu)
     b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
     a = decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 11 + b, sink, lshape)
     ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
-    out, lse = sparse_mla_decode(*decode_args(a), num_splits=splits)
-    check_out(out, ref_out, f"decode {case} splits={splits}", decode_key_amax(a))
+    out, lse = sparse_mla_decode(*decode_args(a), num_splits=splits, config=cfg)
+    check_out(out, ref_out, f"decode {kernel} {case} splits={splits}", decode_key_amax(a))
     if sink != "+inf":
         check_lse(lse, ref_lse)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_triton_decode_call_forms(splits, gpu):
+def test_triton_decode_call_forms(splits, kernel, gpu):
     """Strided q / indices, [b, s_q] lengths of stride 0, fp8 and int8 cache views, an out buffer inside a
     larger one: the same bits as the contiguous call, nothing outside the buffer's rows written."""
     from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    cfg = decode_kernel_config(kernel, gpu)
     a = decode_case(6, 2, 64, 64, 128, 2, 256, gpu, 7)
-    base, base_lse = sparse_mla_decode(*decode_args(a), num_splits=splits)
+    base, base_lse = sparse_mla_decode(*decode_args(a), num_splits=splits, config=cfg)
     s = dict(a, q=strided(a["q"]), indices=strided(a["indices"]), k_cache=a["k_cache"].view(torch.float8_e4m3fn),
              extra_k_cache=a["extra_k_cache"].view(torch.int8).view(torch.uint8),
              topk_length=a["topk_length"].unsqueeze(1).expand(6, 2),
              extra_indices_in_kvcache=strided(a["extra_indices_in_kvcache"]))
     out, back = padded_out((6, 2, 64, 512), gpu)
     before = back.clone()
-    res, lse = sparse_mla_decode(*decode_args(s), out, num_splits=splits)
+    res, lse = sparse_mla_decode(*decode_args(s), out, num_splits=splits, config=cfg)
     torch.cuda.synchronize()
     assert res is out and torch.equal(out, base) and torch.equal(lse, base_lse)
     written = torch.zeros_like(back, dtype=torch.bool)
@@ -268,15 +302,17 @@ def test_triton_decode_call_forms(splits, gpu):
 
 
 @pytest.mark.gpu
-def test_triton_decode_all_invalid_and_zero_lengths(gpu):
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_triton_decode_all_invalid_and_zero_lengths(kernel, gpu):
     from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    cfg = decode_kernel_config(kernel, gpu)
     for sink in ("random", "-inf", "+inf", "none"):
         a = decode_case(6, 1, 64, 64, 128, 64, 512, gpu, 2, sink)
         a["indices"][:3] = -1
         a["indices"][3:] = torch.tensor([-2 ** 31, 2 ** 31 - 1, 10 ** 9, -5], dtype=torch.int32, device=gpu).repeat(32)
         a["extra_topk_length"].zero_()
         for ns in (1, 4):
-            out, lse = sparse_mla_decode(*decode_args(a), num_splits=ns)
+            out, lse = sparse_mla_decode(*decode_args(a), num_splits=ns, config=cfg)
             assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all(), (sink, ns)
 
 
@@ -365,9 +401,12 @@ def test_warmup_leaves_nothing_to_compile(gpu):
     print(rep)
     index = torch.cuda.current_device()
 
+    kernels = [D._sparse_mla_paged_kernel, D._combine_kernel, P._sparse_mla_prefill_kernel]
+    if D._ws is not None:
+        kernels.append(D._ws._sparse_mla_ws_kernel)
+
     def compiled():
-        return sum(len(k.device_caches[index][0]) for k in (D._sparse_mla_paged_kernel, D._combine_kernel,
-                                                           P._sparse_mla_prefill_kernel))
+        return sum(len(k.device_caches[index][0]) for k in kernels)
     n = compiled()
     for b, s_q in ((1, 1), (7, 2), (300, 1)):
         a = decode_case(b, s_q, 64, 64, 128, 2, 256, gpu, b)
@@ -389,7 +428,7 @@ def test_smoke_small_decode_and_prefill(gpu):
     a = decode_case(3, 2, 64, 100, 96, 3, 40, gpu, 21)
     ref, _ = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
     s = dict(a, q=strided(a["q"]), indices=strided(a["indices"]))
-    for ns in (1, 3):
+    for ns in (1, 3):       # the default kernel of this GPU
         check_out(sparse_mla_decode(*decode_args(s), num_splits=ns)[0], ref, f"smoke decode splits={ns}",
                   decode_key_amax(a))
     q, kv, idx, lens, sk = prefill_case(3, 64, 70, 50, gpu, 8)

@@ -92,6 +92,7 @@ SWEEP_DECODE = {          # tile sweeps of 2026-11-22 are in BENCHMARKS.md; this
     "default": None,
     "waves2": dict(split_waves=2),
     "waves4": dict(split_waves=4),
+    "triton": dict(kernel="triton"),       # on Hopper, the Triton kernel instead of the warp-specialized one
 }
 SWEEP_PREFILL = {
     "default": None,

@@ -21,14 +21,24 @@ lengths and out are addressed through their (b, s, head) strides, so strided vie
 in place. With splits (SPLIT, count at run time) each program handles a contiguous range of key tiles
 and writes a normalized partial output and its lse into a cached scratch buffer; ``_combine_kernel``
 merges them and applies the sink. A query with no valid key gets out = 0 and lse = +inf.
+
+On Hopper the launcher runs the warp-specialized Gluon kernel of ``sparse_mla_decode_ws.py`` instead (same
+arguments, outputs and split partials; ``default_config`` / ``config=dict(kernel=...)`` pick the kernel).
 """
 import functools
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from ._decode_tiles import DECODE_POINTERS, program_tiles
 from ._launch import device_facts, scratch
+
+try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
+    from . import sparse_mla_decode_ws as _ws
+except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Triton kernel runs everywhere)
+    _ws = None
 
 LOG2E = 1.4426950408889634
 
@@ -119,40 +129,15 @@ def _sparse_mla_paged_kernel(
         MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr,
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, HEADS: tl.constexpr):
-    # axis 0 = token * head blocks + head block: the head blocks of one token run side by side and share
-    # its keys through L2; axis 1 = split. Token t is query si of batch row bi.
-    t = tl.program_id(0) // (HEADS // BLOCK_H)
-    hb = tl.program_id(0) % (HEADS // BLOCK_H)
-    sp = tl.program_id(1)
-    t64 = t.to(tl.int64)
-    bi = t64 // s_q
-    si = t64 - bi * s_q
+    t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = program_tiles(
+        main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
+        s_q, num_splits, HEADS, BLOCK_H, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, 512)
     q_row = q_ptr + bi * stride_qb + si * stride_qs + heads[:, None].to(tl.int64) * stride_qh
     q = tl.load(q_row + cols[None, :])
     main_idx_row = main_idx_ptr + bi * stride_mib + si * stride_mis
     extra_idx_row = extra_idx_ptr + bi * stride_eib + si * stride_eis
-
-    n_main = main_topk
-    if HAS_MAIN_LEN:
-        n_main = tl.minimum(tl.load(main_len_ptr + bi * main_len_sb + si * main_len_ss), main_topk)
-    n_main = tl.maximum(n_main, 0)
-    n_extra = 0
-    if HAS_EXTRA:
-        n_extra = extra_topk
-        if HAS_EXTRA_LEN:
-            n_extra = tl.minimum(tl.load(extra_len_ptr + bi * extra_len_sb + si * extra_len_ss), extra_topk)
-        n_extra = tl.maximum(n_extra, 0)
-    tiles_main = tl.cdiv(n_main, BLOCK_N)
-    tiles_all = tiles_main + tl.cdiv(n_extra, BLOCK_N)
-    if SPLIT:
-        per = tl.cdiv(tiles_all, num_splits)
-        lo = sp * per
-        hi = tl.minimum(lo + per, tiles_all)
-    else:
-        lo = 0
-        hi = tiles_all
 
     acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -243,21 +228,35 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stri
     tl.store(lse_ptr + t * HEADS + h, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
 
 
-def default_config(arch: str, num_heads: int) -> dict:
-    """Tile shape per target (BENCHMARKS.md has the sweeps and the compile-matrix reports).
+def default_kernel(arch: str) -> str:
+    """Which decode kernel a target runs: the warp-specialized Gluon kernel (``sparse_mla_decode_ws.py``) on
+    Hopper, when this Triton has Gluon; this file's kernel everywhere else."""
+    return "ws" if arch == "sm_90" and _ws is not None else "triton"
+
+
+def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
+    """Kernel and tile shape per target (BENCHMARKS.md has the sweeps and the compile-matrix reports);
+    ``kernel`` ("triton" or "ws") picks the kernel, default ``default_kernel(arch)``.
 
     AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 221-236
     VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup. NVIDIA: 64 heads
     x 64 keys, 8 warps, one CTA per SM; the integer dequantization (inline PTX) on Hopper and Blackwell;
-    two cp.async stages measured best on the H100.
+    two cp.async stages measured best on the H100. The Hopper kernel's own defaults are in its module.
     """
+    kernel = kernel or default_kernel(arch)
+    if kernel == "ws":
+        if _ws is None:
+            raise ValueError("config kernel='ws' needs Triton's Gluon (triton >= 3.6), which this Triton lacks")
+        return dict(kernel="ws", BLOCK_H=64, **_ws.default_config())
+    if kernel != "triton":
+        raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")
     if arch in ("gfx942", "gfx90a"):
-        return dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False)
+        return dict(kernel="triton", BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False)
     if arch == "gfx950":
-        return dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False)
+        return dict(kernel="triton", BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False)
     if arch == "sm_100":       # spill-free there (compile matrix); untimed: no Blackwell machine here
-        return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
-    return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
+        return dict(kernel="triton", BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
+    return dict(kernel="triton", BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
 
 
 def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
@@ -274,30 +273,50 @@ def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) ->
 def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = ()):
     """Launch plan of a call shape: (config items, split count), cached per device and shape so a launch
     pays no device query, no config dict and no split arithmetic. ``config_items`` override the default
-    config (sweeps)."""
+    config (sweeps; ``kernel`` picks the kernel)."""
     arch, fnuz, sms = device_facts(device)
-    cfg = dict(default_config(arch, h), FNUZ=fnuz, **dict(config_items))
+    over = dict(config_items)
+    kernel = over.get("kernel") or default_kernel(arch)
+    if kernel == "ws" and arch != "sm_90":
+        raise ValueError(f"config kernel='ws' runs on Hopper (sm_90) only, this device is {arch}")
+    cfg = dict(default_config(arch, h, kernel), FNUZ=fnuz, **over)
     BN = cfg["BLOCK_N"]
     max_tiles = triton.cdiv(main_topk, BN) + triton.cdiv(extra_topk, BN)
     return tuple(cfg.items()), _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
 
 
 @functools.lru_cache(maxsize=4096)
-def _constexprs(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-                has_extra_len: bool, has_sink: bool, split: bool):
-    """(kernel constexprs and launch options, combine's), built once per variant."""
+def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
+             has_extra_len: bool, has_sink: bool, split: bool):
+    """(kernel, its constexprs and launch options, combine's constexprs, CTAs per token), built once per
+    variant."""
     cfg = dict(cfg_items)
+    comb = dict(HEADS=h, HAS_SINK=has_sink, MAX_SPLITS=MAX_SPLITS, num_warps=4)
+    if cfg["kernel"] == "ws":
+        return (_ws._sparse_mla_ws_kernel, _ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra, has_len,
+                                                           has_extra_len, has_sink, split), comb, h // 64)
     main = dict(MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len,
                 HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
                 SPLIT=split, FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return main, dict(HEADS=h, HAS_SINK=has_sink, MAX_SPLITS=MAX_SPLITS, num_warps=4)
+    return _sparse_mla_paged_kernel, main, comb, h // cfg["BLOCK_H"]
 
 
 def _lengths_strides(lengths):
     """(batch stride, query stride) of [b] or [b, s_q] lengths: [b] lengths hold for every query of a row."""
     st = lengths.stride()
     return (st[0], 0) if len(st) == 1 else st
+
+
+def _ws_unusable(err):
+    """The Hopper kernel failed to compile or launch here although it was only the default: say so once,
+    and let every later call plan the Triton kernel."""
+    global _ws
+    if _ws is not None:
+        warnings.warn(f"sparse_mla_decode: the warp-specialized Hopper kernel is unusable here ({type(err).__name__}: "
+                      f"{str(err)[:300]}); using the Triton kernel", RuntimeWarning, stacklevel=3)
+    _ws = None
+    _plan.cache_clear()
 
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
@@ -309,8 +328,11 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     given, written in place) with a unit last stride and any other strides; caches [nb, bs, (1,) 584] of
     uint8 / int8 / float8_e4m3fn with stride(1) = 584 and page stride stride(0); indices [b, s_q, topk]
     int32 with a unit last stride; lengths [b] or [b, s_q] int32, any strides; attn_sink [h] contiguous.
-    Nothing is copied: the kernel takes every stride. ``config`` / ``num_splits`` override the tiles and
-    the split count (sweeps, tests); ``compile_only`` compiles the kernels this call needs and runs nothing.
+    Nothing is copied: the kernel takes every stride. ``config`` / ``num_splits`` override the kernel, the
+    tiles and the split count (sweeps, tests; ``config=dict(kernel="triton")`` or ``"ws"`` forces a kernel);
+    ``compile_only`` compiles the kernels this call needs and runs nothing. On Hopper the default is the
+    warp-specialized kernel; if it fails to compile or launch there, the call (and every later one) runs the
+    Triton kernel, with a warning.
     """
     b, s_q, h, _ = q.shape
     T = b * s_q
@@ -348,27 +370,37 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     est = eidx.stride()
     sink = attn_sink if attn_sink is not None else lse
     qst, ost = q.stride(), out.stride()
-    consts, comb_consts = _constexprs(cfg, h, kshape[1], ebs, has_extra, topk_length is not None,
-                                      has_extra and extra_topk_length is not None, attn_sink is not None, split)
-    grid = (T * (h // consts["BLOCK_H"]), ns)
+    kern, consts, comb_consts, ctas = _variant(cfg, h, kshape[1], ebs, has_extra, topk_length is not None,
+                                               has_extra and extra_topk_length is not None, attn_sink is not None,
+                                               split)
+    grid = (T * ctas, ns)
     args = (q, qst[0], qst[1], qst[2],
             main, kst[0], kshape[0] * kshape[1], indices, ist[0], ist[1], mlen, mls[0], mls[1], topk,
             extra, estride, ecap, eidx, est[0], est[1], elen, els[0], els[1], etopk,
             sink, out, ost[0], ost[1], ost[2], lse, part_o, part_lse, T, s_q, ns, softmax_scale * LOG2E)
     comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns)
-    if compile_only:
-        _sparse_mla_paged_kernel.warmup(*args, grid=grid, **consts)
-        if split:
+    try:
+        if compile_only:
+            kern.warmup(*args, grid=grid, **consts)
+        else:
+            kern[grid](*args, **consts)
+    except Exception as err:  # noqa: BLE001  (a compile or launch failure of the default Hopper kernel)
+        if kern is _sparse_mla_paged_kernel or (config and config.get("kernel") == "ws"):
+            raise
+        _ws_unusable(err)
+        return sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                                 extra_topk_length, softmax_scale, out, config=config, num_splits=num_splits,
+                                 compile_only=compile_only)
+    if split:
+        if compile_only:
             _combine_kernel.warmup(*comb, grid=(T, h), **comb_consts)
-    else:
-        _sparse_mla_paged_kernel[grid](*args, **consts)
-        if split:
+        else:
             _combine_kernel[(T, h)](*comb, **comb_consts)
     return out, lse.transpose(1, 2)
 
 
 def _matrix_constexprs(arch, split=False):
-    c = default_config(arch, 64)
+    c = default_config(arch, 64, "triton")
     return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
                 SPLIT=split, FNUZ=arch == "gfx942",
@@ -376,19 +408,15 @@ def _matrix_constexprs(arch, split=False):
 
 
 def _matrix_options(arch):
-    c = default_config(arch, 64)
+    c = default_config(arch, 64, "triton")
     return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-_POINTERS = dict(q_ptr="*bf16", main_ptr="*u8", main_idx_ptr="*i32", main_len_ptr="*i32", extra_ptr="*u8",
-                 extra_idx_ptr="*i32", extra_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32",
-                 part_o_ptr="*fp32", part_lse_ptr="*fp32")
-
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
-    dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
+    dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=DECODE_POINTERS, floats=("sm_log2",),
          constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True),
-    dict(name="sparse_mla_decode[split]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
+    dict(name="sparse_mla_decode[split]", fn=_sparse_mla_paged_kernel, pointers=DECODE_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
          fp8_convert=True),
     dict(name="sparse_mla_combine", fn=_combine_kernel,

@@ -1,0 +1,344 @@
+"""The warp-specialized Hopper decode kernel (dsv4_rocm/triton/sparse_mla_decode_ws.py) on an H100: checked
+against the reference, then timed beside the Triton decode kernel and FlashMLA on identical tensors.
+
+    PYTHONPATH=$PWD:$PWD/tests python ci/gpu_decode_ws.py [--flashmla /path/to/FlashMLA] [--smoke] [--json out.json]
+
+1. Correctness (tolerances of tests/sparse_mla_inputs.py): the default configuration on the GPU cases of
+   tests/test_sparse_mla.py (block sizes 2 to 576, lengths [b] and [b, s_q], no extra set, sinks +-inf, h 64
+   and 128, s_q 1 to 3, b up to 321), planned splits and 3 splits; strided inputs and an out buffer (same bits
+   as the contiguous call, nothing else written); all-invalid and zero-length queries (out 0, lse +inf); the
+   public op's default on this GPU. Every other variant on two cases.
+2. Compile report of each variant (registers, spills, shared memory of the compiled kernels).
+3. Timing, CUDA-graph replay (median) and eager: FlashMLA (when ``import flash_mla`` works, or from the
+   ``--flashmla`` checkout built in place), the Triton kernel, the Hopper kernel and its variants.
+4. A table: per case the times and FlashMLA / ours.
+
+A kernel that hangs ends the run (exit 3) with the case named, so the machine is not held. Exit 1 after the
+timing of what passed when any check failed; 2 when the device is not Hopper (sm_90). ``--smoke`` compiles
+and checks one shape only.
+"""
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+SMOKE_CASE = (4, 2, 64, 256, 128, 64, 512, "random", "b")
+
+# (name, config, num_splits): the default first; the others change one thing each
+VARIANTS = [
+    ("ws", dict(kernel="ws"), None),
+    ("ws c192", dict(kernel="ws", CONSUMER_REGS=192), None),          # loader 120 registers
+    ("ws c208", dict(kernel="ws", CONSUMER_REGS=208), None),          # loader 88 registers
+    ("ws rk8 rs4", dict(kernel="ws", RAW_KEYS=8, RAW_STAGES=4), None),  # 8-key chunks, 24 keys in flight
+    ("ws rs2", dict(kernel="ws", RAW_STAGES=2), None),                # 16 keys in flight (a control)
+    ("ws bn32 ks4", dict(kernel="ws", BLOCK_N=32, K_STAGES=4), None),  # 32-key tiles, four K slots
+    ("ws pingpong", dict(kernel="ws", PINGPONG=True), None),          # the two consumers' S alternate
+    ("ws split2", dict(kernel="ws"), 2),                              # two splits per query (wave tail)
+]
+TRITON = ("triton", dict(kernel="triton"), None)
+
+# (label, b, s_q, h, main topk, main bs, extra topk, extra bs, random extra lengths, time the variants)
+TIMED = [
+    ("V4-Flash h64 128(bs256)+512(bs64) s_q2 b64", 64, 2, 64, 128, 256, 512, 64, False, True),
+    ("V4-Flash h64 128(bs256)+512(bs64) s_q2 b148", 148, 2, 64, 128, 256, 512, 64, False, True),
+    ("V4-Pro h128 128+1024(bs64) s_q2 b64", 64, 2, 128, 128, 256, 1024, 64, False, True),
+    ("V4-Pro h128 128+1024(bs64) s_q2 b148", 148, 2, 128, 128, 256, 1024, 64, False, True),
+    ("h64 s_q1 128+512 b128", 128, 1, 64, 128, 256, 512, 64, False, False),
+    ("h64 s_q1 128+512 b256", 256, 1, 64, 128, 256, 512, 64, False, False),
+    ("h64 128+1024(bs2, extra lengths) s_q2 b148", 148, 2, 64, 128, 256, 1024, 2, True, True),
+    ("h128 128+1024(bs2, extra lengths) s_q2 b148", 148, 2, 128, 128, 256, 1024, 2, True, False),
+]
+
+FAILURES = []
+
+
+def log(msg=""):
+    print(msg, flush=True)
+
+
+class watchdog:
+    """Ends the process (exit 3) if the block takes longer than ``seconds``: a kernel that deadlocks on an
+    mbarrier never returns, and only the end of the process frees the GPU."""
+
+    def __init__(self, seconds, what):
+        self.seconds, self.what = seconds, what
+
+    def _fire(self):
+        sys.stdout.write(f"\nHANG: {self.what} did not finish in {self.seconds} s; ending the run\n")
+        sys.stdout.flush()
+        os._exit(3)
+
+    def __enter__(self):
+        self.timer = threading.Timer(self.seconds, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+
+
+def check(name, fn):
+    """Run a check; record its failure (with the message) and go on."""
+    try:
+        with watchdog(180, name):
+            fn()
+            torch.cuda.synchronize()
+        log(f"  ok    {name}")
+        return True
+    except Exception as e:  # noqa: BLE001  (an assertion, a compile error, a launch error: all are failures)
+        FAILURES.append((name, f"{type(e).__name__}: {e}"))
+        log(f"  FAIL  {name}: {type(e).__name__}: {str(e)[:400]}")
+        traceback.print_exc(limit=3)
+        return False
+
+
+# ---- correctness ----------------------------------------------------------------------------------------------
+def check_case(case, cfg, splits, label):
+    from dsv4_rocm.reference import attention as ra
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from sparse_mla_inputs import check_lse, check_out, decode_args, decode_case, decode_key_amax
+    b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
+    a = decode_case(b, s_q, h, bs, topk, ebs, etopk, "cuda", 11 + b, sink, lshape)
+    ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
+    out = torch.full_like(ref_out, float("nan"))                 # poisoned: every element must be written
+    res, lse = sparse_mla_decode(*decode_args(a), out, config=cfg, num_splits=splits)
+    assert res is out
+    check_out(out, ref_out, label, decode_key_amax(a))
+    if sink != "+inf":
+        check_lse(lse, ref_lse)
+
+
+def check_call_forms(cfg, splits):
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from sparse_mla_inputs import decode_args, decode_case, padded_out, strided
+    a = decode_case(6, 2, 64, 64, 128, 2, 256, "cuda", 7)
+    base, base_lse = sparse_mla_decode(*decode_args(a), config=cfg, num_splits=splits)
+    s = dict(a, q=strided(a["q"]), indices=strided(a["indices"]), k_cache=a["k_cache"].view(torch.float8_e4m3fn),
+             extra_k_cache=a["extra_k_cache"].view(torch.int8).view(torch.uint8),
+             topk_length=a["topk_length"].unsqueeze(1).expand(6, 2),
+             extra_indices_in_kvcache=strided(a["extra_indices_in_kvcache"]))
+    out, back = padded_out((6, 2, 64, 512), "cuda")
+    before = back.clone()
+    res, lse = sparse_mla_decode(*decode_args(s), out, config=cfg, num_splits=splits)
+    torch.cuda.synchronize()
+    assert res is out and torch.equal(out, base) and torch.equal(lse, base_lse), "strided call differs"
+    written = torch.zeros_like(back, dtype=torch.bool)
+    written[:6, :, :64] = True
+    assert torch.equal(back[~written].view(torch.int16), before[~written].view(torch.int16)), "wrote outside out"
+
+
+def check_all_invalid(cfg):
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from sparse_mla_inputs import decode_args, decode_case
+    for sink in ("random", "-inf", "+inf", "none"):
+        a = decode_case(6, 1, 64, 64, 128, 64, 512, "cuda", 2, sink)
+        a["indices"][:3] = -1
+        a["indices"][3:] = torch.tensor([-2 ** 31, 2 ** 31 - 1, 10 ** 9, -5], dtype=torch.int32,
+                                        device="cuda").repeat(32)
+        a["extra_topk_length"].zero_()
+        for ns in (1, 4):
+            out, lse = sparse_mla_decode(*decode_args(a), config=cfg, num_splits=ns)
+            assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all(), (sink, ns)
+
+
+def check_public_default():
+    from dsv4_rocm import ops
+    from dsv4_rocm.reference import attention as ra
+    from dsv4_rocm.triton import sparse_mla_decode as D
+    from sparse_mla_inputs import check_out, decode_args, decode_case, decode_key_amax
+    assert D.default_kernel("sm_90") == "ws", "the Hopper kernel is not the default on sm_90"
+    a = decode_case(5, 2, 128, 256, 128, 64, 512, "cuda", 3)
+    out, _ = ops.sparse_mla_decode(*decode_args(a))
+    check_out(out, ra.flash_mla_with_kvcache_sparse(*decode_args(a))[0], "ops default", decode_key_amax(a))
+
+
+def correctness(smoke):
+    from test_sparse_mla import DECODE_CASES
+    ok = {}
+    log("== correctness")
+    if smoke:
+        ok["ws"] = all([check(f"ws {SMOKE_CASE} splits={ns}", lambda ns=ns: check_case(
+            SMOKE_CASE, dict(kernel="ws"), ns, f"ws {SMOKE_CASE} splits={ns}")) for ns in (None, 3)])
+        return ok
+    good = True
+    for case in DECODE_CASES:
+        for ns in (None, 3):
+            good &= check(f"ws {case} splits={ns}",
+                          lambda case=case, ns=ns: check_case(case, dict(kernel="ws"), ns, f"ws {case} splits={ns}"))
+    for ns in (1, 4):
+        good &= check(f"ws call forms splits={ns}", lambda ns=ns: check_call_forms(dict(kernel="ws"), ns))
+    good &= check("ws all-invalid and zero lengths", lambda: check_all_invalid(dict(kernel="ws")))
+    good &= check("ops default on this GPU is the Hopper kernel", check_public_default)
+    ok["ws"] = good
+    # each variant: the timed cases' kernel (V4-Flash pages, unsplit unless the variant splits) and the
+    # odd-page case of FlashMLA's tests (h 128, [b, s_q] lengths, planned splits)
+    picks = [((8, 2, 64, 256, 128, 64, 512, "random", "b"), 1), (DECODE_CASES[-1], None)]
+    for name, cfg, ns in VARIANTS[1:] + [TRITON]:
+        ok[name] = all([check(f"{name} {case}", lambda case=case, cfg=cfg, n=ns or pns: check_case(
+            case, cfg, n, f"{name} {case} splits={n}")) for case, pns in picks])
+    return ok
+
+
+# ---- compile report -------------------------------------------------------------------------------------------
+def compiled_kernels(kern):
+    cache = kern.device_caches.get(torch.cuda.current_device())
+    return dict(cache[0]) if cache else {}
+
+
+def compile_report(before, after):
+    rows = []
+    for key, ck in after.items():
+        if key in before:
+            continue
+        try:
+            ck._init_handles()
+            rows.append(dict(regs=ck.n_regs, spills=ck.n_spills, shared=ck.metadata.shared))
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(error=str(e)[:200]))
+    return rows
+
+
+# ---- timing ---------------------------------------------------------------------------------------------------
+def timed_inputs(c, seed=0):
+    from dsv4_rocm.bench.sparse_mla import make_decode_inputs
+    label, b, s_q, h, topk, bs, etopk, ebs, elen, _ = c
+    args, _ = make_decode_inputs(dict(b=b, s_q=s_q, h=h, topk=topk, bs=bs, etopk=etopk, ebs=ebs), "cuda", seed=seed)
+    if elen:
+        g = torch.Generator(device="cuda").manual_seed(seed + 5)
+        args[7].copy_(torch.randint(etopk // 2, etopk + 1, (b,), device="cuda", generator=g, dtype=torch.int32))
+    return args
+
+
+def timing(ok, peer):
+    from dsv4_rocm.bench.sparse_mla import decode_call
+    from dsv4_rocm.bench.timing import time_graph_ms, time_ms
+    from dsv4_rocm.triton import sparse_mla_decode as D
+    rows = []
+    log("\n== timing (us; graph = CUDA-graph replay median, eager = launch by launch median)")
+    for c in TIMED:
+        label, variants = c[0], c[-1]
+        args = timed_inputs(c)
+        row = dict(case=label, graph={}, eager={}, compile={})
+        runs = [TRITON] + [v for v in VARIANTS if (variants or v[0] == "ws") and ok.get(v[0])
+                           and not (v[2] and c[1] < 100)]
+        for name, cfg, ns in runs:
+            fn = (lambda cfg=cfg, ns=ns: D.sparse_mla_decode(*args, config=cfg, num_splits=ns))
+            kern = D._ws._sparse_mla_ws_kernel if cfg["kernel"] == "ws" else D._sparse_mla_paged_kernel
+            before = compiled_kernels(kern)
+            try:
+                with watchdog(240, f"{name} on {label}"):
+                    t0 = time.perf_counter()
+                    fn()
+                    torch.cuda.synchronize()
+                    row["compile"][name] = compile_report(before, compiled_kernels(kern))
+                    row["graph"][name] = time_graph_ms(fn) * 1e3
+                    if name in ("ws", "triton"):
+                        row["eager"][name] = time_ms(fn) * 1e3
+            except Exception as e:  # noqa: BLE001
+                FAILURES.append((f"timing {name} {label}", f"{type(e).__name__}: {e}"))
+                log(f"  FAIL timing {name} on {label}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            log(f"  {label:46s} {name:12s} graph {row['graph'][name]:8.1f}"
+                + (f"  eager {row['eager'][name]:8.1f}" if name in row["eager"] else "")
+                + (f"  first call {time.perf_counter() - t0:.1f} s" if row["compile"][name] else ""))
+        if peer is not None:
+            try:
+                with watchdog(240, f"FlashMLA on {label}"):
+                    fn = decode_call(peer, args)
+                    row["graph"]["FlashMLA"] = time_graph_ms(fn) * 1e3
+                    row["eager"]["FlashMLA"] = time_ms(fn) * 1e3
+                log(f"  {label:46s} {'FlashMLA':12s} graph {row['graph']['FlashMLA']:8.1f}  "
+                    f"eager {row['eager']['FlashMLA']:8.1f}")
+            except Exception as e:  # noqa: BLE001
+                log(f"  FlashMLA failed on {label}: {type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+        del args
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows):
+    log("\n== compile report (kernels compiled for the timed cases: registers are the kernel cap; the "
+        "partitions' setmaxnreg split it)")
+    seen = set()
+    for r in rows:
+        for name, reps in r["compile"].items():
+            for rep in reps:
+                key = (name, tuple(sorted(rep.items())))
+                if key not in seen:
+                    seen.add(key)
+                    log(f"  {name:12s} {rep}")
+    log("\n== decode, us (ratio = FlashMLA / ours, > 1: ours faster)")
+    log(f"{'case':46s} {'FlashMLA':>9s} {'triton':>8s} {'ws':>8s} {'ratio':>6s}  {'best ws variant':>24s} {'ratio':>6s}"
+        f"   eager: {'FlashMLA':>9s} {'ws':>8s} {'ratio':>6s}")
+    for r in rows:
+        g, e = r["graph"], r["eager"]
+        f = g.get("FlashMLA")
+        wsv = {k: v for k, v in g.items() if k.startswith("ws")}
+        best = min(wsv, key=wsv.get) if wsv else None
+
+        def num(x, w=8):
+            return f"{x:{w}.1f}" if x is not None else f"{'-':>{w}s}"
+
+        def ratio(a, b):
+            return f"{a / b:6.2f}" if a is not None and b is not None else f"{'-':>6s}"
+        log(f"{r['case']:46s} {num(f, 9)} {num(g.get('triton'))} {num(g.get('ws'))} {ratio(f, g.get('ws'))}  "
+            f"{(best or '-'):>15s} {num(wsv.get(best))} {ratio(f, wsv.get(best))}   "
+            f"       {num(e.get('FlashMLA'), 9)} {num(e.get('ws'))} {ratio(e.get('FlashMLA'), e.get('ws'))}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--flashmla", default=os.environ.get("FLASHMLA_DIR"),
+                    help="a FlashMLA checkout built in place (its flash_mla package is timed beside ours)")
+    ap.add_argument("--smoke", action="store_true", help="compile and check one shape only")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        log("gpu_decode_ws: no GPU")
+        return 2
+    cap = torch.cuda.get_device_capability()
+    import triton
+    log(f"{torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}, torch {torch.__version__}, triton {triton.__version__}")
+    if cap != (9, 0):
+        log("gpu_decode_ws: the warp-specialized decode kernel is written for Hopper (sm_90)")
+        return 2
+    from dsv4_rocm.triton import sparse_mla_decode as D
+    if D._ws is None:
+        log("gpu_decode_ws: this Triton has no Gluon")
+        return 2
+    t0 = time.perf_counter()
+    ok = correctness(a.smoke)
+    log(f"correctness: {time.perf_counter() - t0:.0f} s, {len(FAILURES)} failures")
+    rows = []
+    if not a.smoke:
+        if a.flashmla and a.flashmla not in sys.path:
+            sys.path.append(a.flashmla)
+        from dsv4_rocm.bench.sparse_mla import flashmla_peer
+        peer = flashmla_peer()
+        log("FlashMLA: " + ("timed beside ours" if peer is not None else "not importable (timing without it)"))
+        rows = timing(ok, peer)
+        table(rows)
+    else:
+        from dsv4_rocm.triton import sparse_mla_decode_ws as W
+        log(f"compiled: {compile_report({}, compiled_kernels(W._sparse_mla_ws_kernel))}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(ok=ok, failures=FAILURES, rows=rows), f, indent=1)
+    log(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    if FAILURES:
+        log(f"FAILED: {len(FAILURES)} checks")
+        for name, msg in FAILURES:
+            log(f"  {name}: {msg[:300]}")
+        return 1
+    log("all checks passed" + (" (smoke)" if a.smoke else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""What the sparse MLA decode kernels (sparse_mla_decode.py, sparse_mla_decode_ws.py) share: the device
+function saying which query, heads and key tiles a program handles, and their pointer arguments' types."""
+import triton
+import triton.language as tl
+
+# the pointer arguments of both decode kernels, as the CPU compile matrix types them
+DECODE_POINTERS = dict(q_ptr="*bf16", main_ptr="*u8", main_idx_ptr="*i32", main_len_ptr="*i32", extra_ptr="*u8",
+                       extra_idx_ptr="*i32", extra_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",
+                       lse_ptr="*fp32", part_o_ptr="*fp32", part_lse_ptr="*fp32")
+
+
+@triton.jit
+def program_tiles(main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss,
+                  extra_topk, s_q, num_splits, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    """(t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi) of this program. Axis 0 = token * head
+    blocks + head block (the head blocks of one token run side by side and share its keys through L2),
+    axis 1 = split; token t is query si of batch row bi. n_main / n_extra: the valid prefix of each index
+    set (its length clamped to [0, topk]); key tiles [0, tiles_main) are the main set's, the extra set's
+    follow (each set's last tile padded); this split handles tiles [lo, hi)."""
+    t = tl.program_id(0) // (HEADS // BLOCK_H)
+    hb = tl.program_id(0) % (HEADS // BLOCK_H)
+    sp = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    bi = t64 // s_q
+    si = t64 - bi * s_q
+    n_main = main_topk
+    if HAS_MAIN_LEN:
+        n_main = tl.minimum(tl.load(main_len_ptr + bi * main_len_sb + si * main_len_ss), main_topk)
+    n_main = tl.maximum(n_main, 0)
+    n_extra = 0
+    if HAS_EXTRA:
+        n_extra = extra_topk
+        if HAS_EXTRA_LEN:
+            n_extra = tl.minimum(tl.load(extra_len_ptr + bi * extra_len_sb + si * extra_len_ss), extra_topk)
+        n_extra = tl.maximum(n_extra, 0)
+    tiles_main = tl.cdiv(n_main, BLOCK_N)
+    tiles_all = tiles_main + tl.cdiv(n_extra, BLOCK_N)
+    if SPLIT:
+        per = tl.cdiv(tiles_all, num_splits)
+        lo = sp * per
+        hi = tl.minimum(lo + per, tiles_all)
+    else:
+        lo = 0
+        hi = tiles_all
+    return t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi
