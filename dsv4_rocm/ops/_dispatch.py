@@ -141,12 +141,31 @@ def backend_for(op: str, device) -> str:
     return "reference"
 
 
+_IMPLEMENTATIONS: Dict[tuple, object] = {}   # (op, device type, forced backend) -> function
+
+
 def implementation(op: str, device):
-    b = backend_for(op, device)
+    """The function that runs ``op`` for tensors on ``device``, resolved once per (op, device type, forced
+    backend): a public op pays a dict lookup, not an import."""
+    dt = device.type if isinstance(device, torch.device) else torch.device(device).type
+    key = (op, dt, _override or os.environ.get("DSV4_BACKEND") or None)
+    fn = _IMPLEMENTATIONS.get(key)
+    if fn is None:
+        fn = _IMPLEMENTATIONS[key] = _resolve(op, dt)
+    return fn
+
+
+def _resolve(op: str, device_type: str):
+    b = backend_for(op, device_type)
     if b == "reference":
         return _REFERENCE[op]
     mod, fn = _KERNELS[op][b].split(":")
     return getattr(importlib.import_module(mod), fn)
+
+
+def forget_implementations() -> None:
+    """Resolve every op again on its next call (after the machine's backends changed)."""
+    _IMPLEMENTATIONS.clear()
 
 
 def run(op, device, *args, **kwargs):

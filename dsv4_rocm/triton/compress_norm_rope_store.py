@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from ._launch import launch
 from .compressor_entries import compressor_entries
 
 MAIN, INDEXER_FP8, INDEXER_MXFP4 = 0, 1, 2
@@ -564,10 +565,10 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
                 PREFETCH=bool(cfg["prefetch"]), CHUNK=chunk,
                 USE_LIST=use_list, num_stages=1, enable_fp_fusion=False)
     if nsplit == 1:
-        _compress_norm_rope_store_kernel[(programs,)](*args, STAGE=0, num_warps=cfg["num_warps"], **meta)
+        launch(_compress_norm_rope_store_kernel)[(programs,)](*args, STAGE=0, num_warps=cfg["num_warps"], **meta)
         return
-    _compress_norm_rope_store_kernel[(programs, nsplit)](*args, STAGE=1, num_warps=cfg["num_warps"], **meta)
-    _compress_norm_rope_store_kernel[(programs,)](*args, STAGE=2, num_warps=cfg["finish_warps"], **meta)
+    launch(_compress_norm_rope_store_kernel)[(programs, nsplit)](*args, STAGE=1, num_warps=cfg["num_warps"], **meta)
+    launch(_compress_norm_rope_store_kernel)[(programs,)](*args, STAGE=2, num_warps=cfg["finish_warps"], **meta)
 
 
 def _spec(name, d, ratio, target, chunk, stage=None, config=None):

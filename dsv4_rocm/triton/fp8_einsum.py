@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from ._launch import launch
 
 UE8M0_NAN_BITS = tl.constexpr(0x7FC00000)
 UE8M0_MIN_BITS = tl.constexpr(0x00400000)     # 2^-127, the fp32 subnormal of UE8M0 byte 0
@@ -161,7 +162,7 @@ def grouped_fp8_gemm(a8, sa, w8, sw, out, w_gran_n: int, config: dict = None) ->
     cfg = dict(default_config(arch, T, w_gran_n == 1), **(config or {}))
     meta = {k: v for k, v in cfg.items() if k not in TILE_KEYS}
     grid = (triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), G)
-    _fp8_einsum_kernel[grid](
+    launch(_fp8_einsum_kernel)[grid](
         a8.view(torch.uint8), a8.stride(0), a8.stride(1), sa, sa.stride(0), sa.stride(1), sa.stride(2),
         w8.view(torch.uint8), w8.stride(0), w8.stride(1), sw, sw.stride(0), sw.stride(1), sw.stride(2),
         out, out.stride(0), out.stride(1), T, N, K_BLOCKS=K // 128, A_PACKED=sa.dtype == torch.int32,

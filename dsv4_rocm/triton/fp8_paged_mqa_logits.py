@@ -24,14 +24,13 @@ values), so the grid needs no host sync and a graph replays it for any context l
 up to max_model_len, are filled with -inf (split over the programs of the request); without it they are
 left unwritten. DeepGEMM's schedule_metadata is not needed: the key tiles of a request are split evenly.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import cache_views as V
-from ..platform import detect
+from ._launch import device_facts, launch
 
 TAIL = 1024          # columns a program fills with -inf per step
 MIN_TILES = 4        # key tiles a split should have at least (a split reloads q and the weights)
@@ -131,17 +130,11 @@ def default_config(arch: str) -> dict:
     return dict(BN=128, num_warps=8, num_stages=3, waves=8)
 
 
-@functools.lru_cache(maxsize=None)
-def device_facts(index: int):
-    """(arch, reads fnuz, has fp8 matrix instructions, SM count) of a GPU, cached per device."""
-    dev = torch.device("cuda", index)
-    plat = detect(dev)
-    return (plat.arch, plat.fp8_decode == "fnuz_scale_plus_one", plat.has_fp8_mma,
-            torch.cuda.get_device_properties(dev).multi_processor_count)
-
-
 def facts_of(t: torch.Tensor):
-    return device_facts(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    """(arch, reads fnuz, has fp8 matrix instructions, SM count) of t's device, cached per device (CPU tensors,
+    under the Triton interpreter, take the kernel path)."""
+    arch, fnuz, sms, fp8_mma = device_facts(t.device)
+    return arch, fnuz, fp8_mma, sms
 
 
 def pad_heads(q: torch.Tensor, w: torch.Tensor):
@@ -178,7 +171,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, sched
     # fills max_model_len (a host int: no sync)
     splits = cfg.get("splits") or max(1, min(triton.cdiv(cfg["waves"] * sms, B),
                                              triton.cdiv(max_model_len, cfg["BN"] * MIN_TILES)))
-    _fp8_paged_mqa_logits_kernel[(B, splits)](
+    launch(_fp8_paged_mqa_logits_kernel)[(B, splits)](
         qb, qb.stride(0), qb.stride(1), qb.stride(2), pages, pages.stride(0), pages.shape[0], w, w.stride(0),
         context_lens, context_lens.stride(0), block_tables, block_tables.stride(0), block_tables.shape[1], out,
         out.stride(0), max_model_len,

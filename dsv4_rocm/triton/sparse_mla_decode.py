@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import device_facts, scratch
+from ._launch import device_facts, launch, scratch
 
 LOG2E = 1.4426950408889634
 
@@ -275,7 +275,7 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
     """Launch plan of a call shape: (config items, split count), cached per device and shape so a launch
     pays no device query, no config dict and no split arithmetic. ``config_items`` override the default
     config (sweeps)."""
-    arch, fnuz, sms = device_facts(device)
+    arch, fnuz, sms, _ = device_facts(device)
     cfg = dict(default_config(arch, h), FNUZ=fnuz, **dict(config_items))
     BN = cfg["BLOCK_N"]
     max_tiles = triton.cdiv(main_topk, BN) + triton.cdiv(extra_topk, BN)
@@ -361,9 +361,9 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
         if split:
             _combine_kernel.warmup(*comb, grid=(T, h), **comb_consts)
     else:
-        _sparse_mla_paged_kernel[grid](*args, **consts)
+        launch(_sparse_mla_paged_kernel)[grid](*args, **consts)
         if split:
-            _combine_kernel[(T, h)](*comb, **comb_consts)
+            launch(_combine_kernel)[(T, h)](*comb, **comb_consts)
     return out, lse.transpose(1, 2)
 
 

@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from ._launch import launch
 
 RANGES, REQUEST_LENS, ROW_LENS = 0, 1, 2   # how a row's valid columns are given (``_row_range``)
 
@@ -389,9 +390,9 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
         tile_g = max(1, cfg["tile"] // g0)
         steps = triton.cdiv(triton.cdiv(ncols, g0), tile_g)
         splits = max(1, min(steps, triton.cdiv(cfg["ctas"] * sms, num_rows), 65535))
-        _group_max_kernel[(num_rows, splits)](*row_args, fmax, fmax_w, cfg["raw_max"], splits, MODE=mode, G0=g0,
+        launch(_group_max_kernel)[(num_rows, splits)](*row_args, fmax, fmax_w, cfg["raw_max"], splits, MODE=mode, G0=g0,
                                               TILE_G=tile_g, OFF64=off64, num_warps=cfg["warps_k1"])
-    _select_kernel[(programs,)](*row_args, out, out.stride(0), out.stride(1), k, num_rows, fmax, fmax_w, ws,
+    launch(_select_kernel)[(programs,)](*row_args, out, out.stride(0), out.stride(1), k, num_rows, fmax, fmax_w, ws,
                                 ws.stride(0), cfg["raw_max"], OFF64=off64, **_select_constexprs(cfg, mode),
                                 **_select_options(arch, cfg["warps_k2"]))
 
