@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..platform import detect
 from ._launch import launch
+from .compress_norm_rope_store import _pow2, _ue8m0_fp8
 
 UE8M0_NAN_BITS = tl.constexpr(0x7FC00000)
 UE8M0_MIN_BITS = tl.constexpr(0x00400000)     # 2^-127, the fp32 subnormal of UE8M0 byte 0
@@ -111,12 +112,34 @@ def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_st
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+
+QUANT_BLOCKS = 4          # 128-column blocks a program of the activation quantizer takes
+
+
+@triton.jit
+def _quantize_activation_kernel(x_ptr, x_stride_t, x_stride_k, q_ptr, s_ptr, k_blocks, NB: tl.constexpr,
+                                FNUZ: tl.constexpr):
+    """fp8_linear's activation quantizer, ``reference.output.quantize_activation``'s bytes and scales: program
+    (t, j) turns blocks j*NB .. j*NB + NB - 1 of row t of x (bf16) into UE8M0 fp8 bytes q [T, K] and scales
+    s [T, K / 128] = 2^e. A block holding NaN or inf gets bytes 0x7F and a NaN scale (docs/conventions.md;
+    the oracle's 2^128 = inf gives the same NaN product where 0x7F decodes as NaN, and the NaN scale keeps
+    it NaN on gfx942, where the byte reads as a finite fnuz value)."""
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    ok = blk < k_blocks
+    cols = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + t * x_stride_t + cols * x_stride_k, mask=ok[:, None], other=0.0).to(tl.float32)
+    q, e, bad = _ue8m0_fp8(x, FNUZ)
+    tl.store(q_ptr + t * k_blocks * 128 + cols, q, mask=ok[:, None])
+    tl.store(s_ptr + t * k_blocks + blk, tl.where(bad, float("nan"), _pow2(e)), mask=ok)
+
 def default_config(arch: str, num_tokens: int, per_row_w_scales: bool = False) -> dict:
     """Tile per target and token count. Decode-sized batches: 64 x 64 tiles, many programs for a weight
     read that bounds the time; more tokens: 128-row tiles, which the matrix units need to approach their
     rate; 8 warps for them (4 spill on Hopper). Weight scales per row keep a
     vector of BLOCK_N scales live beside two fp32 tiles: 64 columns, which compile without spills. AMD
-    keeps two stages in its 64 KB (gfx942) of LDS."""
+    keeps two stages in its 64 KB (gfx942) of LDS. The tiles change only past 64 and 256 tokens
+    (``TOKEN_CLASSES``: launches cache a plan per class)."""
     amd = arch.startswith("gfx")
     small = 64 if amd else 256      # H100 sweep (BENCHMARKS.md): 64 x 64 tiles win up to 128 tokens and more
     if num_tokens <= small:
@@ -152,22 +175,37 @@ def _device_facts(device: torch.device):
     return plat.arch, plat.arch == "gfx942"
 
 
+TOKEN_CLASSES = (64, 256)  # default_config's tiles change past these token counts: a plan per class
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_plan(device: torch.device, tokens: int, per_row: bool, k_blocks: int, a_packed: bool, w_packed: bool,
+               w_gran_n: int, config_items: tuple):
+    """(bound kernel, BLOCK_M, BLOCK_N) of a GEMM variant, built once (``tokens``: a representative count of
+    the call's token class), so a launch pays no config dict."""
+    arch, fnuz = _device_facts(device)
+    cfg = dict(default_config(arch, tokens, per_row), **dict(config_items))
+    meta = {k: v for k, v in cfg.items() if k not in TILE_KEYS}
+    kernel = launch(_fp8_einsum_kernel).bind(
+        K_BLOCKS=k_blocks, A_PACKED=a_packed, W_PACKED=w_packed, W_GRAN_N=w_gran_n, FNUZ=fnuz,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], **meta)
+    return kernel, cfg["BLOCK_M"], cfg["BLOCK_N"]
+
+
 def grouped_fp8_gemm(a8, sa, w8, sw, out, w_gran_n: int, config: dict = None) -> None:
     """out[t, g, :] = dequant(a8[t, g]) @ dequant(w8[g]).T (operands and scales as the module docstring)."""
     T, G, K = a8.shape
     N = w8.shape[1]
     if T == 0 or G == 0 or N == 0:
         return
-    arch, fnuz = _device_facts(a8.device)
-    cfg = dict(default_config(arch, T, w_gran_n == 1), **(config or {}))
-    meta = {k: v for k, v in cfg.items() if k not in TILE_KEYS}
-    grid = (triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), G)
-    launch(_fp8_einsum_kernel)[grid](
-        a8.view(torch.uint8), a8.stride(0), a8.stride(1), sa, sa.stride(0), sa.stride(1), sa.stride(2),
-        w8.view(torch.uint8), w8.stride(0), w8.stride(1), sw, sw.stride(0), sw.stride(1), sw.stride(2),
-        out, out.stride(0), out.stride(1), T, N, K_BLOCKS=K // 128, A_PACKED=sa.dtype == torch.int32,
-        W_PACKED=sw.dtype == torch.int32, W_GRAN_N=w_gran_n, FNUZ=fnuz,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], **meta)
+    tokens = next((c for c in TOKEN_CLASSES if T <= c), TOKEN_CLASSES[-1] + 1)
+    kernel, bm, bn = _gemm_plan(a8.device, tokens, w_gran_n == 1, K // 128, sa.dtype == torch.int32,
+                                sw.dtype == torch.int32, w_gran_n, tuple(sorted(config.items())) if config else ())
+    a, w = a8.view(torch.uint8), w8.view(torch.uint8)
+    kernel[(triton.cdiv(T, bm) * triton.cdiv(N, bn), G)](
+        a, a.stride(0), a.stride(1), sa, sa.stride(0), sa.stride(1), sa.stride(2),
+        w, w.stride(0), w.stride(1), sw, sw.stride(0), sw.stride(1), sw.stride(2),
+        out, out.stride(0), out.stride(1), T, N)
 
 
 def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128), config: dict = None) -> None:
@@ -178,15 +216,24 @@ def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128), config: dict = None)
 
 def fp8_linear(x, w8, w_scale, config: dict = None):
     """bf16 [T, K] x block-fp8 weight [N, K] (fp32 scales [N/128, K/128]) -> bf16 [T, N]: the activation is
-    quantized per token per 128 columns (the oracle's quantizer, eps 1e-4), then one group of the GEMM."""
-    from ..reference.output import quantize_activation
+    quantized per token per 128 columns (``_quantize_activation_kernel``, the oracle's quantizer, eps 1e-4),
+    then one group of the GEMM."""
     T, K = x.shape
     N = w8.shape[0]
-    q, s = quantize_activation(x)
-    out = torch.empty(T, 1, N, dtype=torch.bfloat16, device=x.device)
-    grouped_fp8_gemm(q.view(T, 1, K), s.view(T, 1, K // 128), w8.unsqueeze(0), w_scale.unsqueeze(0),
-                     out, 128, config)
+    dev = x.device
+    kb = K // 128
+    q = torch.empty(T, 1, K, dtype=torch.uint8, device=dev)
+    s = torch.empty(T, 1, kb, dtype=torch.float32, device=dev)
+    out = torch.empty(T, 1, N, dtype=torch.bfloat16, device=dev)
+    if T:
+        _quantizer(dev)[(T, triton.cdiv(kb, QUANT_BLOCKS))](x, x.stride(0), x.stride(1), q, s, kb)
+    grouped_fp8_gemm(q, s, w8.unsqueeze(0), w_scale.unsqueeze(0), out, 128, config)
     return out.view(T, N)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(device: torch.device):
+    return launch(_quantize_activation_kernel).bind(NB=QUANT_BLOCKS, FNUZ=_device_facts(device)[1], num_warps=4)
 
 
 def _spec(name, a_packed, w_packed, gran, tokens):
@@ -204,6 +251,10 @@ def _spec(name, a_packed, w_packed, gran, tokens):
 
 
 COMPILE_SPECS = [
+    dict(name="fp8_linear activation quant", fn=_quantize_activation_kernel,
+         pointers=dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), floats=(),
+         constexprs=lambda arch: dict(NB=QUANT_BLOCKS, FNUZ=arch == "gfx942"), options=lambda arch: dict(num_warps=4),
+         matrix=False, fp8_encode=True),
     _spec("fp32 scales, 64-token tile", False, False, 128, 64),
     _spec("fp32 scales, 128-token tile", False, False, 128, 128),
     _spec("fp32 scales, prefill tile", False, False, 128, 4096),
