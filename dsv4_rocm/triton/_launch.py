@@ -2,6 +2,8 @@
 beyond its outputs (a serving engine calls the attention launchers once per layer per step), and the
 direct launch of compiled kernels.
 
+* ``cdiv``, ``next_power_of_2``: host-side ``triton.cdiv`` / ``triton.next_power_of_2`` without their
+  per-call overhead.
 * ``device_facts(device)``: (arch, reads the cache as fnuz, SM / CU count, has fp8 matrix instructions)
   per device, queried once.
 * ``scratch(device, numel)``: an fp32 buffer of at least ``numel`` elements for split partials, one per
@@ -47,6 +49,16 @@ import torch
 import triton
 
 from ..platform import detect
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints (``triton.cdiv`` costs a microsecond a call on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for host ints."""
+    return 1 << (n - 1).bit_length()
 
 
 def device_index(device: torch.device) -> int:

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
-from ._launch import launch
+from ._launch import cdiv, launch
 from .compressor_entries import compressor_entries
 
 MAIN, INDEXER_FP8, INDEXER_MXFP4 = 0, 1, 2
@@ -549,7 +549,7 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
                                             compress_ratio, cos_sin_cache.shape[0], num_reqs, kv_cache.shape[0] * kbs,
                                             programs)
     else:
-        programs = triton.cdiv(num_actual, chunk)
+        programs = cdiv(num_actual, chunk)
     scratch = state_cache
     if nsplit > 1:
         scratch = torch.empty(programs if use_list else num_actual, head_dim, dtype=torch.float32,

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import cache_views as V
-from ._launch import device_facts, launch
+from ._launch import cdiv, device_facts, launch, next_power_of_2
 
 TAIL = 1024          # columns a program fills with -inf per step
 MIN_TILES = 4        # key tiles a split should have at least (a split reloads q and the weights)
@@ -141,7 +141,7 @@ def pad_heads(q: torch.Tensor, w: torch.Tensor):
     """The matrix units need 16 to 128 heads, a power of two: other counts get zero heads with zero weights
     (which add ReLU(0) * 0 = 0). q [..., H, 128] bytes, w [rows, H] fp32."""
     H = q.shape[-2]
-    Hp = max(16, triton.next_power_of_2(H))
+    Hp = max(16, next_power_of_2(H))
     if Hp == H:
         return q, w
     qp = q.new_zeros(*q.shape[:-2], Hp, q.shape[-1])
@@ -169,8 +169,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, sched
     pages = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K)
     # about `waves` programs per SM, but no more splits than keep MIN_TILES key tiles each when a context
     # fills max_model_len (a host int: no sync)
-    splits = cfg.get("splits") or max(1, min(triton.cdiv(cfg["waves"] * sms, B),
-                                             triton.cdiv(max_model_len, cfg["BN"] * MIN_TILES)))
+    splits = cfg.get("splits") or max(1, min(cdiv(cfg["waves"] * sms, B),
+                                             cdiv(max_model_len, cfg["BN"] * MIN_TILES)))
     launch(_fp8_paged_mqa_logits_kernel)[(B, splits)](
         qb, qb.stride(0), qb.stride(1), qb.stride(2), pages, pages.stride(0), pages.shape[0], w, w.stride(0),
         context_lens, context_lens.stride(0), block_tables, block_tables.stride(0), block_tables.shape[1], out,

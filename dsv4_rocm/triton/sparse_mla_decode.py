@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import counters, device_facts, launch, scratch
+from ._launch import cdiv, counters, device_facts, launch, scratch
 
 LOG2E = 1.4426950408889634
 
@@ -336,7 +336,7 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
     if cfg["split_combine"] not in ("kernel", "launch"):
         raise ValueError(f"config split_combine must be 'kernel' or 'launch', got {cfg['split_combine']!r}")
     BN = cfg["BLOCK_N"]
-    max_tiles = triton.cdiv(main_topk, BN) + triton.cdiv(extra_topk, BN)
+    max_tiles = cdiv(main_topk, BN) + cdiv(extra_topk, BN)
     return tuple(cfg.items()), _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
 
 
