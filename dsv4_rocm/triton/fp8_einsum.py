@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
-from ._launch import launch
+from ._launch import cdiv, launch
 from .compress_norm_rope_store import _pow2, _ue8m0_fp8
 
 UE8M0_NAN_BITS = tl.constexpr(0x7FC00000)
@@ -195,17 +195,23 @@ def _gemm_plan(device: torch.device, tokens: int, per_row: bool, k_blocks: int, 
 def grouped_fp8_gemm(a8, sa, w8, sw, out, w_gran_n: int, config: dict = None) -> None:
     """out[t, g, :] = dequant(a8[t, g]) @ dequant(w8[g]).T (operands and scales as the module docstring)."""
     T, G, K = a8.shape
-    N = w8.shape[1]
+    _gemm(a8, a8.stride()[:2], sa, sa.stride(), w8, w8.stride()[:2], sw, sw.stride(), out, out.stride()[:2], T, G,
+          w8.shape[1], K, w_gran_n, config)
+
+
+def _gemm(a8, a_st, sa, sa_st, w8, w_st, sw, sw_st, out, out_st, T, G, N, K, w_gran_n, config):
+    """The launch, with every operand's (token / group, row) strides given: fp8_linear passes its 2-D weight
+    as one group without making views."""
     if T == 0 or G == 0 or N == 0:
         return
     tokens = next((c for c in TOKEN_CLASSES if T <= c), TOKEN_CLASSES[-1] + 1)
     kernel, bm, bn = _gemm_plan(a8.device, tokens, w_gran_n == 1, K // 128, sa.dtype == torch.int32,
                                 sw.dtype == torch.int32, w_gran_n, tuple(sorted(config.items())) if config else ())
-    a, w = a8.view(torch.uint8), w8.view(torch.uint8)
-    kernel[(triton.cdiv(T, bm) * triton.cdiv(N, bn), G)](
-        a, a.stride(0), a.stride(1), sa, sa.stride(0), sa.stride(1), sa.stride(2),
-        w, w.stride(0), w.stride(1), sw, sw.stride(0), sw.stride(1), sw.stride(2),
-        out, out.stride(0), out.stride(1), T, N)
+    a = a8 if a8.dtype == torch.uint8 else a8.view(torch.uint8)
+    w = w8 if w8.dtype == torch.uint8 else w8.view(torch.uint8)
+    kernel[(cdiv(T, bm) * cdiv(N, bn), G)](
+        a, a_st[0], a_st[1], sa, sa_st[0], sa_st[1], sa_st[2], w, w_st[0], w_st[1], sw, sw_st[0], sw_st[1], sw_st[2],
+        out, out_st[0], out_st[1], T, N)
 
 
 def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128), config: dict = None) -> None:
@@ -222,13 +228,16 @@ def fp8_linear(x, w8, w_scale, config: dict = None):
     N = w8.shape[0]
     dev = x.device
     kb = K // 128
-    q = torch.empty(T, 1, K, dtype=torch.uint8, device=dev)
-    s = torch.empty(T, 1, kb, dtype=torch.float32, device=dev)
-    out = torch.empty(T, 1, N, dtype=torch.bfloat16, device=dev)
+    q = torch.empty(T, K, dtype=torch.uint8, device=dev)
+    s = torch.empty(T, kb, dtype=torch.float32, device=dev)
+    out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     if T:
-        _quantizer(dev)[(T, triton.cdiv(kb, QUANT_BLOCKS))](x, x.stride(0), x.stride(1), q, s, kb)
-    grouped_fp8_gemm(q, s, w8.unsqueeze(0), w_scale.unsqueeze(0), out, 128, config)
-    return out.view(T, N)
+        _quantizer(dev)[(T, cdiv(kb, QUANT_BLOCKS))](x, x.stride(0), x.stride(1), q, s, kb)
+    # one group: the group strides are never used (program axis 1 has one program)
+    ws = w_scale.stride()
+    _gemm(q, (K, 0), s, (kb, 0, 1), w8, (0, w8.stride(0)), w_scale, (0, ws[0], ws[1]), out, (N, 0), T, 1, N, K,
+          128, config)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
