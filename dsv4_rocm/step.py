@@ -66,25 +66,24 @@ class StepMetadata:
         if self.num_decodes and self.num_decode_tokens % self.num_decodes:
             raise ValueError(f"num_decode_tokens {self.num_decode_tokens} is not a multiple of num_decodes "
                              f"{self.num_decodes}: decode requests must have the same query length")
-        lens = (self.query_start_loc[1:] - self.query_start_loc[:-1]).to(torch.int64)
-        self.token_to_req = torch.repeat_interleave(
-            torch.arange(self.num_requests, device=dev, dtype=torch.int32), lens, output_size=T)
-        self.is_valid_token = self.slot_mapping >= 0
+        comp = {r: ops.get_compressed_slot_mapping(T, self.query_start_loc, self.seq_lens, self.compressed_block_table,
+                                                   L.compressed_block_size(r), r) for r in ratios}
+        if ops.backend_for("compute_swa_indices_and_lens", dev) == "triton":
+            from .triton.step_index_sets import step_index_sets      # one launch (masks comp in place)
+            sets = step_index_sets(self.query_start_loc, self.positions, self.slot_mapping, self.state_block_table,
+                                   comp)
+        else:
+            sets = index_sets_torch(self.query_start_loc, self.positions, self.slot_mapping, self.state_block_table,
+                                    comp)
+        self.token_to_req, self.is_valid_token, self.state_slots, lens = sets
+        self.compressed_slots = comp
+        if 4 in ratios:
+            self.indexer_lens = lens
         self.swa_indices = torch.empty(T, self.window, dtype=torch.int32, device=dev)
         self.swa_lens = torch.empty(T, dtype=torch.int32, device=dev)
         ops.compute_swa_indices_and_lens(self.swa_indices, self.swa_lens, self.window, self.query_start_loc,
                                          self.seq_lens, self.token_to_req, self.is_valid_token, self.swa_block_table,
                                          L.SWA_BLOCK_SIZE)
-        for r in ratios:
-            slots = ops.get_compressed_slot_mapping(T, self.query_start_loc, self.seq_lens,
-                                                    self.compressed_block_table, L.compressed_block_size(r), r)
-            self.compressed_slots[r] = slots.masked_fill(~self.is_valid_token, -1)
-            sbs = state_block_size(r)
-            col = torch.where(self.is_valid_token, self.positions // sbs, 0)   # padding reads column 0
-            blk = self.state_block_table[self.token_to_req.long(), col].long()
-            self.state_slots[r] = torch.where(self.is_valid_token, blk * sbs + self.positions % sbs, -1)
-        if 4 in ratios:
-            self.indexer_lens = torch.where(self.is_valid_token, (self.positions + 1) // 4, 0).to(torch.int32)
         if 128 in ratios:
             kmax = c128_max_entries(self.max_model_len)
             self.c128_indices = torch.empty(T, kmax, dtype=torch.int32, device=dev)
@@ -94,6 +93,26 @@ class StepMetadata:
                                           L.compressed_block_size(128), self.slot_mapping, self.c128_indices,
                                           self.c128_lens, self.c128_indices[:0], kmax)
         return self
+
+
+def index_sets_torch(query_start_loc, positions, slot_mapping, state_block_table, compressed_slots: dict):
+    """The per-token index sets of a step with torch ops (the CPU path, and the oracle of
+    ``dsv4_rocm/triton/step_index_sets.py``): (token_to_req int32, is_valid_token bool, state_slots {ratio:
+    int64}, indexer_lens int32 or None); ``compressed_slots`` (ratio -> slots) get -1 at invalid tokens."""
+    T, R = positions.shape[0], query_start_loc.shape[0] - 1
+    lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+    token_to_req = torch.repeat_interleave(torch.arange(R, device=positions.device, dtype=torch.int32), lens,
+                                          output_size=T)
+    valid = slot_mapping >= 0
+    state_slots = {}
+    for r in compressed_slots:
+        compressed_slots[r] = compressed_slots[r].masked_fill(~valid, -1)
+        sbs = state_block_size(r)
+        col = torch.where(valid, positions // sbs, 0)   # padding reads column 0
+        blk = state_block_table[token_to_req.long(), col].long()
+        state_slots[r] = torch.where(valid, blk * sbs + positions % sbs, -1)
+    indexer_lens = torch.where(valid, (positions + 1) // 4, 0).to(torch.int32) if 4 in compressed_slots else None
+    return token_to_req, valid, state_slots, indexer_lens
 
 
 def c128_max_entries(max_model_len: int) -> int:
