@@ -52,6 +52,13 @@ else
   fm_rc="skipped (set FLASHMLA_DIR to a FlashMLA checkout)"
 fi
 
+# host time of the eager path, the direct launch on and off (FlashMLA beside it when FLASHMLA_DIR is built)
+python3 ci/host_overhead.py ${FLASHMLA_DIR:+--flashmla "$FLASHMLA_DIR"} --json "$OUT/host_overhead.json" \
+  > "$OUT/host_overhead.log" 2>&1
+ho_rc=$?
+sed -n '/== host overhead ==/,$p' "$OUT/host_overhead.log"
+[ "$ho_rc" = 0 ] || status=1
+
 python3 -m dsv4_rocm bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -90
 bench_rc=${PIPESTATUS[0]}
 
@@ -63,5 +70,6 @@ echo "memcheck:      rc=$mc_rc"
 echo "parity:        rc=$parity_rc"
 echo "main job:      rc=$run_rc"
 echo "FlashMLA cases: rc=$fm_rc (log in $OUT/flashmla_cases.log)"
+echo "host overhead: rc=$ho_rc (log in $OUT/host_overhead.log)"
 echo "bench:         rc=$bench_rc (table above, JSON in $OUT/bench.json)"
 exit $status

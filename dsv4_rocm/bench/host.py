@@ -125,10 +125,11 @@ def ops_as_on_gpu():
 
 # ---- the calls -----------------------------------------------------------------------------------------
 def c4_decode_calls(device, b: int = 128, ctx: int = 8192, seed: int = 0):
-    """[(name, fn)] of the public-op calls of a C4 layer's decode step (V4-Flash dims, 64 local heads, b
-    decode requests at context ``ctx``), each fn() one eager call, in the layer's order: the step's index
-    sets, projections, norms, insert, both compressors, the indexer, attention and the output path. Cache
-    contents are zeros (host time does not depend on them)."""
+    """([(name, fn)], outputs) for the public-op calls of a C4 layer's decode step (V4-Flash dims, 64 local
+    heads, b decode requests at context ``ctx``), each fn() one eager call, in the layer's order: the step's
+    index sets, projections, norms, insert, both compressors, the indexer, attention and the output path.
+    ``outputs()`` gives every result and written cache (the calls repeat the same writes, so a second
+    pass gives the same bytes). Cache contents start as zeros (host time does not depend on them)."""
     from ..config import get_config
     from ..kv_cache import LayerCache
     from ..reference.compressor import coff
@@ -200,8 +201,9 @@ def c4_decode_calls(device, b: int = 128, ctx: int = 8192, seed: int = 0):
                     W.idx_comp_norm),
         ("fp8_linear (indexer wq_b)", put("qi", lambda: ops.fp8_linear(st["qr,kv"][0], W.idx_wq_b8,
                                                                        W.idx_wq_b_s).view(T, nh, 128))),
+        ("indexer weights (torch.matmul)", put("wi", lambda: torch.matmul(x, W.idx_wproj.t()))),
         ("fused_indexer_q_rope_quant", put("q8,wq", lambda: ops.fused_indexer_q_rope_quant(
-            step.positions, st["qi"], cs, torch.matmul(x, W.idx_wproj.t()), 128 ** -0.5, nh ** -0.5))),
+            step.positions, st["qi"], cs, st["wi"], 128 ** -0.5, nh ** -0.5))),
         ("get_paged_mqa_logits_metadata", put("sched", lambda: ops.get_paged_mqa_logits_metadata(
             step.indexer_lens.view(b, 1), 64, 1))),
         ("fp8_paged_mqa_logits", put("lg", lambda: ops.fp8_paged_mqa_logits(
@@ -223,7 +225,14 @@ def c4_decode_calls(device, b: int = 128, ctx: int = 8192, seed: int = 0):
     ]
     for _, fn in calls:          # in order: fills st with every intermediate, compiles what needs it
         fn()
-    return calls
+
+    def outputs():
+        """Every result of the calls (returned or written in place) and the caches they write."""
+        res = {k: v for k, v in st.items()}
+        res.update(swa_idx=swa_idx, swa_lens=swa_lens, topk=topk, attn=attn, z=z, swa=cache.swa, comp=cache.comp,
+                   idx=cache.idx, comp_state=cache.comp_state, idx_state=cache.idx_state)
+        return res
+    return calls, outputs
 
 
 def flash_mla_b2_call(device, pool_tokens: int = 1 << 16):
