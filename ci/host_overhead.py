@@ -20,10 +20,12 @@ On a GPU (correctness first, then timing):
    V4-Flash, 64 heads), direct launch on and off.
 A short table is printed last.
 
-``--cpu`` (no GPU): the same op calls on CPU tensors taking the GPU path (``bench.host.ops_as_on_gpu``), with
-the launches simulated (``bench.host.simulated_gpu``): our Python alone (every launch a no-op), plus
-Triton's launcher, and plus the direct launch instead; a cProfile of the b = 2 call; the main job's decode
-step of the C4 layer on that path (its kernels launching nothing, its torch ops on the CPU).
+``--cpu`` (no GPU): the same op calls (b = 4 by default) on CPU tensors taking the GPU path
+(``bench.host.ops_as_on_gpu``), with the launches simulated (``bench.host.simulated_gpu``): our Python alone
+(every launch a no-op), plus Triton's launcher, and plus the direct launch instead (the minimum of 5 rounds:
+the CPU may be shared); ops that are torch compute are left out (a CPU computes them for real); a cProfile of
+the b = 2 call; the main job's decode step of a tiny C4 layer on that path (its kernels launching nothing,
+its torch ops on the CPU).
 """
 import argparse
 import json
@@ -39,6 +41,7 @@ from dsv4_rocm.bench import host as H  # noqa: E402
 from dsv4_rocm.triton import _launch  # noqa: E402
 
 ROWS = []
+CPU_COMPUTE = ("compressor_kv_score", "torch.matmul")
 
 
 def row(section, name, **values):
@@ -174,25 +177,26 @@ def load_peer(path):
 def cpu_main(a):
     import triton.runtime.jit as J
     torch.set_num_threads(1)
-    calls_fn = lambda: H.c4_decode_calls("cpu", b=128, ctx=a.ctx)  # noqa: E731
     with H.ops_as_on_gpu(), H.simulated_gpu(a.target):
-        calls, _ = calls_fn()
+        calls, _ = H.c4_decode_calls("cpu", b=a.b, ctx=a.ctx)
         fn, _ = H.flash_mla_b2_call("cpu", pool_tokens=1 << 12)
-        all_calls = calls + [("flash_mla_with_kvcache b=2", fn)]
+        # torch compute (a matmul, the reference compressor projection) runs for real on a CPU: left out
+        all_calls = [(n, f) for n, f in calls if not any(c in n for c in CPU_COMPUTE)]
+        all_calls.append(("flash_mla_with_kvcache b=2", fn))
         results = {}
         run = J.JITFunction.run
-        kernel_launch = getattr(_launch, "Kernel", None)
-        saved = kernel_launch.launch if kernel_launch is not None else None
+        stubs = [(c, c.launch) for c in (getattr(_launch, "Kernel", None), getattr(_launch, "BoundKernel", None))
+                 if c is not None]
         try:                                   # our Python alone: every launch a no-op
             J.JITFunction.run = lambda self, *args, **kw: None
-            if kernel_launch is not None:
-                kernel_launch.launch = lambda self, grid, *args, **kw: None
+            for c, _ in stubs:
+                c.launch = lambda self, grid, *args, **kw: None
             for name, f in all_calls:
                 results[name] = {"ours us": H.host_us(f, n=a.calls, best=True)}
         finally:
             J.JITFunction.run = run
-            if kernel_launch is not None:
-                kernel_launch.launch = saved
+            for c, launch in stubs:
+                c.launch = launch
         for fast in (False, True):
             with _launch.set_fast_launch(fast) if hasattr(_launch, "set_fast_launch") else _noop(fast):
                 for name, f in all_calls:
@@ -243,6 +247,7 @@ def main():
     p.add_argument("--cpu", action="store_true", help="measure the host path on this CPU with simulated launches")
     p.add_argument("--target", default="cuda", choices=("cuda", "hip"), help="--cpu: the simulated target")
     p.add_argument("--ctx", type=int, default=1024, help="--cpu: context of the decode step's caches")
+    p.add_argument("--b", type=int, default=4, help="--cpu: decode requests (host time hardly depends on it)")
     p.add_argument("--calls", type=int, default=100, help="--cpu: calls per timing round")
     p.add_argument("--json", default=None)
     a = p.parse_args()

@@ -371,12 +371,8 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
     if num_rows == 0:
         return
     arch, sms = _facts(logits.device)
-    cfg = default_config(arch, k)
-    unknown = set(config or {}) - set(cfg)
-    if unknown:
-        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(config or {})
-    g0, cap, gb = cfg["group"], cfg["cap"], cfg["coarse"]
+    cfg, select = _plan(arch, k, mode, tuple(sorted(config.items())) if config else ())
+    g0, cap = cfg["group"], cfg["cap"]
     ncols = logits.shape[1]
     x_s0, x_s1 = logits.stride()
     grouped = ncols > cfg["raw_max"]
@@ -391,10 +387,22 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
         steps = cdiv(cdiv(ncols, g0), tile_g)
         splits = max(1, min(steps, cdiv(cfg["ctas"] * sms, num_rows), 65535))
         launch(_group_max_kernel)[(num_rows, splits)](*row_args, fmax, fmax_w, cfg["raw_max"], splits, MODE=mode, G0=g0,
-                                              TILE_G=tile_g, OFF64=off64, num_warps=cfg["warps_k1"])
-    launch(_select_kernel)[(programs,)](*row_args, out, out.stride(0), out.stride(1), k, num_rows, fmax, fmax_w, ws,
-                                ws.stride(0), cfg["raw_max"], OFF64=off64, **_select_constexprs(cfg, mode),
-                                **_select_options(arch, cfg["warps_k2"]))
+                                                      TILE_G=tile_g, OFF64=off64, num_warps=cfg["warps_k1"])
+    select[off64][(programs,)](*row_args, out, out.stride(0), out.stride(1), k, num_rows, fmax, fmax_w, ws,
+                               ws.stride(0), cfg["raw_max"])
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(arch: str, k: int, mode: int, config_items: tuple):
+    """(config, the select kernel bound for OFF64 False / True) of a target, k and call form, built once."""
+    cfg = default_config(arch, k)
+    unknown = set(dict(config_items)) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(dict(config_items))
+    consts = dict(_select_constexprs(cfg, mode), **_select_options(arch, cfg["warps_k2"]))
+    select = tuple(launch(_select_kernel).bind(OFF64=off64, **consts) for off64 in (False, True))
+    return cfg, select
 
 
 def _select_options(arch, warps):
