@@ -154,6 +154,8 @@ def c4_decode_calls(device, b: int = 128, ctx: int = 8192, seed: int = 0):
     topk = torch.empty(T, K, dtype=torch.int32, device=dev)
     swa_idx = torch.empty(T, 128, dtype=torch.int32, device=dev)
     swa_lens = torch.empty(T, dtype=torch.int32, device=dev)
+    comp, idx = cache.comp_view(), cache.idx_view()           # the views the layer keeps (attention.py)
+    swa4, comp4, idx4 = cache.swa_view().unsqueeze(-2), comp.unsqueeze(-2), idx.unsqueeze(-2)
     st = {}
 
     def compressor(prefix, w_kv, ape, state, kvc, dim, w_norm):
@@ -196,9 +198,8 @@ def c4_decode_calls(device, b: int = 128, ctx: int = 8192, seed: int = 0):
             ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(st["q"], st["qr,kv"][1], cache.swa,
                                                                   step.slot_mapping, step.positions, cs, 64, 1e-6,
                                                                   64))),
-        *compressor("", W.comp_w, W.comp_ape, cache.comp_state, cache.comp_view(), 512, W.comp_norm),
-        *compressor("indexer ", W.idx_comp_w, W.idx_comp_ape, cache.idx_state, cache.idx_view(), 128,
-                    W.idx_comp_norm),
+        *compressor("", W.comp_w, W.comp_ape, cache.comp_state, comp, 512, W.comp_norm),
+        *compressor("indexer ", W.idx_comp_w, W.idx_comp_ape, cache.idx_state, idx, 128, W.idx_comp_norm),
         ("fp8_linear (indexer wq_b)", put("qi", lambda: ops.fp8_linear(st["qr,kv"][0], W.idx_wq_b8,
                                                                        W.idx_wq_b_s).view(T, nh, 128))),
         ("indexer weights (torch.matmul)", put("wi", lambda: torch.matmul(x, W.idx_wproj.t()))),
@@ -207,15 +208,15 @@ def c4_decode_calls(device, b: int = 128, ctx: int = 8192, seed: int = 0):
         ("get_paged_mqa_logits_metadata", put("sched", lambda: ops.get_paged_mqa_logits_metadata(
             step.indexer_lens.view(b, 1), 64, 1))),
         ("fp8_paged_mqa_logits", put("lg", lambda: ops.fp8_paged_mqa_logits(
-            st["q8,wq"][0].view(b, 1, nh, 128), cache.idx_view().unsqueeze(-2), st["q8,wq"][1],
+            st["q8,wq"][0].view(b, 1, nh, 128), idx4, st["q8,wq"][1],
             step.indexer_lens.view(b, 1), step.compressed_block_table, st["sched"], n_entries))),
         ("top_k_per_row_decode", lambda: ops.top_k_per_row_decode(
             st["lg"], 1, step.indexer_lens.view(b, 1), topk, T, st["lg"].stride(0), st["lg"].stride(1), K)),
         ("compute_global_topk_indices_and_lens", put("gi,gl", lambda: ops.compute_global_topk_indices_and_lens(
             topk, step.token_to_req, step.compressed_block_table, 64, step.is_valid_token))),
         ("sparse_mla_decode", lambda: ops.sparse_mla_decode(
-            st["qp"].unsqueeze(1), cache.swa_view().unsqueeze(-2), step.swa_indices.unsqueeze(1), step.swa_lens,
-            W.attn_sink, cache.comp_view().unsqueeze(-2), st["gi,gl"][0].unsqueeze(1), st["gi,gl"][1],
+            st["qp"].unsqueeze(1), swa4, step.swa_indices.unsqueeze(1), step.swa_lens,
+            W.attn_sink, comp4, st["gi,gl"][0].unsqueeze(1), st["gi,gl"][1],
             cfg.softmax_scale, out=attn.view(T, 1, 64, 512))),
         ("fused_inv_rope_fp8_quant", put("a8,sa", lambda: ops.fused_inv_rope_fp8_quant(
             attn[:, :H], step.positions, cs, G, H // G))),

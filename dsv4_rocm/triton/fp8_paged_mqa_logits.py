@@ -24,12 +24,12 @@ values), so the grid needs no host sync and a graph replays it for any context l
 up to max_model_len, are filled with -inf (split over the programs of the request); without it they are
 left unwritten. DeepGEMM's schedule_metadata is not needed: the key tiles of a request are split evenly.
 """
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import cache_views as V
 from ._launch import cdiv, device_facts, launch, next_power_of_2
 
 TAIL = 1024          # columns a program fills with -inf per step
@@ -163,21 +163,29 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, sched
     out = torch.empty(B * nn, max_model_len, dtype=torch.float32, device=q.device)
     if B == 0:
         return out
-    cfg = dict(default_config(arch), **(config or {}))
-    qb, w = pad_heads(q.view(torch.uint8), weights)
+    cfg = _config(arch, tuple(sorted(config.items())) if config else ())
+    qb, w = pad_heads(q if q.dtype == torch.uint8 else q.view(torch.uint8), weights)
     bs = kv_cache.shape[1]
-    pages = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K)
+    # the cache as the op checked it (cache_views.pages): its first page and page stride are all the kernel
+    # takes, so no pages view is made again
+    cache = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
     # about `waves` programs per SM, but no more splits than keep MIN_TILES key tiles each when a context
     # fills max_model_len (a host int: no sync)
     splits = cfg.get("splits") or max(1, min(cdiv(cfg["waves"] * sms, B),
                                              cdiv(max_model_len, cfg["BN"] * MIN_TILES)))
+    qst, bst = qb.stride(), block_tables.stride()
     launch(_fp8_paged_mqa_logits_kernel)[(B, splits)](
-        qb, qb.stride(0), qb.stride(1), qb.stride(2), pages, pages.stride(0), pages.shape[0], w, w.stride(0),
-        context_lens, context_lens.stride(0), block_tables, block_tables.stride(0), block_tables.shape[1], out,
+        qb, qst[0], qst[1], qst[2], cache, kv_cache.stride(0), kv_cache.shape[0], w, w.stride(0),
+        context_lens, context_lens.stride(0), block_tables, bst[0], block_tables.shape[1], out,
         out.stride(0), max_model_len,
         NEXT_N=nn, H=qb.shape[2], BS=bs, BN=cfg["BN"], SPLITS=splits, CTX_2D=context_lens.dim() == 2,
         CLEAN=clean_logits, FNUZ=fnuz, TAIL_N=TAIL, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _config(arch: str, config_items: tuple) -> dict:
+    return dict(default_config(arch), **dict(config_items))
 
 
 def _spec(name, arch_next_n, ctx_2d):
