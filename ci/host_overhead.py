@@ -17,7 +17,7 @@ On a GPU (correctness first, then timing):
    launch, beside FlashMLA's call on the same tensors when its package imports (``--flashmla`` adds a
    built checkout to the path); a cProfile top-15 of 200 eager calls;
 4. the main job's eager decode step per layer (``python -m dsv4_rocm run``'s default trace: 4 requests,
-   V4-Flash, 64 heads), direct launch on and off.
+   V4-Flash, 64 heads), direct launch on and off, and a cProfile of the C4 layer's decode steps.
 A short table is printed last.
 
 ``--cpu`` (no GPU): the same op calls (b = 4 by default) on CPU tensors taking the GPU path
@@ -163,6 +163,11 @@ def gpu_main(a):
             with _launch.set_fast_launch(fast):
                 ms = H.main_job_decode_step_ms("cuda", lt)
             row("main job eager decode step", lt + (" fast" if fast else ""), **{"ms/step": ms})
+    with _launch.set_fast_launch(True):
+        ms, prof = H.main_job_decode_step_ms("cuda", "c4a", profile=True)
+    print(f"\ncProfile of the main job's eager decode steps, c4a, direct launch on ({ms:.2f} ms/step under the "
+          "profiler):")
+    print(prof)
 
 
 def load_peer(path):

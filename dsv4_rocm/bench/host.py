@@ -280,10 +280,11 @@ def profile_top(fn, calls: int = 200, top: int = 15) -> str:
 
 
 def main_job_decode_step_ms(device, layer: str, config: str = "v4-flash", heads=None, requests: int = 4,
-                            prompt_len: int = 160, decode_steps: int = 8, chunk: int = 512) -> float:
+                            prompt_len: int = 160, decode_steps: int = 8, chunk: int = 512, profile: bool = False):
     """The main job's eager decode step of one layer type (``python -m dsv4_rocm run``'s trace and
     defaults): the mean host-clock time of its pure decode steps, in ms, after a warm-up pass, the GPU
-    synchronized around each step as the main job does."""
+    synchronized around each step as the main job does. With ``profile``: (ms, a cProfile top-25 of the
+    timed decode steps by own time)."""
     from ..config import LayerType, get_config
     from ..main_job import trace
     from ..serving import SyntheticServer
@@ -296,16 +297,29 @@ def main_job_decode_step_ms(device, layer: str, config: str = "v4-flash", heads=
     xs = [torch.randn(max_len, cfg.hidden_size, generator=g).bfloat16().to(device) for _ in range(requests)]
     gpu = torch.device(device).type == "cuda"
     times = []
+    import cProfile
+    pr = cProfile.Profile()
     for timed in (False, True):
         srv = SyntheticServer(cfg, lt, requests, max_len, device=device)
         for st in steps:
             tokens = {b: xs[b][a:e] for b, (a, e) in st.items()}
+            decode = timed and all(e - a == 1 and a > 0 for a, e in st.values())
             if gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            if decode and profile:
+                pr.enable()
             srv.step(tokens)
             if gpu:
                 torch.cuda.synchronize()
-            if timed and all(e - a == 1 and a > 0 for a, e in st.values()):
+            if decode:
                 times.append(time.perf_counter() - t0)
-    return 1e3 * sum(times) / max(len(times), 1)
+                pr.disable()
+    ms = 1e3 * sum(times) / max(len(times), 1)
+    if not profile:
+        return ms
+    import io
+    import pstats
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+    return ms, out.getvalue()
