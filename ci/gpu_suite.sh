@@ -3,7 +3,7 @@
 # report, the main job, FlashMLA's own cases through our API, the benchmarks; a short summary last.
 #
 # Usage: bash ci/gpu_suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
-#   stages: build tests memcheck parity main flashmla bench   (default: all, in that order)
+#   stages: build tests memcheck parity main flashmla host bench   (default: all, in that order)
 #   e.g. `bash ci/gpu_suite.sh build tests` then `bash ci/gpu_suite.sh build flashmla bench` fit two calls
 #   of ten minutes each on an H100.
 # Environment: PYTEST_WORKERS (default 4, with pytest-xdist), FLASHMLA_DIR (default .peers/FlashMLA, see
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-STAGES=${*:-build tests memcheck parity main flashmla bench}
+STAGES=${*:-build tests memcheck parity main flashmla host bench}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
@@ -91,6 +91,14 @@ if want flashmla; then
   fi
 fi
 
+if want host; then
+  stamp "host time of the eager path, direct launch on and off (FlashMLA beside it when built)"
+  fm_arg=""; [ -d "$FLASHMLA_DIR/flash_mla" ] && fm_arg="--flashmla $FLASHMLA_DIR"
+  python3 ci/host_overhead.py $fm_arg --json "$OUT/host_overhead.json" > "$OUT/host_overhead.log" 2>&1
+  record host $?
+  sed -n '/== host overhead ==/,$p' "$OUT/host_overhead.log"
+fi
+
 if want bench; then
   stamp "benchmarks"
   fm_path=""; [ -d "$FLASHMLA_DIR/flash_mla" ] && fm_path="$FLASHMLA_DIR"
@@ -101,7 +109,7 @@ fi
 
 echo
 stamp "gpu_suite summary"
-for s in build tests memcheck parity main flashmla bench; do
+for s in build tests memcheck parity main flashmla host bench; do
   want "$s" || continue
   extra=""
   [ "$s" = tests ] && extra=" ($(grep -Eo '[0-9]+ (passed|failed|error)' "$OUT/pytest_gpu.log" 2>/dev/null | tr '\n' ' '))"

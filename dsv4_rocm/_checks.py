@@ -3,20 +3,23 @@ import torch
 
 
 def tensor(name, t, dtype=None, dim=None, shape=None, device=None, contiguous=False):
-    """Check one tensor argument; ``shape`` entries of None match any size."""
+    """Check one tensor argument; ``shape`` entries of None match any size. Every public op calls this for
+    most of its arguments, so the passing case is a handful of attribute reads and comparisons."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
-        allowed = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
-        if t.dtype not in allowed:
-            raise ValueError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}, got {t.dtype}")
+        td = t.dtype
+        if td is not dtype and (type(dtype) is torch.dtype or td not in dtype):
+            allowed = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
+            raise ValueError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}, got {td}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
     if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and s != ts for s, ts in zip(shape, t.shape)):
+        ts = t.shape
+        if len(ts) != len(shape) or any(s is not None and s != n for s, n in zip(shape, ts)):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
-    if device is not None and t.device != torch.device(device):
+            raise ValueError(f"{name} must have shape {want}, got {tuple(ts)}")
+    if device is not None and t.device != device and t.device != torch.device(device):
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
@@ -33,21 +36,25 @@ def positive_int(name, v):
 
 
 def same_device(**tensors):
-    devs = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
-    if len(set(devs.values())) > 1:
-        raise ValueError("tensors on different devices: " + ", ".join(f"{n}={d}" for n, d in devs.items()))
+    dev = None
+    for t in tensors.values():
+        if isinstance(t, torch.Tensor):
+            if dev is None:
+                dev = t.device
+            elif t.device != dev:
+                devs = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+                raise ValueError("tensors on different devices: " + ", ".join(f"{n}={d}" for n, d in devs.items()))
 
 
 def fp8_bytes(name, t):
-    """Accept fp8 e4m3fn tensors or raw uint8 bytes; return a uint8 view."""
-    tensor(name, t, dtype=(torch.uint8, torch.float8_e4m3fn))
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    """Accept fp8 e4m3fn tensors or raw uint8 bytes."""
+    return tensor(name, t, dtype=(torch.uint8, torch.float8_e4m3fn))
 
 
 def value_checks(t) -> bool:
     """Whether checks that read the values of ``t`` run now (dsv4_rocm/ops/_dispatch.py)."""
-    from .ops._dispatch import value_checks as _vc
-    return _vc(t)
+    from .ops import _dispatch      # imported here: dsv4_rocm.ops imports this module
+    return _dispatch.value_checks(t)
 
 
 def cos_sin(cos_sin_cache, positions, dtype=torch.float32, n_tokens=None):

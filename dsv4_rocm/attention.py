@@ -67,6 +67,11 @@ class DeepseekV4Attention(torch.nn.Module):
         self.eps = cfg.rms_norm_eps
         self.w = weights.to(device)
         self.cache = cache
+        # the views the public ops take, made once (a view costs a dispatch on every call)
+        self._swa_pages = cache.swa_view().unsqueeze(-2)
+        self._comp = cache.comp_view() if cache.comp is not None else None
+        self._comp_pages = self._comp.unsqueeze(-2) if self._comp is not None else None
+        self._idx = cache.idx_view() if cache.idx is not None else None
         if cos_sin_cache is None:
             cos_sin_cache = build_cos_sin_cache(cfg.rope_base(self.layer_type), max_model_len + 1, device=device)
         self.register_buffer("cos_sin_cache", cos_sin_cache.to(device), persistent=False)
@@ -104,7 +109,7 @@ class DeepseekV4Attention(torch.nn.Module):
         self._mark("q norm + kv insert")
         if self.ratio > 1:
             self._compress(x, w.comp_w, w.comp_ape, w.comp_norm, positions, step, self.cache.comp_state,
-                           self.cache.comp_view(), step.compressed_slots[self.ratio], 512)
+                           self._comp, step.compressed_slots[self.ratio], 512)
             self._mark("compressor")
         self._topk = self._indexer(x, qr, positions, step) if self.ratio == 4 else None
         self._mark("indexer")
@@ -133,12 +138,12 @@ class DeepseekV4Attention(torch.nn.Module):
             idx, lens = ops.compute_global_topk_indices_and_lens(
                 self._topk, step.token_to_req, step.compressed_block_table, self.cache.compressed_block_size,
                 step.is_valid_token)
-            extra = dict(extra_k_cache=self.cache.comp_view().unsqueeze(-2), extra_indices_in_kvcache=idx.unsqueeze(1),
+            extra = dict(extra_k_cache=self._comp_pages, extra_indices_in_kvcache=idx.unsqueeze(1),
                          extra_topk_length=lens)
         elif self.ratio == 128:
-            extra = dict(extra_k_cache=self.cache.comp_view().unsqueeze(-2),
+            extra = dict(extra_k_cache=self._comp_pages,
                          extra_indices_in_kvcache=step.c128_indices.unsqueeze(1), extra_topk_length=step.c128_lens)
-        ops.sparse_mla_decode(q.unsqueeze(1), self.cache.swa_view().unsqueeze(-2), step.swa_indices.unsqueeze(1),
+        ops.sparse_mla_decode(q.unsqueeze(1), self._swa_pages, step.swa_indices.unsqueeze(1),
                               step.swa_lens, self.w.attn_sink, extra["extra_k_cache"], extra["extra_indices_in_kvcache"],
                               extra["extra_topk_length"], self.scale, out=output.view(T, 1, self.padded_heads, 512))
 
@@ -173,7 +178,7 @@ class DeepseekV4Attention(torch.nn.Module):
         compressed indices int32 [T, index_topk] (valid first, -1 after)."""
         cfg, w = self.cfg, self.w
         T, nh, K = x.shape[0], cfg.index_n_heads, cfg.index_topk
-        idx_kv = self.cache.idx_view()
+        idx_kv = self._idx
         self._compress(x, w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm, positions, step, self.cache.idx_state,
                        idx_kv, step.compressed_slots[4], 128, ratio=4)
         qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(T, nh, 128)

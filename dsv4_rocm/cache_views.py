@@ -59,30 +59,33 @@ def pages(cache, block_size: int, name: str = "k_cache", fmt: CacheFormat = FP8_
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     rec = fmt.record_bytes
     used = block_size * rec
-    nb = cache.shape[0] if cache.dim() else 0
-    if cache.dim() == 2:
-        if cache.shape[1] not in (used, L.round_up(used, L.PAGE_ALIGN)) or cache.stride(1) != 1:
+    shape, st = cache.shape, cache.stride()
+    nd = len(shape)
+    nb = shape[0] if nd else 0
+    if nd == 2:
+        if shape[1] not in (used, L.round_up(used, L.PAGE_ALIGN)) or st[1] != 1:
             _fail(name, cache, f"a 2-D {fmt.name} cache must be [nb, {used}] or [nb, "
                                f"{L.round_up(used, L.PAGE_ALIGN)}] bytes with unit inner stride for block_size "
                                f"{block_size}")
-    elif cache.dim() in (3, 4):
-        want = (block_size, rec) if cache.dim() == 3 else (block_size, 1, rec)
-        if tuple(cache.shape[1:]) != want:
-            _fail(name, cache, f"a {cache.dim()}-D {fmt.name} cache must be [nb, "
+    elif nd == 3 or nd == 4:
+        if shape[1] != block_size or shape[-1] != rec or (nd == 4 and shape[2] != 1):
+            want = (block_size, rec) if nd == 3 else (block_size, 1, rec)
+            _fail(name, cache, f"a {nd}-D {fmt.name} cache must be [nb, "
                                f"{', '.join(map(str, want))}] for block_size {block_size}")
-        if cache.stride(-1) != 1 or (block_size > 1 and cache.stride(1) != rec):
-            _fail(name, cache, f"the records of a {cache.dim()}-D {fmt.name} cache must be dense ({rec} B apart)")
+        if st[-1] != 1 or (block_size > 1 and st[1] != rec):
+            _fail(name, cache, f"the records of a {nd}-D {fmt.name} cache must be dense ({rec} B apart)")
     else:
         _fail(name, cache, f"a {fmt.name} cache must be 2-D, 3-D or 4-D")
-    stride = cache.stride(0)
+    stride = st[0]
     if nb > 1 and stride < used:
         _fail(name, cache, f"page stride {stride} is smaller than the {used} bytes of a page's records")
     if nb > 1 and stride % ALIGN:
         _fail(name, cache, f"page stride {stride} is not a multiple of {ALIGN} bytes")
-    if (cache.storage_offset() * cache.element_size()) % ALIGN:
+    offset = cache.storage_offset()
+    if offset % ALIGN:                   # uint8 and fp8 elements are bytes
         _fail(name, cache, f"the cache must start at a multiple of {ALIGN} bytes of its storage")
     raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
-    return torch.as_strided(raw, (nb, used), (max(stride, used) if nb <= 1 else stride, 1), raw.storage_offset())
+    return torch.as_strided(raw, (nb, used), (max(stride, used) if nb <= 1 else stride, 1), offset)
 
 
 def capacity(p: torch.Tensor, block_size: int) -> int:

@@ -14,10 +14,15 @@ from ._build import load
 
 def _aligned(t: torch.Tensor) -> bool:
     """Unit inner stride, every row (all dims but the last) starting at a multiple of 16 bytes."""
-    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+    shape, st = t.shape, t.stride()
+    n = len(shape)
+    if n and st[-1] != 1 and shape[-1] > 1:
         return False
-    outer = any((t.stride(d) * t.element_size()) % 16 for d in range(t.dim() - 1) if t.shape[d] > 1)
-    return not outer and t.data_ptr() % 16 == 0
+    es = t.element_size()
+    for d in range(n - 1):
+        if shape[d] > 1 and (st[d] * es) % 16:
+            return False
+    return t.data_ptr() % 16 == 0
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

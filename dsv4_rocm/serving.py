@@ -51,6 +51,9 @@ class SyntheticServer:
         self.comp_bt = perm[:self.num_requests * self.comp_pages].view(self.num_requests, self.comp_pages)
         self.state_bt = torch.randperm(ns, generator=torch.Generator().manual_seed(self.seed + 11)).view(
             self.num_requests, self.state_pages)
+        # host rows of the tables (what a scheduler holds): a step's metadata is built on the host and sent in
+        # two copies, without reading anything back
+        self._rows = [t.to(torch.int32).tolist() for t in (self.swa_bt, self.comp_bt, self.state_bt)]
         self.swa_bt, self.comp_bt, self.state_bt = (t.to(torch.int32).to(dev)
                                                     for t in (self.swa_bt, self.comp_bt, self.state_bt))
         self.cos_sin = build_cos_sin_cache(self.cfg.rope_base(self.layer_type), self.max_model_len + 1, device=dev)
@@ -69,20 +72,36 @@ class SyntheticServer:
                 raise ValueError(f"request {b} would exceed max_model_len {self.max_model_len}")
         reqs = self.order(lens)
         n = [lens[b] for b in reqs]
-        qsl_cpu = torch.tensor([0] + list(torch.cumsum(torch.tensor(n), 0)), dtype=torch.int32)
-        seq_cpu = torch.tensor([self.done[b] + k for b, k in zip(reqs, n)], dtype=torch.int32)
-        pos = torch.cat([torch.arange(self.done[b], self.done[b] + k) for b, k in zip(reqs, n)])
-        idx = torch.tensor(reqs, dtype=torch.long)
-        bt = self.swa_bt.cpu()[idx]
-        t2r = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(n))
-        slots = bt[t2r, pos // L.SWA_BLOCK_SIZE].long() * L.SWA_BLOCK_SIZE + pos % L.SWA_BLOCK_SIZE
+        R, T = len(reqs), sum(n)
+        qsl, seq, pos, slots = [0], [], [], []
+        swa_rows = self._rows[0]
+        for b, k in zip(reqs, n):
+            start, row = self.done[b], swa_rows[b]
+            qsl.append(qsl[-1] + k)
+            seq.append(start + k)
+            pos.extend(range(start, start + k))
+            slots.extend(row[p // L.SWA_BLOCK_SIZE] * L.SWA_BLOCK_SIZE + p % L.SWA_BLOCK_SIZE
+                         for p in range(start, start + k))
+        # one int64 and one int32 host buffer (pinned on a GPU), each segment 16-byte aligned, copied once each
+        tables = [[t[b] for b in reqs] for t in self._rows]
+        i32, spans = [], []
+        for part in [qsl, seq] + [sum(rows, []) for rows in tables]:
+            spans.append((len(i32), len(part)))
+            i32 += part + [0] * (-len(part) % 4)
+        dev = torch.device(self.device)
+        pin = dev.type == "cuda"
+        h64 = torch.tensor(pos + slots, dtype=torch.int64, pin_memory=pin)
+        h32 = torch.tensor(i32, dtype=torch.int32, pin_memory=pin)
+        d64, d32 = (h.to(dev, non_blocking=True) for h in (h64, h32))
+        (a, _), (c, _) = spans[0], spans[1]
+        bts = [d32[o:o + m].view(R, -1) for o, m in spans[2:]]
         nd = sum(1 for b in reqs if lens[b] == self.decode_query_len)
-        dev = self.device
-        step = StepMetadata(qsl_cpu.to(dev), seq_cpu.to(dev), pos.to(dev), slots.to(dev), self.swa_bt[idx.to(dev)],
-                            self.comp_bt[idx.to(dev)], self.state_bt[idx.to(dev)], num_decodes=nd,
+        step = StepMetadata(d32[a:a + R + 1], d32[c:c + R], d64[:T], d64[T:], *bts, num_decodes=nd,
                             num_decode_tokens=nd * self.decode_query_len, max_model_len=self.max_model_len,
-                            window=self.cfg.sliding_window, query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu)
+                            window=self.cfg.sliding_window, query_start_loc_cpu=h32[a:a + R + 1],
+                            seq_lens_cpu=h32[c:c + R])
         step.order = reqs
+        step.token_ranges = list(zip(qsl, qsl[1:]))
         return step
 
     def order(self, lens: Dict[int, int]) -> list:
@@ -101,8 +120,7 @@ class SyntheticServer:
         y = self.layer(step.positions, x, step)
         for b in step.order:
             self.done[b] += tokens[b].shape[0]
-        qsl = step.query_start_loc_cpu
-        return {b: y[int(qsl[i]):int(qsl[i + 1])] for i, b in enumerate(step.order)}
+        return {b: y[a:e] for b, (a, e) in zip(step.order, step.token_ranges)}
 
     def ratios(self) -> tuple:
         return {LayerType.SWA: (), LayerType.C4: (4,), LayerType.C128: (128,)}[self.layer_type]

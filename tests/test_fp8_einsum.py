@@ -217,18 +217,49 @@ _INTERPRETED = textwrap.dedent("""
             nan_ok = torch.equal(torch.isnan(out), torch.isnan(ref))
             fin = ~torch.isnan(ref)
             print(int(nan_ok), float(((out - ref).abs()[fin] / S[fin]).max()))
+
+    # fp8_linear's activation quantizer: the oracle's bytes and scales exactly, on a strided x whose blocks
+    # span 2^-10 .. 2^40, with zero, tiny, NaN and inf blocks (K = 640: a partial program of blocks). The
+    # values are normal e4m3 values times a power of two per block, above the eps, so every fp8 cast is exact
+    # (the interpreter does not round those casts like the hardware)
+    g = torch.Generator().manual_seed(5)
+    spread = torch.exp2(torch.randint(-10, 40, (9, 5), generator=g).float()).repeat_interleave(128, -1)
+    b = torch.randint(0, 256, (9, 640), generator=g, dtype=torch.uint8)
+    b = torch.where((b & 0x78) == 0, b | 0x08, b)
+    b = torch.where((b & 0x7F) == 0x7F, b & 0xF7, b)
+    x = (b.view(torch.float8_e4m3fn).float() * spread).bfloat16()
+    x[1, :128] = 0
+    x[2, 128:256] = 1e-30
+    x[3, 300] = float("nan")
+    x[4, 600] = float("-inf")
+    big = torch.zeros(9, 1000, dtype=torch.bfloat16)
+    big[:, 7:647] = x
+    xs = big[:, 7:647]
+    q, sc = O.quantize_activation(xs)
+    w8, ws = O.quantize_weight(torch.randn(128, 640, generator=g))
+    got = {}
+    E._quantize_activation_kernel[(9, 2)](xs, xs.stride(0), xs.stride(1), got.setdefault("q", torch.empty(9, 640, dtype=torch.uint8)),
+                                          got.setdefault("s", torch.full((9, 5), 7.0)), 5, NB=E.QUANT_BLOCKS, FNUZ=False)
+    poisoned = sc.masked_fill(torch.isinf(sc), float("nan"))      # the kernel writes a poisoned scale as NaN
+    print(int(torch.equal(got["q"], q)), int(torch.allclose(got["s"], poisoned, rtol=0, atol=0, equal_nan=True)))
+    y = E.fp8_linear(xs, w8, ws)
+    y2 = E.fp8_linear(x.contiguous(), w8, ws)
+    print(int(torch.equal(y.view(torch.int16), y2.view(torch.int16))), int(bool(torch.isnan(y[3]).all())))
 """)
 
 
 def test_kernel_equals_the_oracle_under_the_interpreter(tmp_path):
     """Indexing, masking of partial tiles, the tile order, scale decoding (packed, per row, MN-major), the
-    NaN row and the split-K reduction, with the fp8 operands decoded exactly: fp32 sums of exact products, so the error is fp32
-    rounding of the block sums only (far below 2^-16 of S)."""
+    NaN row and the split-K reduction, with the fp8 operands decoded exactly: fp32 sums of exact products,
+    so the error is fp32 rounding of the block sums only (far below 2^-16 of S). fp8_linear's activation
+    quantizer gives the oracle's bytes and scales."""
     r = run_interpreted(_INTERPRETED, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print("\n".join(" ".join(x) for x in rows))
-    assert len(rows) == 12 and all(x[0] == "1" and float(x[1]) < 2 ** -16 for x in rows)
+    assert len(rows) == 14 and all(x[0] == "1" and float(x[1]) < 2 ** -16 for x in rows[:12])
+    assert rows[12] == ["1", "1"], "activation quantizer bytes / scales differ from the oracle's"
+    assert rows[13] == ["1", "1"], "fp8_linear on a strided x, or its NaN row"
 
 
 def _check_bound(z, ref, S, what):

@@ -58,16 +58,17 @@ def _filled_caches(cfg, device, g):
     return cache
 
 
-def _step(device, g):
-    """A decode step: request b at position CTX - 1 - (b % 4), so a quarter of the tokens close a C4 window."""
-    pos = CTX - 1 - (torch.arange(B, device=device) % 4)
+def _step(device, g, b=B, ctx=CTX):
+    """A decode step of b requests: request i at position ctx - 1 - (i % 4), so a quarter of the tokens close a
+    C4 window."""
+    pos = ctx - 1 - (torch.arange(b, device=device) % 4)
     i32 = dict(dtype=torch.int32, device=device)
-    swa_bt = torch.randperm(B * CTX // 64, device=device, generator=g).view(B, -1).to(torch.int32)
-    comp_bt = torch.randperm(B * CTX // 256, device=device, generator=g).view(B, -1).to(torch.int32)
-    ring = torch.arange(B, device=device).unsqueeze(1) * 4 + torch.arange(CTX // 4, device=device) % 4
-    slot = swa_bt[torch.arange(B, device=device), pos // 64].long() * 64 + pos % 64
-    return StepMetadata(torch.arange(B + 1, **i32), (pos + 1).to(torch.int32), pos, slot, swa_bt, comp_bt,
-                        ring.to(torch.int32), num_decodes=B, num_decode_tokens=B, max_model_len=CTX + 1)
+    swa_bt = torch.randperm(b * ctx // 64, device=device, generator=g).view(b, -1).to(torch.int32)
+    comp_bt = torch.randperm(b * ctx // 256, device=device, generator=g).view(b, -1).to(torch.int32)
+    ring = torch.arange(b, device=device).unsqueeze(1) * 4 + torch.arange(ctx // 4, device=device) % 4
+    slot = swa_bt[torch.arange(b, device=device), pos // 64].long() * 64 + pos % 64
+    return StepMetadata(torch.arange(b + 1, **i32), (pos + 1).to(torch.int32), pos, slot, swa_bt, comp_bt,
+                        ring.to(torch.int32), num_decodes=b, num_decode_tokens=b, max_model_len=ctx + 1)
 
 
 def _unbuilt(step):

@@ -33,6 +33,20 @@ _override: Optional[str] = None
 _validation = "auto"
 
 
+def _env_backend() -> Optional[str]:
+    return os.environ.get("DSV4_BACKEND") or None
+
+
+try:    # read per op call: os.environ's own lookup costs half a microsecond (it raises KeyError when unset)
+    _ENV_KEY, _ENV_DATA, _ENV_DECODE = os.environ.encodekey("DSV4_BACKEND"), os.environ._data, os.environ.decodevalue
+
+    def _env_backend() -> Optional[str]:  # noqa: F811
+        v = _ENV_DATA.get(_ENV_KEY)
+        return _ENV_DECODE(v) or None if v is not None else None
+except AttributeError:        # an os.environ without CPython's internals: the plain lookup above
+    pass
+
+
 def register(op: str, reference, **kernels: str) -> None:
     """Declare an op: its reference function and the "module:function" of its kernels per backend."""
     for b in kernels:
@@ -127,7 +141,7 @@ def backend_for(op: str, device) -> str:
     if op not in _REFERENCE:
         raise ValueError(f"unknown op {op!r}")
     have = machine_backends(device)
-    forced = _override or os.environ.get("DSV4_BACKEND") or None
+    forced = _override or _env_backend()
     if forced:
         _check_backend_name(forced)
         if forced not in have:
@@ -141,12 +155,31 @@ def backend_for(op: str, device) -> str:
     return "reference"
 
 
+_IMPLEMENTATIONS: Dict[tuple, object] = {}   # (op, device type, forced backend) -> function
+
+
 def implementation(op: str, device):
-    b = backend_for(op, device)
+    """The function that runs ``op`` for tensors on ``device``, resolved once per (op, device type, forced
+    backend): a public op pays a dict lookup, not an import."""
+    dt = device.type if isinstance(device, torch.device) else torch.device(device).type
+    key = (op, dt, _override or _env_backend())
+    fn = _IMPLEMENTATIONS.get(key)
+    if fn is None:
+        fn = _IMPLEMENTATIONS[key] = _resolve(op, dt)
+    return fn
+
+
+def _resolve(op: str, device_type: str):
+    b = backend_for(op, device_type)
     if b == "reference":
         return _REFERENCE[op]
     mod, fn = _KERNELS[op][b].split(":")
     return getattr(importlib.import_module(mod), fn)
+
+
+def forget_implementations() -> None:
+    """Resolve every op again on its next call (after the machine's backends changed)."""
+    _IMPLEMENTATIONS.clear()
 
 
 def run(op, device, *args, **kwargs):

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..reference.metadata import c128a_slices
+from ._launch import launch
 from ._token_position import paged_slot
 
 
@@ -57,7 +58,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     (gd, dl, pf), cap = c128a_slices(T, num_decode_tokens, compress_ratio, global_decode_buffer, decode_lens_buffer,
                                      prefill_buffer, max_compressed_tokens, max_seq_len)
     if T:
-        _c128a_kernel[(T,)](
+        launch(_c128a_kernel)[(T,)](
             gd, global_decode_buffer.stride(0), dl, pf, prefill_buffer.stride(0), positions, compress_ratio, cap,
             gd.shape[1], pf.shape[1], num_decode_tokens, token_to_req_indices, block_table, block_table.stride(0),
             block_table.shape[0], block_table.shape[1], block_size, slot_mapping,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..reference.metadata import combine_outputs
+from ._launch import launch
 from ._token_position import token_position
 
 BLOCK = 512
@@ -67,7 +68,7 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     T, K = topk_indices.shape
     ci, cl = combine_outputs(topk_indices, topk, window_size, combined_indices, combined_lens)
     if T:
-        _combine_kernel[(T,)](
+        launch(_combine_kernel)[(T,)](
             ci, ci.stride(0), cl, topk_indices, topk_indices.stride(0), K, query_start_loc, seq_lens, gather_lens,
             seq_lens.shape[0], M, N, topk, compress_ratio, window_size, ci.shape[1], BLOCK=BLOCK, BLOCK_R=BLOCK_R,
             num_warps=4)

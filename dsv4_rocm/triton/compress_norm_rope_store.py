@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from ._launch import cdiv, launch
 from .compressor_entries import compressor_entries
 
 MAIN, INDEXER_FP8, INDEXER_MXFP4 = 0, 1, 2
@@ -529,18 +530,13 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
     overrides keys of ``default_config`` (benchmark sweeps)."""
     if num_actual == 0:
         return
-    arch, fnuz = _device_facts(state_cache.device)
-    cfg = default_config(arch, head_dim, compress_ratio)
-    if config:
-        cfg = dict(cfg, **config)
     target = MAIN if head_dim == 512 else (INDEXER_MXFP4 if use_fp4_cache else INDEXER_FP8)
     kbs = kv_cache.shape[1]
     num_reqs = block_table.shape[0]
     kslots = k_cache_metadata.slot_mapping
-    nsplit = cfg["nsplit"]
     prefill = num_actual > 2 * num_reqs             # else decode-sized: one program per token
-    use_list = prefill and cfg["grid"] == "list"
-    chunk = cfg["chunk"] if prefill and not use_list else 1
+    use_list, chunk, nsplit, stages = _plan(state_cache.device, head_dim, compress_ratio, target, block_size,
+                                            int(overlap), prefill, tuple(sorted(config.items())) if config else ())
     entries = count = slot_mapping
     if use_list:                                    # at most N // r + (one per request) entries
         programs = min(num_actual, num_actual // compress_ratio + num_reqs)
@@ -548,26 +544,46 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
                                             compress_ratio, cos_sin_cache.shape[0], num_reqs, kv_cache.shape[0] * kbs,
                                             programs)
     else:
-        programs = triton.cdiv(num_actual, chunk)
+        programs = cdiv(num_actual, chunk)
     scratch = state_cache
     if nsplit > 1:
         scratch = torch.empty(programs if use_list else num_actual, head_dim, dtype=torch.float32,
                               device=state_cache.device)
     cache = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
-    args = (state_cache, state_cache.stride(0), state_cache.stride(1), state_cache.shape[0], token_to_req_indices,
+    sst, cst = state_cache.stride(), cos_sin_cache.stride()
+    args = (state_cache, sst[0], sst[1], state_cache.shape[0], token_to_req_indices,
             positions, slot_mapping, block_table, block_table.stride(0), block_table.shape[1], num_reqs,
-            rms_norm_weight, rms_norm_eps, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], cache,
+            rms_norm_weight, rms_norm_eps, cos_sin_cache, cst[0], cos_sin_cache.shape[0], cache,
             kslots, kbs, kv_cache.stride(0), kv_cache.shape[0] * kbs, num_actual, scratch, entries, count)
-    meta = dict(D=head_dim, RATIO=compress_ratio, OVERLAP=int(overlap), TARGET=target, FNUZ=fnuz, SBS=block_size,
+    if nsplit == 1:
+        stages[0][(programs,)](*args)
+        return
+    stages[0][(programs, nsplit)](*args)
+    stages[1][(programs,)](*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(device, head_dim: int, ratio: int, target: int, block_size: int, overlap: int, prefill: bool,
+          config_items: tuple):
+    """(list entries first, tokens per program, column splits, bound kernel of each launch) of a call shape,
+    built once: a launch pays no config dict."""
+    arch, fnuz = _device_facts(device)
+    cfg = dict(default_config(arch, head_dim, ratio), **dict(config_items))
+    nsplit = cfg["nsplit"]
+    use_list = prefill and cfg["grid"] == "list"
+    chunk = cfg["chunk"] if prefill and not use_list else 1
+    meta = dict(D=head_dim, RATIO=ratio, OVERLAP=overlap, TARGET=target, FNUZ=fnuz, SBS=block_size,
                 NSPLIT=nsplit, STREAM=cfg["pool"] == "stream", ROWS=cfg["rows"],
                 GROUPS=cfg["groups"], COLS=min(cfg["cols"], head_dim // nsplit),
                 PREFETCH=bool(cfg["prefetch"]), CHUNK=chunk,
                 USE_LIST=use_list, num_stages=1, enable_fp_fusion=False)
+    k = launch(_compress_norm_rope_store_kernel)
     if nsplit == 1:
-        _compress_norm_rope_store_kernel[(programs,)](*args, STAGE=0, num_warps=cfg["num_warps"], **meta)
-        return
-    _compress_norm_rope_store_kernel[(programs, nsplit)](*args, STAGE=1, num_warps=cfg["num_warps"], **meta)
-    _compress_norm_rope_store_kernel[(programs,)](*args, STAGE=2, num_warps=cfg["finish_warps"], **meta)
+        stages = (k.bind(STAGE=0, num_warps=cfg["num_warps"], **meta),)
+    else:
+        stages = (k.bind(STAGE=1, num_warps=cfg["num_warps"], **meta),
+                  k.bind(STAGE=2, num_warps=cfg["finish_warps"], **meta))
+    return use_list, chunk, nsplit, stages
 
 
 def _spec(name, d, ratio, target, chunk, stage=None, config=None):

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, launch
+
 BLOCK = 1024
 
 
@@ -38,7 +40,7 @@ def compressor_entries(positions, slot_mapping, kv_slot_mapping, token_to_req_in
     dev = positions.device
     entries = torch.empty(cap, dtype=torch.int32, device=dev)
     count = torch.zeros(1, dtype=torch.int32, device=dev)
-    _compressor_entries_kernel[(triton.cdiv(num_actual, BLOCK),)](
+    launch(_compressor_entries_kernel)[(cdiv(num_actual, BLOCK),)](
         positions, slot_mapping, kv_slot_mapping, token_to_req_indices, num_actual, cos_sin_rows, num_reqs,
         num_cache_slots, entries, count, cap, RATIO=ratio, BLOCK=BLOCK, num_warps=4)
     return entries, count

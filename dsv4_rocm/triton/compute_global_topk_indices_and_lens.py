@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..reference.metadata import global_topk_outputs
+from ._launch import launch, next_power_of_2
 
 
 @triton.jit
@@ -61,10 +62,10 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     T, K = topk_indices.shape
     out, lens = global_topk_outputs(topk_indices, output_buffers)
     if T:
-        _global_topk_kernel[(T,)](
+        launch(_global_topk_kernel)[(T,)](
             out, out.stride(0), lens, topk_indices, topk_indices.stride(0), K, token_to_req_indices, block_table,
             block_table.stride(0), block_table.shape[0], block_table.shape[1], block_size, is_valid_token,
-            CONSTANT_LEN=bool(needs_constant_topk), BLOCK=min(triton.next_power_of_2(max(K, 1)), 1024), num_warps=4)
+            CONSTANT_LEN=bool(needs_constant_topk), BLOCK=min(next_power_of_2(max(K, 1)), 1024), num_warps=4)
     return out, lens
 
 

@@ -11,6 +11,8 @@ Layout: int32 [num_prefills] out; one program per BLOCK entries; reads are maske
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, launch
+
 BLOCK = 128
 
 
@@ -31,7 +33,7 @@ def compute_prefill_gather_lens(prefill_gather_lens, seq_lens, query_start_loc, 
                                 num_decodes: int, window_size: int):
     """Launcher (arguments checked by dsv4_rocm.ops.compute_prefill_gather_lens)."""
     if num_prefills:
-        _prefill_gather_lens_kernel[(triton.cdiv(num_prefills, BLOCK),)](
+        launch(_prefill_gather_lens_kernel)[(cdiv(num_prefills, BLOCK),)](
             prefill_gather_lens, seq_lens, query_start_loc, num_prefills, num_decodes, window_size, BLOCK=BLOCK,
             num_warps=4)
     return prefill_gather_lens[:num_prefills]

@@ -14,6 +14,7 @@ block_table are masked to valid (request, column) pairs.
 import triton
 import triton.language as tl
 
+from ._launch import launch, next_power_of_2
 from ._token_position import paged_slot, token_position
 
 
@@ -49,11 +50,11 @@ def compute_swa_indices_and_lens(swa_indices, swa_lens, window_size: int, query_
     """Launcher (arguments checked by dsv4_rocm.ops.compute_swa_indices_and_lens)."""
     n = swa_indices.shape[0] if num_tokens is None else num_tokens
     if n:
-        _swa_indices_kernel[(n,)](
+        launch(_swa_indices_kernel)[(n,)](
             swa_indices, swa_indices.stride(0), swa_lens, window_size, query_start_loc, seq_lens, seq_lens.shape[0],
             token_to_req_indices, is_valid_token, block_table, block_table.stride(0), block_table.shape[0],
             block_table.shape[1], block_size, token_offset, CONSTANT_LEN=bool(needs_constant_topk),
-            BLOCK_W=min(triton.next_power_of_2(window_size), 1024), num_warps=4)
+            BLOCK_W=min(next_power_of_2(window_size), 1024), num_warps=4)
     return swa_indices[:n], swa_lens[:n]
 
 

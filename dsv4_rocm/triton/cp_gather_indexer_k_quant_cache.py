@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import cache_views as V
+from ._launch import cdiv, launch
 
 ROWS = 32
 
@@ -52,7 +53,7 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
     bs = kv_cache.shape[1]
     pages = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K)
     dk = dst_k.view(torch.uint8)
-    _cp_gather_indexer_k_quant_cache_kernel[(triton.cdiv(T, ROWS),)](
+    launch(_cp_gather_indexer_k_quant_cache_kernel)[(cdiv(T, ROWS),)](
         pages, pages.stride(0), pages.shape[0], dk, dk.stride(0), dst_scale.view(-1).view(torch.int32),
         T, block_table, block_table.stride(0), block_table.shape[1], cu_seq_lens, B,
         BS=bs, R=ROWS, SEARCH_STEPS=max(1, (B - 1).bit_length()), num_warps=4, num_stages=1)

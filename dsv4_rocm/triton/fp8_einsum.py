@@ -26,7 +26,8 @@ byte once but has few tiles): the k-blocks of a tile are divided among SPLIT_K p
 fp32 partial tile to a workspace slot of its own, then counts itself in at the tile's arrival counter; the
 program that arrives last adds the SPLIT_K partials in split order (so the result does not depend on
 which program finishes when), stores the output and sets the counter back to 0, which leaves the
-counters ready for the next call and for graph replays. Counters and workspace are cached per device.
+counters ready for the next call and for graph replays. Counters and workspace are the launchers'
+cached buffers (``_launch.scratch`` / ``counters``).
 """
 import functools
 
@@ -35,6 +36,8 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from ._launch import cdiv, counters, launch, scratch
+from .compress_norm_rope_store import _pow2, _ue8m0_fp8
 
 UE8M0_NAN_BITS = tl.constexpr(0x7FC00000)
 UE8M0_MIN_BITS = tl.constexpr(0x00400000)     # 2^-127, the fp32 subnormal of UE8M0 byte 0
@@ -142,12 +145,34 @@ def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_st
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+
+QUANT_BLOCKS = 4          # 128-column blocks a program of the activation quantizer takes
+
+
+@triton.jit
+def _quantize_activation_kernel(x_ptr, x_stride_t, x_stride_k, q_ptr, s_ptr, k_blocks, NB: tl.constexpr,
+                                FNUZ: tl.constexpr):
+    """fp8_linear's activation quantizer, ``reference.output.quantize_activation``'s bytes and scales: program
+    (t, j) turns blocks j*NB .. j*NB + NB - 1 of row t of x (bf16) into UE8M0 fp8 bytes q [T, K] and scales
+    s [T, K / 128] = 2^e. A block holding NaN or inf gets bytes 0x7F and a NaN scale (docs/conventions.md;
+    the oracle's 2^128 = inf gives the same NaN product where 0x7F decodes as NaN, and the NaN scale keeps
+    it NaN on gfx942, where the byte reads as a finite fnuz value)."""
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    ok = blk < k_blocks
+    cols = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + t * x_stride_t + cols * x_stride_k, mask=ok[:, None], other=0.0).to(tl.float32)
+    q, e, bad = _ue8m0_fp8(x, FNUZ)
+    tl.store(q_ptr + t * k_blocks * 128 + cols, q, mask=ok[:, None])
+    tl.store(s_ptr + t * k_blocks + blk, tl.where(bad, float("nan"), _pow2(e)), mask=ok)
+
 def default_config(arch: str, num_tokens: int, per_row_w_scales: bool = False) -> dict:
     """Tile per target and token count. Decode-sized batches: 64 x 64 tiles, many programs for a weight
     read that bounds the time; more tokens: 128-row tiles, which the matrix units need to approach their
     rate; 8 warps for them (4 spill on Hopper). Weight scales per row keep a
     vector of BLOCK_N scales live beside two fp32 tiles: 64 columns, which compile without spills. AMD
-    keeps two stages in its 64 KB (gfx942) of LDS."""
+    keeps two stages in its 64 KB (gfx942) of LDS. The tiles change only past 64 and 256 tokens
+    (``TOKEN_CLASSES``: launches cache a plan per class)."""
     amd = arch.startswith("gfx")
     small = 64 if amd else 256      # H100 sweep (BENCHMARKS.md): 64 x 64 tiles win up to 128 tokens and more
     if num_tokens <= small:
@@ -181,28 +206,6 @@ SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --sweep`` (merged
 }
 
 
-_SPLIT_BUFFERS = {}   # (device type, index, stream) -> (fp32 workspace, int32 arrival counters)
-_RETIRED = []         # replaced buffers: a graph captured earlier may still use them
-
-
-def _split_buffers(device: torch.device, ws_numel: int, tiles: int):
-    """The split-K workspace and the tiles' arrival counters (zero between calls: the last arriver of a
-    tile resets its counter), one pair per device and stream; they only grow."""
-    if device.type == "cpu":                 # the Triton interpreter
-        key = ("cpu", 0, 0)
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (device.type, index, torch.cuda.current_stream(index).cuda_stream)
-    ws, cnt = _SPLIT_BUFFERS.get(key, (None, None))
-    if ws is None or ws.numel() < ws_numel or cnt.numel() < tiles:
-        if ws is not None:
-            _RETIRED.append((ws, cnt))
-        ws = torch.empty(max(ws_numel, ws.numel() if ws is not None else 0), dtype=torch.float32, device=device)
-        cnt = torch.zeros(max(tiles, cnt.numel() if cnt is not None else 0), dtype=torch.int32, device=device)
-        _SPLIT_BUFFERS[key] = (ws, cnt)
-    return ws, cnt
-
-
 @functools.lru_cache(maxsize=None)
 def _device_facts(device: torch.device):
     """(arch, gfx942's fnuz fp8), cached: a launch must not pay for a properties query."""
@@ -210,27 +213,50 @@ def _device_facts(device: torch.device):
     return plat.arch, plat.arch == "gfx942"
 
 
+TOKEN_CLASSES = (64, 256)  # default_config's tiles change past these token counts: a plan per class
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_plan(device: torch.device, tokens: int, per_row: bool, k_blocks: int, a_packed: bool, w_packed: bool,
+               w_gran_n: int, config_items: tuple):
+    """(bound kernel, BLOCK_M, BLOCK_N, SPLIT_K) of a GEMM variant, built once (``tokens``: a representative count of
+    the call's token class), so a launch pays no config dict."""
+    arch, fnuz = _device_facts(device)
+    cfg = dict(default_config(arch, tokens, per_row), **dict(config_items))
+    meta = {k: v for k, v in cfg.items() if k not in TILE_KEYS}
+    split = max(1, min(cfg.get("SPLIT_K", 1), k_blocks))
+    kernel = launch(_fp8_einsum_kernel).bind(
+        K_BLOCKS=k_blocks, A_PACKED=a_packed, W_PACKED=w_packed, W_GRAN_N=w_gran_n, FNUZ=fnuz,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], GROUP_M=cfg["GROUP_M"], SPLIT_K=split, **meta)
+    return kernel, cfg["BLOCK_M"], cfg["BLOCK_N"], split
+
+
 def grouped_fp8_gemm(a8, sa, w8, sw, out, w_gran_n: int, config: dict = None) -> None:
     """out[t, g, :] = dequant(a8[t, g]) @ dequant(w8[g]).T (operands and scales as the module docstring)."""
     T, G, K = a8.shape
-    N = w8.shape[1]
+    _gemm(a8, a8.stride()[:2], sa, sa.stride(), w8, w8.stride()[:2], sw, sw.stride(), out, out.stride()[:2], T, G,
+          w8.shape[1], K, w_gran_n, config)
+
+
+def _gemm(a8, a_st, sa, sa_st, w8, w_st, sw, sw_st, out, out_st, T, G, N, K, w_gran_n, config):
+    """The launch, with every operand's (token / group, row) strides given: fp8_linear passes its 2-D weight
+    as one group without making views."""
     if T == 0 or G == 0 or N == 0:
         return
-    arch, fnuz = _device_facts(a8.device)
-    cfg = dict(default_config(arch, T, w_gran_n == 1), **(config or {}))
-    meta = {k: v for k, v in cfg.items() if k not in TILE_KEYS}
-    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], min(cfg.get("SPLIT_K", 1), K // 128)
-    tiles = triton.cdiv(T, bm) * triton.cdiv(N, bn)
-    if split > 1:
-        ws, cnt = _split_buffers(a8.device, split * tiles * G * bm * bn, tiles * G)
+    tokens = next((c for c in TOKEN_CLASSES if T <= c), TOKEN_CLASSES[-1] + 1)
+    kernel, bm, bn, split = _gemm_plan(a8.device, tokens, w_gran_n == 1, K // 128, sa.dtype == torch.int32,
+                                       sw.dtype == torch.int32, w_gran_n,
+                                       tuple(sorted(config.items())) if config else ())
+    a = a8 if a8.dtype == torch.uint8 else a8.view(torch.uint8)
+    w = w8 if w8.dtype == torch.uint8 else w8.view(torch.uint8)
+    tiles = cdiv(T, bm) * cdiv(N, bn)
+    if split > 1:      # the split partials and the tiles' arrival counters (left at zero by their last arrivers)
+        ws, cnt = scratch(a8.device, split * tiles * G * bm * bn), counters(a8.device, tiles * G)
     else:
-        ws, cnt = out, sa        # not read
-    _fp8_einsum_kernel[(tiles, G, split)](
-        a8.view(torch.uint8), a8.stride(0), a8.stride(1), sa, sa.stride(0), sa.stride(1), sa.stride(2),
-        w8.view(torch.uint8), w8.stride(0), w8.stride(1), sw, sw.stride(0), sw.stride(1), sw.stride(2),
-        out, out.stride(0), out.stride(1), T, N, ws, cnt, K_BLOCKS=K // 128, A_PACKED=sa.dtype == torch.int32,
-        W_PACKED=sw.dtype == torch.int32, W_GRAN_N=w_gran_n, FNUZ=fnuz, BLOCK_M=bm, BLOCK_N=bn,
-        GROUP_M=cfg["GROUP_M"], SPLIT_K=split, **meta)
+        ws, cnt = out, out      # not read
+    kernel[(tiles, G, split)](
+        a, a_st[0], a_st[1], sa, sa_st[0], sa_st[1], sa_st[2], w, w_st[0], w_st[1], sw, sw_st[0], sw_st[1], sw_st[2],
+        out, out_st[0], out_st[1], T, N, ws, cnt)
 
 
 def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128), config: dict = None) -> None:
@@ -241,15 +267,27 @@ def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128), config: dict = None)
 
 def fp8_linear(x, w8, w_scale, config: dict = None):
     """bf16 [T, K] x block-fp8 weight [N, K] (fp32 scales [N/128, K/128]) -> bf16 [T, N]: the activation is
-    quantized per token per 128 columns (the oracle's quantizer, eps 1e-4), then one group of the GEMM."""
-    from ..reference.output import quantize_activation
+    quantized per token per 128 columns (``_quantize_activation_kernel``, the oracle's quantizer, eps 1e-4),
+    then one group of the GEMM."""
     T, K = x.shape
     N = w8.shape[0]
-    q, s = quantize_activation(x)
-    out = torch.empty(T, 1, N, dtype=torch.bfloat16, device=x.device)
-    grouped_fp8_gemm(q.view(T, 1, K), s.view(T, 1, K // 128), w8.unsqueeze(0), w_scale.unsqueeze(0),
-                     out, 128, config)
-    return out.view(T, N)
+    dev = x.device
+    kb = K // 128
+    q = torch.empty(T, K, dtype=torch.uint8, device=dev)
+    s = torch.empty(T, kb, dtype=torch.float32, device=dev)
+    out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
+    if T:
+        _quantizer(dev)[(T, cdiv(kb, QUANT_BLOCKS))](x, x.stride(0), x.stride(1), q, s, kb)
+    # one group: the group strides are never used (program axis 1 has one program)
+    ws = w_scale.stride()
+    _gemm(q, (K, 0), s, (kb, 0, 1), w8, (0, w8.stride(0)), w_scale, (0, ws[0], ws[1]), out, (N, 0), T, 1, N, K,
+          128, config)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(device: torch.device):
+    return launch(_quantize_activation_kernel).bind(NB=QUANT_BLOCKS, FNUZ=_device_facts(device)[1], num_warps=4)
 
 
 def _spec(name, a_packed, w_packed, gran, tokens, split=None):
@@ -268,6 +306,10 @@ def _spec(name, a_packed, w_packed, gran, tokens, split=None):
 
 
 COMPILE_SPECS = [
+    dict(name="fp8_linear activation quant", fn=_quantize_activation_kernel,
+         pointers=dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32"), floats=(),
+         constexprs=lambda arch: dict(NB=QUANT_BLOCKS, FNUZ=arch == "gfx942"), options=lambda arch: dict(num_warps=4),
+         matrix=False, fp8_encode=True),
     _spec("fp32 scales, 64-token tile", False, False, 128, 64),
     _spec("fp32 scales, 128-token tile", False, False, 128, 128),
     _spec("fp32 scales, prefill tile", False, False, 128, 4096),

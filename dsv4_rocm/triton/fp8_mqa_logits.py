@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, launch
 from .fp8_paged_mqa_logits import _as_fp8, _head_sum, facts_of, pad_heads
 
 
@@ -96,7 +97,7 @@ def fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits: boo
     cfg = dict(default_config(arch), **(config or {}))
     qb, w = pad_heads(q.view(torch.uint8), weights)
     kb = k8.view(torch.uint8)
-    _fp8_mqa_logits_kernel[(triton.cdiv(M, cfg["BQ"]), triton.cdiv(N, cfg["SPAN"]))](
+    launch(_fp8_mqa_logits_kernel)[(cdiv(M, cfg["BQ"]), cdiv(N, cfg["SPAN"]))](
         qb, qb.stride(0), qb.stride(1), kb, kb.stride(0), k_scale, w, w.stride(0), cu_seqlen_ks, cu_seqlen_ke,
         out, out.stride(0), M, N,
         H=qb.shape[1], BQ=cfg["BQ"], BN=cfg["BN"], SPAN=cfg["SPAN"], CLEAN=clean_logits, FNUZ=fnuz,

@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import cache_views as V
-from ..platform import detect
+from ._launch import cdiv, device_facts, launch, next_power_of_2
 
 TAIL = 1024          # columns a program fills with -inf per step
 MIN_TILES = 4        # key tiles a split should have at least (a split reloads q and the weights)
@@ -131,24 +130,18 @@ def default_config(arch: str) -> dict:
     return dict(BN=128, num_warps=8, num_stages=3, waves=8)
 
 
-@functools.lru_cache(maxsize=None)
-def device_facts(index: int):
-    """(arch, reads fnuz, has fp8 matrix instructions, SM count) of a GPU, cached per device."""
-    dev = torch.device("cuda", index)
-    plat = detect(dev)
-    return (plat.arch, plat.fp8_decode == "fnuz_scale_plus_one", plat.has_fp8_mma,
-            torch.cuda.get_device_properties(dev).multi_processor_count)
-
-
 def facts_of(t: torch.Tensor):
-    return device_facts(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    """(arch, reads fnuz, has fp8 matrix instructions, SM count) of t's device, cached per device (CPU tensors,
+    under the Triton interpreter, take the kernel path)."""
+    arch, fnuz, sms, fp8_mma = device_facts(t.device)
+    return arch, fnuz, fp8_mma, sms
 
 
 def pad_heads(q: torch.Tensor, w: torch.Tensor):
     """The matrix units need 16 to 128 heads, a power of two: other counts get zero heads with zero weights
     (which add ReLU(0) * 0 = 0). q [..., H, 128] bytes, w [rows, H] fp32."""
     H = q.shape[-2]
-    Hp = max(16, triton.next_power_of_2(H))
+    Hp = max(16, next_power_of_2(H))
     if Hp == H:
         return q, w
     qp = q.new_zeros(*q.shape[:-2], Hp, q.shape[-1])
@@ -170,21 +163,29 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, sched
     out = torch.empty(B * nn, max_model_len, dtype=torch.float32, device=q.device)
     if B == 0:
         return out
-    cfg = dict(default_config(arch), **(config or {}))
-    qb, w = pad_heads(q.view(torch.uint8), weights)
+    cfg = _config(arch, tuple(sorted(config.items())) if config else ())
+    qb, w = pad_heads(q if q.dtype == torch.uint8 else q.view(torch.uint8), weights)
     bs = kv_cache.shape[1]
-    pages = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K)
+    # the cache as the op checked it (cache_views.pages): its first page and page stride are all the kernel
+    # takes, so no pages view is made again
+    cache = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
     # about `waves` programs per SM, but no more splits than keep MIN_TILES key tiles each when a context
     # fills max_model_len (a host int: no sync)
-    splits = cfg.get("splits") or max(1, min(triton.cdiv(cfg["waves"] * sms, B),
-                                             triton.cdiv(max_model_len, cfg["BN"] * MIN_TILES)))
-    _fp8_paged_mqa_logits_kernel[(B, splits)](
-        qb, qb.stride(0), qb.stride(1), qb.stride(2), pages, pages.stride(0), pages.shape[0], w, w.stride(0),
-        context_lens, context_lens.stride(0), block_tables, block_tables.stride(0), block_tables.shape[1], out,
+    splits = cfg.get("splits") or max(1, min(cdiv(cfg["waves"] * sms, B),
+                                             cdiv(max_model_len, cfg["BN"] * MIN_TILES)))
+    qst, bst = qb.stride(), block_tables.stride()
+    launch(_fp8_paged_mqa_logits_kernel)[(B, splits)](
+        qb, qst[0], qst[1], qst[2], cache, kv_cache.stride(0), kv_cache.shape[0], w, w.stride(0),
+        context_lens, context_lens.stride(0), block_tables, bst[0], block_tables.shape[1], out,
         out.stride(0), max_model_len,
         NEXT_N=nn, H=qb.shape[2], BS=bs, BN=cfg["BN"], SPLITS=splits, CTX_2D=context_lens.dim() == 2,
         CLEAN=clean_logits, FNUZ=fnuz, TAIL_N=TAIL, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _config(arch: str, config_items: tuple) -> dict:
+    return dict(default_config(arch), **dict(config_items))
 
 
 def _spec(name, arch_next_n, ctx_2d):

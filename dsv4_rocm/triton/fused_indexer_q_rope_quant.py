@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from ._launch import cdiv, launch
 from .compress_norm_rope_store import _ceil_log2, _pow2, _ue8m0_fp8
 
 HEAD_BLOCK = 16
@@ -104,7 +105,7 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
         scales = out
     if T:
         o = out.view(torch.uint8)
-        _fused_indexer_q_rope_quant_kernel[(T, triton.cdiv(H, HEAD_BLOCK))](
+        launch(_fused_indexer_q_rope_quant_kernel)[(T, cdiv(H, HEAD_BLOCK))](
             positions, index_q, index_q.stride(0), index_q.stride(1), index_q_cos_sin_cache,
             index_q_cos_sin_cache.stride(0), index_q_cos_sin_cache.shape[0], index_weights, index_weights.stride(0),
             index_weights.stride(1), o, o.stride(0), o.stride(1), scales.view(torch.uint8), scales.stride(0),

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..platform import detect
 from ..reference.output import tma_aligned_tokens
+from ._launch import launch
 from .compress_norm_rope_store import _ceil_log2, _e4m3, _pow2
 
 O_EPS = tl.constexpr(1e-10)
@@ -110,7 +111,7 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
         bh = cfg["BH"]
         if HPG % bh:
             bh = 1
-        _inv_rope_fp8_quant_kernel[(T4, H // bh)](
+        launch(_inv_rope_fp8_quant_kernel)[(T4, H // bh)](
             o, o.stride(0), o.stride(1), positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
             data.view(torch.uint8), data.stride(0), data.stride(1), store, K * T4, T4, T,
             HPG=HPG, BH=bh, PACKED=bool(tma_aligned_scales), FNUZ=fnuz, num_warps=cfg["num_warps"], num_stages=1,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, launch
 from ._token_position import paged_slot, request_index, token_position
 
 BLOCK_T = 128
@@ -51,7 +52,7 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
         out = torch.empty(num_tokens, dtype=torch.int64, device=query_start_loc.device)
     n = out.shape[0]
     if n:
-        _compressed_slot_mapping_kernel[(triton.cdiv(n, BLOCK_T),)](
+        launch(_compressed_slot_mapping_kernel)[(cdiv(n, BLOCK_T),)](
             out, n, num_tokens, query_start_loc, seq_lens, block_table, block_table.stride(0), block_table.shape[1],
             block_table.shape[0], block_size, compress_ratio, cp_world_size, cp_rank, cp_kv_cache_interleave_size,
             BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R, num_warps=4)

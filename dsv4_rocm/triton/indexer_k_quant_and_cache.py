@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .. import cache_views as V
 from ..platform import detect
+from ._launch import cdiv, launch
 from .compress_norm_rope_store import _ue8m0_fp8
 
 ROWS = 8
@@ -50,7 +51,7 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, 
         return
     bs = kv_cache.shape[1]
     pages = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K)
-    _indexer_k_quant_and_cache_kernel[(triton.cdiv(n, ROWS),)](
+    launch(_indexer_k_quant_and_cache_kernel)[(cdiv(n, ROWS),)](
         k, k.stride(0), slot_mapping, n, pages, pages.stride(0), pages.shape[0] * bs,
         BS=bs, R=ROWS, FNUZ=_fnuz(k.device), num_warps=4, num_stages=1, enable_fp_fusion=False)
 

@@ -10,6 +10,8 @@ skips the token (padding), so replaying a captured graph with padded slots is sa
 import triton
 import triton.language as tl
 
+from ._launch import cdiv, launch, next_power_of_2
+
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _save_partial_states_kernel(kv_ptr, kv_stride, score_ptr, score_stride, ape_ptr, ape_stride, pos_ptr,
@@ -51,10 +53,10 @@ def save_partial_states(kv, score, ape, positions, state_cache, slot_mapping, bl
     if config:
         cfg = dict(cfg, **config)
     tokens = cfg["tokens"]
-    _save_partial_states_kernel[(triton.cdiv(n, tokens),)](
+    launch(_save_partial_states_kernel)[(cdiv(n, tokens),)](
         kv, kv.stride(0), score, score.stride(0), ape, ape.stride(0), positions, state_cache, state_cache.stride(0),
         state_cache.stride(1), slot_mapping, state_cache.shape[0] * block_size, n,
-        H=h, BLOCK=triton.next_power_of_2(h), STATE_WIDTH=state_width, RATIO=compress_ratio, BS=block_size,
+        H=h, BLOCK=next_power_of_2(h), STATE_WIDTH=state_width, RATIO=compress_ratio, BS=block_size,
         TOKENS=tokens, num_warps=cfg["num_warps"])
 
 

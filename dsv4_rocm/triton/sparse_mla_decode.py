@@ -19,21 +19,27 @@ cache can hold (-0 is never written), so the scale exponent is raised by one.
 Grid: (tokens x head blocks, splits); token t = b * s_q + s is query s of batch row b, and q, indices,
 lengths and out are addressed through their (b, s, head) strides, so strided views are read and written
 in place. With splits (SPLIT, count at run time) each program handles a contiguous range of key tiles
-and writes a normalized partial output and its lse into a cached scratch buffer; ``_combine_kernel``
-merges them and applies the sink. A query with no valid key gets out = 0 and lse = +inf.
+and writes a normalized partial output and its lse into a cached scratch buffer. The split programs of a
+(token, head block) then count their arrivals in a cached int32 buffer (``_launch.counters``): the last to
+arrive merges the partials, applies the sink and resets the count to 0, so a call is one launch and a
+graph replays it as is (COMBINE). ``config=dict(split_combine="launch")`` merges in a second launch
+(``_combine_kernel``) instead; both merge with ``_merge_splits``. A query with no valid key gets out = 0
+and lse = +inf.
 
-On Hopper the launcher runs the warp-specialized Gluon kernel of ``sparse_mla_decode_ws.py`` instead (same
-arguments, outputs and split partials; ``default_config`` / ``config=dict(kernel=...)`` pick the kernel).
+On Hopper the launcher can run the warp-specialized Gluon kernel of ``sparse_mla_decode_ws.py`` instead
+(same arguments but the counters, same outputs and split partials, merged by ``_combine_kernel``);
+``default_kernel`` / ``config=dict(kernel=...)`` pick the kernel.
 """
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ._decode_tiles import DECODE_POINTERS, program_tiles
-from ._launch import device_facts, scratch
+from ._launch import cdiv, counters, device_facts, launch, scratch
 
 try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
     from . import sparse_mla_decode_ws as _ws
@@ -117,7 +123,7 @@ def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.con
 # compile a new kernel inside a serving step): capacities, token and split counts, lengths strides
 @triton.jit(do_not_specialize=["main_cap", "extra_cap", "num_tokens", "s_q", "num_splits", "main_len_sb",
                                "main_len_ss", "extra_len_sb", "extra_len_ss"],
-            do_not_specialize_on_alignment=["main_len_ptr", "extra_len_ptr"])
+            do_not_specialize_on_alignment=["main_len_ptr", "extra_len_ptr", "count_ptr"])
 def _sparse_mla_paged_kernel(
         q_ptr, stride_qb, stride_qs, stride_qh,
         main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_len_ptr, main_len_sb,
@@ -125,10 +131,11 @@ def _sparse_mla_paged_kernel(
         extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_len_ptr, extra_len_sb,
         extra_len_ss, extra_topk,
         sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-        part_o_ptr, part_lse_ptr, num_tokens, s_q, num_splits, sm_log2,
+        part_o_ptr, part_lse_ptr, count_ptr, num_tokens, s_q, num_splits, sm_log2,
         MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr,
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, HEADS: tl.constexpr):
+        SPLIT: tl.constexpr, COMBINE: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr,
+        HEADS: tl.constexpr, MERGE_H: tl.constexpr, THREADS: tl.constexpr):
     t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = program_tiles(
         main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
         s_q, num_splits, HEADS, BLOCK_H, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT)
@@ -180,58 +187,95 @@ def _sparse_mla_paged_kernel(
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    o_row = out_ptr + bi * stride_ob + si * stride_os + heads[:, None].to(tl.int64) * stride_oh
     if SPLIT:
         base = (sp * num_tokens + t64) * HEADS + heads
         po = part_o_ptr + base[:, None] * 512
         tl.store(po + cols[None, :], acc * inv_l[:, None])
         tl.store(part_lse_ptr + base, lse2)
+        if COMBINE:
+            # the split programs of a (token, head block) count their arrivals; the last one merges. Each
+            # thread first publishes its own stores with a release atomic on a slot of its own (on AMD this
+            # makes every wave wait for its stores and write them back: Triton's barrier alone does not),
+            # then after the barrier one thread counts the arrival with an acq_rel atomic at gpu scope,
+            # which for the last program acquires the other programs' partials. The last program leaves
+            # the count at 0 for the next call and for graph replays.
+            slots = count_ptr + num_tokens * (HEADS // BLOCK_H) + tl.arange(0, THREADS)
+            tl.atomic_add(slots, tl.zeros([THREADS], dtype=tl.int32), sem="release", scope="gpu")
+            tl.debug_barrier()
+            count = count_ptr + t64 * (HEADS // BLOCK_H) + hb
+            arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                # MERGE_H heads at a time: the accumulator of a whole head block and a partial beside it
+                # would not fit in registers
+                for hs in tl.static_range(BLOCK_H // MERGE_H):
+                    mh = hb * BLOCK_H + hs * MERGE_H + tl.arange(0, MERGE_H)
+                    m_row = out_ptr + bi * stride_ob + si * stride_os + mh[:, None].to(tl.int64) * stride_oh
+                    _merge_splits(part_o_ptr, part_lse_ptr, sink_ptr, m_row, lse_ptr + t64 * HEADS + mh, mh, t64,
+                                  num_tokens, num_splits, HEADS, HAS_SINK)
+                tl.store(count, 0)
     else:
         factor = inv_l
         if HAS_SINK:
             sink = tl.load(sink_ptr + heads)
             # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2^(sink*log2e - lse2))
             factor = tl.where(empty, 0.0, inv_l / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))
-        o_row = out_ptr + bi * stride_ob + si * stride_os + heads[:, None].to(tl.int64) * stride_oh
         tl.store(o_row + cols[None, :], (acc * factor[:, None]).to(tl.bfloat16))
         tl.store(lse_ptr + t64 * HEADS + heads, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
 
 
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, sink_ptr, o_row, lse_out, heads, t64, num_tokens, num_splits,
+                  HEADS: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Merge the split partials of token t64 for ``heads`` [BH]: out = sum_s 2^(lse_s - lse) o_s in split
+    order, then the sink; out 0 and lse +inf when no split saw a key. The in-kernel combine and
+    ``_combine_kernel`` both run this, so the two give the same bits. Partials are read past L1 (.cg):
+    other programs wrote them."""
+    cols = tl.arange(0, 512)
+    m = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + (s * num_tokens + t64) * HEADS + heads, cache_modifier=".cg"))
+    empty = m == float("-inf")
+    m_use = tl.where(empty, 0.0, m)
+    tot = tl.zeros(heads.shape, dtype=tl.float32)
+    o = tl.zeros([heads.shape[0], 512], dtype=tl.float32)
+    for s in range(num_splits):
+        base = (s * num_tokens + t64) * HEADS + heads
+        w = tl.exp2(tl.load(part_lse_ptr + base, cache_modifier=".cg") - m_use)
+        tot += w
+        o += tl.load(part_o_ptr + base[:, None] * 512 + cols[None, :], cache_modifier=".cg") * w[:, None]
+    lse2 = m_use + tl.log2(tl.where(empty, 1.0, tot))
+    factor = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, tot))
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + heads)
+        factor = factor / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
+    tl.store(o_row + cols[None, :], (o * factor[:, None]).to(tl.bfloat16))
+    tl.store(lse_out, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
+
+
 MAX_SPLITS = 16
+MERGE_H = 16              # heads merged at a time (in the kernel, and per program of the two-launch combine)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "s_q", "num_splits"])
 def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-                    num_tokens, s_q, num_splits, HEADS: tl.constexpr, HAS_SINK: tl.constexpr,
-                    MAX_SPLITS: tl.constexpr):
-    """Merge split partials of one (token, head): out = sum_s 2^(lse_s - lse) o_s, then the sink."""
+                    num_tokens, s_q, num_splits, HEADS: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The split combine as a second launch (``config=dict(split_combine="launch")``): program (t, hb) merges
+    the partials of token t for BLOCK_H heads."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     bi = t // s_q
     si = t - bi * s_q
-    s = tl.arange(0, MAX_SPLITS)
-    cols = tl.arange(0, 512)
-    base = (s * num_tokens + t) * HEADS + h
-    lse_s = tl.load(part_lse_ptr + base, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    empty = m == float("-inf")
-    m_use = tl.where(empty, 0.0, m)
-    w = tl.exp2(lse_s - m_use)
-    tot = tl.sum(w, 0)
-    o = tl.load(part_o_ptr + base[:, None] * 512 + cols[None, :], mask=(s < num_splits)[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], 0)
-    lse2 = m_use + tl.log2(tl.where(empty, 1.0, tot))
-    factor = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, tot))
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + h)
-        factor = factor / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2))
-    tl.store(out_ptr + bi * stride_ob + si * stride_os + h * stride_oh + cols, (o * factor).to(tl.bfloat16))
-    tl.store(lse_ptr + t * HEADS + h, tl.where(empty, float("inf"), lse2 * 0.6931471805599453))
+    o_row = out_ptr + bi * stride_ob + si * stride_os + heads[:, None].to(tl.int64) * stride_oh
+    _merge_splits(part_o_ptr, part_lse_ptr, sink_ptr, o_row, lse_ptr + t * HEADS + heads, heads, t, num_tokens,
+                  num_splits, HEADS, HAS_SINK)
 
 
 def default_kernel(arch: str) -> str:
-    """Which decode kernel a target runs: the warp-specialized Gluon kernel (``sparse_mla_decode_ws.py``) on
-    Hopper, when this Triton has Gluon; this file's kernel everywhere else."""
-    return "ws" if arch == "sm_90" and _ws is not None else "triton"
+    """Which decode kernel a target runs by default: this file's kernel everywhere until the warp-specialized
+    Hopper kernel (``sparse_mla_decode_ws.py``, forced with ``config=dict(kernel="ws")``) is measured faster
+    on the H100 (BENCHMARKS.md)."""
+    return "triton"
 
 
 def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
@@ -241,22 +285,26 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 221-236
     VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup. NVIDIA: 64 heads
     x 64 keys, 8 warps, one CTA per SM; the integer dequantization (inline PTX) on Hopper and Blackwell;
-    two cp.async stages measured best on the H100. The Hopper kernel's own defaults are in its module.
+    two cp.async stages measured best on the H100. Split partials are merged by the last split program of
+    each (token, head block) (``split_combine="kernel"``); ``"launch"`` merges them in a second launch, as
+    the Hopper kernel always does. The Hopper kernel's own defaults are in its module.
     """
     kernel = kernel or default_kernel(arch)
     if kernel == "ws":
         if _ws is None:
             raise ValueError("config kernel='ws' needs Triton's Gluon (triton >= 3.6), which this Triton lacks")
-        return dict(kernel="ws", BLOCK_H=64, **_ws.default_config())
+        return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config())
     if kernel != "triton":
         raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")
     if arch in ("gfx942", "gfx90a"):
-        return dict(kernel="triton", BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False)
-    if arch == "gfx950":
-        return dict(kernel="triton", BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False)
-    if arch == "sm_100":       # spill-free there (compile matrix); untimed: no Blackwell machine here
-        return dict(kernel="triton", BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
-    return dict(kernel="triton", BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
+        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False)
+    elif arch == "gfx950":
+        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False)
+    elif arch == "sm_100":       # spill-free there (compile matrix); untimed: no Blackwell machine here
+        cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
+    else:
+        cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
+    return dict(cfg, kernel="triton", split_combine="kernel")
 
 
 def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
@@ -269,54 +317,62 @@ def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) ->
     return int(min(max_tiles, max(1, (waves * sm_count) // programs), MAX_SPLITS))
 
 
+
+
+class _Variant(NamedTuple):
+    """What a launch of one kernel variant needs, built once: the bound kernels and the grid's head blocks."""
+    main: object              # BoundKernel of _sparse_mla_paged_kernel, or None for the Hopper kernel
+    combine: object           # BoundKernel of _combine_kernel (two-launch combine), or None
+    head_blocks: int
+    threads: int              # of a program: the release slots the in-kernel combine needs
+    ws: object = None         # the Hopper kernel's constexprs and launch options (``config kernel="ws"``)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = ()):
     """Launch plan of a call shape: (config items, split count), cached per device and shape so a launch
     pays no device query, no config dict and no split arithmetic. ``config_items`` override the default
-    config (sweeps; ``kernel`` picks the kernel)."""
-    arch, fnuz, sms = device_facts(device)
+    config (sweeps)."""
+    arch, fnuz, sms, _ = device_facts(device)
     over = dict(config_items)
     kernel = over.get("kernel") or default_kernel(arch)
     if kernel == "ws" and arch != "sm_90":
         raise ValueError(f"config kernel='ws' runs on Hopper (sm_90) only, this device is {arch}")
-    cfg = dict(default_config(arch, h, kernel), FNUZ=fnuz, **over)
+    cfg = dict(default_config(arch, h, kernel), FNUZ=fnuz, warp_size=64 if arch.startswith("gfx") else 32, **over)
+    if cfg["split_combine"] not in ("kernel", "launch") or (kernel == "ws" and cfg["split_combine"] != "launch"):
+        raise ValueError(f"config split_combine must be 'kernel' or 'launch' ('launch' for kernel 'ws'), got "
+                         f"{cfg['split_combine']!r}")
     BN = cfg["BLOCK_N"]
-    max_tiles = triton.cdiv(main_topk, BN) + triton.cdiv(extra_topk, BN)
+    max_tiles = cdiv(main_topk, BN) + cdiv(extra_topk, BN)
     return tuple(cfg.items()), _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
 
 
 @functools.lru_cache(maxsize=4096)
 def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-             has_extra_len: bool, has_sink: bool, split: bool):
-    """(kernel, its constexprs and launch options, combine's constexprs, CTAs per token), built once per
-    variant."""
+             has_extra_len: bool, has_sink: bool, split: bool) -> _Variant:
+    """The kernels (constexprs and launch options bound) of one variant, built once."""
     cfg = dict(cfg_items)
-    comb = dict(HEADS=h, HAS_SINK=has_sink, MAX_SPLITS=MAX_SPLITS, num_warps=4)
     if cfg["kernel"] == "ws":
-        return (_ws._sparse_mla_ws_kernel, _ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra, has_len,
-                                                           has_extra_len, has_sink, split), comb, h // 64)
-    main = dict(MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len,
-                HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-                SPLIT=split, FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return _sparse_mla_paged_kernel, main, comb, h // cfg["BLOCK_H"]
+        comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), num_warps=4) \
+            if split else None
+        return _Variant(None, comb, h // 64, 0, _ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra, has_len,
+                                                               has_extra_len, has_sink, split))
+    in_kernel = split and cfg["split_combine"] == "kernel"
+    main = launch(_sparse_mla_paged_kernel).bind(
+        MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=has_extra_len,
+        HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, COMBINE=in_kernel,
+        FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h, MERGE_H=min(MERGE_H, cfg["BLOCK_H"]),
+        THREADS=cfg["num_warps"] * cfg["warp_size"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    comb = None
+    if split and not in_kernel:
+        comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), num_warps=4)
+    return _Variant(main, comb, h // cfg["BLOCK_H"], cfg["num_warps"] * cfg["warp_size"])
 
 
 def _lengths_strides(lengths):
     """(batch stride, query stride) of [b] or [b, s_q] lengths: [b] lengths hold for every query of a row."""
     st = lengths.stride()
     return (st[0], 0) if len(st) == 1 else st
-
-
-def _ws_unusable(err):
-    """The Hopper kernel failed to compile or launch here although it was only the default: say so once,
-    and let every later call plan the Triton kernel."""
-    global _ws
-    if _ws is not None:
-        warnings.warn(f"sparse_mla_decode: the warp-specialized Hopper kernel is unusable here ({type(err).__name__}: "
-                      f"{str(err)[:300]}); using the Triton kernel", RuntimeWarning, stacklevel=3)
-    _ws = None
-    _plan.cache_clear()
 
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
@@ -328,11 +384,9 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     given, written in place) with a unit last stride and any other strides; caches [nb, bs, (1,) 584] of
     uint8 / int8 / float8_e4m3fn with stride(1) = 584 and page stride stride(0); indices [b, s_q, topk]
     int32 with a unit last stride; lengths [b] or [b, s_q] int32, any strides; attn_sink [h] contiguous.
-    Nothing is copied: the kernel takes every stride. ``config`` / ``num_splits`` override the kernel, the
-    tiles and the split count (sweeps, tests; ``config=dict(kernel="triton")`` or ``"ws"`` forces a kernel);
-    ``compile_only`` compiles the kernels this call needs and runs nothing. On Hopper the default is the
-    warp-specialized kernel; if it fails to compile or launch there, the call (and every later one) runs the
-    Triton kernel, with a warning.
+    Nothing is copied: the kernel takes every stride. ``config`` / ``num_splits`` override the kernel
+    (``kernel="triton"`` or ``"ws"``), the tiles, the split combine and the split count (sweeps, tests);
+    ``compile_only`` compiles the kernels this call needs and runs nothing.
     """
     b, s_q, h, _ = q.shape
     T = b * s_q
@@ -348,79 +402,82 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=dev)
     if T == 0:
         return out, lse.transpose(1, 2)
+    kshape = k_cache.shape
+    has_len, has_elen = topk_length is not None, has_extra and extra_topk_length is not None
+    ebs = extra_k_cache.shape[1] if has_extra else 1
     split = ns > 1
+    var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split)
+    count = indices                     # an int32 placeholder (never read) when nothing is counted
     if split:
         ws = scratch(dev, ns * T * h * 513)
         part_o, part_lse = ws, ws[ns * T * h * 512:]
+        if var.combine is None:
+            count = counters(dev, T * var.head_blocks + var.threads)
     else:
         part_o = part_lse = lse
-    kshape, kst = k_cache.shape, k_cache.stride()
     main = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
     ist = indices.stride()
-    mlen, mls = (topk_length, _lengths_strides(topk_length)) if topk_length is not None else (indices, (0, 0))
+    mlen, mls = (topk_length, _lengths_strides(topk_length)) if has_len else (indices, (0, 0))
     if has_extra:
-        eshape = extra_k_cache.shape
         extra = extra_k_cache if extra_k_cache.dtype == torch.uint8 else extra_k_cache.view(torch.uint8)
         eidx = extra_indices_in_kvcache
-        elen, els = (extra_topk_length, _lengths_strides(extra_topk_length)) if extra_topk_length is not None \
-            else (eidx, (0, 0))
-        ecap, ebs, estride = eshape[0] * eshape[1], eshape[1], extra_k_cache.stride(0)
+        elen, els = (extra_topk_length, _lengths_strides(extra_topk_length)) if has_elen else (eidx, (0, 0))
+        ecap, estride = extra_k_cache.shape[0] * ebs, extra_k_cache.stride(0)
     else:
-        extra, eidx, elen, els, ecap, ebs, estride = main, indices, mlen, (0, 0), 0, 1, 0
+        extra, eidx, elen, els, ecap, estride = main, indices, mlen, (0, 0), 0, 0
     est = eidx.stride()
     sink = attn_sink if attn_sink is not None else lse
     qst, ost = q.stride(), out.stride()
-    kern, consts, comb_consts, ctas = _variant(cfg, h, kshape[1], ebs, has_extra, topk_length is not None,
-                                               has_extra and extra_topk_length is not None, attn_sink is not None,
-                                               split)
-    grid = (T * ctas, ns)
+    grid = (T * var.head_blocks, ns)
     args = (q, qst[0], qst[1], qst[2],
-            main, kst[0], kshape[0] * kshape[1], indices, ist[0], ist[1], mlen, mls[0], mls[1], topk,
+            main, k_cache.stride(0), kshape[0] * kshape[1], indices, ist[0], ist[1], mlen, mls[0], mls[1], topk,
             extra, estride, ecap, eidx, est[0], est[1], elen, els[0], els[1], etopk,
-            sink, out, ost[0], ost[1], ost[2], lse, part_o, part_lse, T, s_q, ns, softmax_scale * LOG2E)
+            sink, out, ost[0], ost[1], ost[2], lse, part_o, part_lse, count, T, s_q, ns, softmax_scale * LOG2E)
+    comb_grid = (T, h // min(MERGE_H, h))
     comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns)
-    try:
+    if var.ws is not None:                 # the Hopper kernel: the same arguments but the counters
+        ws_args = args[:32] + args[33:]
         if compile_only:
-            kern.warmup(*args, grid=grid, **consts)
+            _ws._sparse_mla_ws_kernel.warmup(*ws_args, grid=grid, **var.ws)
         else:
-            kern[grid](*args, **consts)
-    except Exception as err:  # noqa: BLE001  (a compile or launch failure of the default Hopper kernel)
-        if kern is _sparse_mla_paged_kernel or (config and config.get("kernel") == "ws"):
-            raise
-        _ws_unusable(err)
-        return sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                                 extra_topk_length, softmax_scale, out, config=config, num_splits=num_splits,
-                                 compile_only=compile_only)
-    if split:
+            _ws._sparse_mla_ws_kernel[grid](*ws_args, **var.ws)
+    elif compile_only:
+        var.main.warmup(*args, grid=grid)
+    else:
+        var.main[grid](*args)
+    if var.combine is not None:
         if compile_only:
-            _combine_kernel.warmup(*comb, grid=(T, h), **comb_consts)
+            var.combine.warmup(*comb, grid=comb_grid)
         else:
-            _combine_kernel[(T, h)](*comb, **comb_consts)
+            var.combine[comb_grid](*comb)
     return out, lse.transpose(1, 2)
 
 
 def _matrix_constexprs(arch, split=False):
-    c = default_config(arch, 64, "triton")
+    c = default_config(arch, 64)
     return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
-                SPLIT=split, FNUZ=arch == "gfx942",
-                DEQ_INT=c.get("DEQ_INT", False), HEADS=64)
+                SPLIT=split, COMBINE=split, FNUZ=arch == "gfx942",
+                DEQ_INT=c.get("DEQ_INT", False), HEADS=64, MERGE_H=MERGE_H,
+                THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32))
 
 
 def _matrix_options(arch):
-    c = default_config(arch, 64, "triton")
+    c = default_config(arch, 64)
     return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
+_POINTERS = dict(DECODE_POINTERS, count_ptr="*i32")
+
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
-    dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=DECODE_POINTERS, floats=("sm_log2",),
+    dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True),
-    dict(name="sparse_mla_decode[split]", fn=_sparse_mla_paged_kernel, pointers=DECODE_POINTERS, floats=("sm_log2",),
+    dict(name="sparse_mla_decode[split, combine in kernel]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
          fp8_convert=True),
     dict(name="sparse_mla_combine", fn=_combine_kernel,
          pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
-         floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, MAX_SPLITS=MAX_SPLITS),
+         floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, BLOCK_H=MERGE_H),
          options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False),
 ]

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import device_facts
+from ._launch import device_facts, launch
 
 LOG2E = 1.4426950408889634
 
@@ -112,7 +112,7 @@ def sparse_mla_prefill(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sin
     if compile_only:
         _sparse_mla_prefill_kernel.warmup(*args, grid=grid, **consts)
     else:
-        _sparse_mla_prefill_kernel[grid](*args, **consts)
+        launch(_sparse_mla_prefill_kernel)[grid](*args, **consts)
     return out, maxl, lse
 
 

@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from ._launch import cdiv, launch, next_power_of_2
 
 RANGES, REQUEST_LENS, ROW_LENS = 0, 1, 2   # how a row's valid columns are given (``_row_range``)
 
@@ -323,7 +324,7 @@ def _select_row(r, x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, o
 
 
 def _pow2(v: int) -> int:
-    return triton.next_power_of_2(max(int(v), 1))
+    return next_power_of_2(max(int(v), 1))
 
 
 def default_config(arch: str, k: int) -> dict:
@@ -370,16 +371,12 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
     if num_rows == 0:
         return
     arch, sms = _facts(logits.device)
-    cfg = default_config(arch, k)
-    unknown = set(config or {}) - set(cfg)
-    if unknown:
-        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(config or {})
-    g0, cap, gb = cfg["group"], cfg["cap"], cfg["coarse"]
+    cfg, select = _plan(arch, k, mode, tuple(sorted(config.items())) if config else ())
+    g0, cap = cfg["group"], cfg["cap"]
     ncols = logits.shape[1]
     x_s0, x_s1 = logits.stride()
     grouped = ncols > cfg["raw_max"]
-    fmax_w = triton.cdiv(ncols, g0) if grouped else 1
+    fmax_w = cdiv(ncols, g0) if grouped else 1
     fmax = torch.empty(num_rows if grouped else 1, fmax_w, dtype=torch.int32, device=logits.device)
     programs = max(1, min(num_rows, int(cfg["k2_ctas"] * sms)))
     ws = torch.empty(programs, 3 * cap, dtype=torch.int32, device=logits.device)
@@ -387,13 +384,25 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
     off64 = (ncols + 16) * abs(x_s1) >= 2 ** 31        # column offsets past int32 (aligned chunks overrun by < 16)
     if grouped:
         tile_g = max(1, cfg["tile"] // g0)
-        steps = triton.cdiv(triton.cdiv(ncols, g0), tile_g)
-        splits = max(1, min(steps, triton.cdiv(cfg["ctas"] * sms, num_rows), 65535))
-        _group_max_kernel[(num_rows, splits)](*row_args, fmax, fmax_w, cfg["raw_max"], splits, MODE=mode, G0=g0,
-                                              TILE_G=tile_g, OFF64=off64, num_warps=cfg["warps_k1"])
-    _select_kernel[(programs,)](*row_args, out, out.stride(0), out.stride(1), k, num_rows, fmax, fmax_w, ws,
-                                ws.stride(0), cfg["raw_max"], OFF64=off64, **_select_constexprs(cfg, mode),
-                                **_select_options(arch, cfg["warps_k2"]))
+        steps = cdiv(cdiv(ncols, g0), tile_g)
+        splits = max(1, min(steps, cdiv(cfg["ctas"] * sms, num_rows), 65535))
+        launch(_group_max_kernel)[(num_rows, splits)](*row_args, fmax, fmax_w, cfg["raw_max"], splits, MODE=mode, G0=g0,
+                                                      TILE_G=tile_g, OFF64=off64, num_warps=cfg["warps_k1"])
+    select[off64][(programs,)](*row_args, out, out.stride(0), out.stride(1), k, num_rows, fmax, fmax_w, ws,
+                               ws.stride(0), cfg["raw_max"])
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(arch: str, k: int, mode: int, config_items: tuple):
+    """(config, the select kernel bound for OFF64 False / True) of a target, k and call form, built once."""
+    cfg = default_config(arch, k)
+    unknown = set(dict(config_items)) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(dict(config_items))
+    consts = dict(_select_constexprs(cfg, mode), **_select_options(arch, cfg["warps_k2"]))
+    select = tuple(launch(_select_kernel).bind(OFF64=off64, **consts) for off64 in (False, True))
+    return cfg, select
 
 
 def _select_options(arch, warps):
@@ -409,7 +418,7 @@ def _select_constexprs(cfg, mode):
     t_digit = cfg["t_digit"]
     return dict(MODE=mode, G0=cfg["group"], GB=cfg["coarse"], LF=max(1, cfg["load"] // cfg["coarse"]),
                 CAP=cfg["cap"], D=cfg["digit"],
-                DT=t_digit, T_ROUNDS=min(cfg["t_rounds"], triton.cdiv(32, t_digit)), CHUNK=cfg["chunk"],
+                DT=t_digit, T_ROUNDS=min(cfg["t_rounds"], cdiv(32, t_digit)), CHUNK=cfg["chunk"],
                 GATHER=max(1, cfg["gather"] // cfg["group"]), KB=1024)
 
 
