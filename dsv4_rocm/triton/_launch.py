@@ -6,6 +6,8 @@ beyond its outputs (a serving engine calls the attention launchers once per laye
   (device, stream). It only grows; a buffer it replaces is kept alive, because a captured CUDA/HIP graph
   may still hold its address (a graph does not own the memory its kernels touch). Calls on one stream
   run in order, so one buffer per stream is never used by two calls at once.
+* ``zeroed_state(device, numel)``: the same for an int32 buffer that starts as zeros and that every
+  kernel using it leaves as zeros (counters, atomic maxima), so no call and no graph replay clears it.
 
 CPU tensors (the Triton interpreter, ``TRITON_INTERPRET=1``) get arch "cpu", no fnuz and one "SM".
 """
@@ -37,22 +39,31 @@ def device_facts(device: torch.device):
     return _facts(device.type, device_index(device))
 
 
-_SCRATCH = {}     # (device type, index, stream) -> fp32 tensor
+_SCRATCH = {}     # (kind, device type, index, stream) -> tensor
 _RETIRED = []     # buffers replaced by larger ones: graphs captured earlier may still write them
 
 
-def scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """A 1-D fp32 buffer of at least ``numel`` elements, reused by every call on this device and stream."""
+def _cached(kind: str, device: torch.device, numel: int, make) -> torch.Tensor:
     if device.type == "cpu":
-        key = ("cpu", 0, 0)
+        key = (kind, "cpu", 0, 0)
     else:
         index = device_index(device)
-        key = (device.type, index, torch.cuda.current_stream(index).cuda_stream)
+        key = (kind, device.type, index, torch.cuda.current_stream(index).cuda_stream)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
         if buf is not None:
             _RETIRED.append(buf)
-        buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.float32,
-                          device=device)
+        buf = make(max(numel, 2 * (buf.numel() if buf is not None else 0)), device=device)
         _SCRATCH[key] = buf
     return buf
+
+
+def scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """A 1-D fp32 buffer of at least ``numel`` elements, reused by every call on this device and stream."""
+    return _cached("scratch", device, numel, lambda n, device: torch.empty(n, dtype=torch.float32, device=device))
+
+
+def zeroed_state(device: torch.device, numel: int) -> torch.Tensor:
+    """A 1-D int32 buffer of at least ``numel`` zeros, reused by every call on this device and stream; its
+    users return it to zeros before they finish."""
+    return _cached("state", device, numel, lambda n, device: torch.zeros(n, dtype=torch.int32, device=device))
