@@ -269,10 +269,11 @@ def interpreter_cases():
     # small sizes, so that rows of a few thousand columns span many tiles, groups and CTAs
     k, width = 64, 6000
     lg = hard_rows(width, g)
-    small = dict(raw_max=512, fused_raw_max=512, coarse=256, load=512, fused_load=512, group=8, chunk=512, cap=256)
+    small = dict(raw_max=512, fused_raw_max=512, coarse=256, load=512, fused_load=512, group=8, scan=128, chunk=256,
+                 cap=256)
     seq = torch.tensor([6000, 5999, 3001, 6000, 4097, 6000, 800, 6000, 513, 65], dtype=torch.int32)
     n = seq.clamp(max=width)
-    for name, cfg in {"split, 12 + 12 CTAs a row": dict(small, ctas=1.0, ctas2=1.0),
+    for name, cfg in {"split, 13 + 6 CTAs a row": dict(small, ctas=1.0, ctas2=1.0),
                       "split, 1 CTA a row": dict(small, mode="split", ctas=0.01, ctas2=0.01),
                       "split, coarse 128, groups of 32, 5-bit digits": dict(small, coarse=128, group=32, digit=5),
                       "fused, 2 programs": dict(small, mode="fused", fused_ctas=2 / 132),

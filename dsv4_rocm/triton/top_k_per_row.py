@@ -31,9 +31,10 @@ Rows by length (ncols decides on the host which kernels run; each row's own leng
        >= t, and at most k/8 more C than needed (the select over C stops there); for i.i.d. values about
        1.15 k (GB = 4 k) or 1.4 k (GB = 2 k) elements are >= t. t depends on ranks only: values in a
        narrow range or a few exponents filter as well as spread ones, and so do sorted rows.
-    2. candidates: the groups whose maximum is >= t are loaded (the other groups' loads are masked off:
-       about 1/G0 of the row plus the qualifying groups is read again), their keys >= t listed with their
-       columns (<= CAP of them, in registers), then the exact select and the output. With more than CAP
+    2. candidates: the group maxima are scanned FS at a time, the groups whose maximum is >= t listed
+       (a CTA-private scratch list, so that they load densely) and loaded (1/G0 of the row plus those
+       groups is read again); their keys >= t go to the row's candidate list with their columns (<= CAP
+       of them), then the exact select over the list in registers, and the output. With more than CAP
        candidates (thousands of ties at t) the select streams over the whole row in column order instead:
        exact, up to ceil(32 / D) + 1 passes of one CTA (the slow path).
     Two ways to run them, chosen from rows x SMs on the host (``_plan``):
@@ -49,10 +50,10 @@ Rows by length (ncols decides on the host which kernels run; each row's own leng
       time (a grid of at most fused_ctas x SMs walks the rows), both passes, no atomics, one launch.
 
 Expected work on an H100 (~2-3 us per kernel in a CUDA graph). Batch 1 x 256K: pass 1 is 33 CTAs of
-one 8K tile and 2048 atomic maxima each, then a 2-round select over C; pass 2, 65 CTAs over 256 groups
-each (~1.1k of the 16K groups qualify), then a 2-round select over ~590 candidates. Batch 64 x 128K:
-pass 1 streams the 33.5 MB with 3 CTAs a row (~11 us at 3 TB/s), pass 2 reads 2 MB of group maxima and
-~1 MB of qualifying groups.
+one 8K tile and 2048 atomic maxima each, then a 2-round select over C; pass 2, 8 CTAs of one scan of
+2048 group maxima and one load of the ~70 that qualify (~590 candidates in all), then a 2-round select.
+Batch 64 x 128K: pass 1 streams the 33.5 MB with 2 CTAs a row (~11 us at 3 TB/s), pass 2 reads 2 MB of
+group maxima and ~600 groups of 16 columns a row, 2 steps a CTA.
 
 Memory layout: logits element (r, c) at ``logits + r * stride0 + c * stride1`` (any strides, 64-bit
 offsets; loads are masked at the row's storage end ncols, columns past a row's end are read and
@@ -293,25 +294,30 @@ def _coarse_pass(row, x_s1, ncols, start, end, c0, c1, fmax_row, G0: tl.constexp
 
 
 @triton.jit
-def _collect(row, x_s1, ncols, start, end, t, fmax_row, g0, g1, lst, cnt_ptr, count, G0: tl.constexpr,
-             FC: tl.constexpr, CAP: tl.constexpr, SHARED: tl.constexpr, OFF64: tl.constexpr):
-    """Pass 2 over the groups [g0, g1) of a row (from its first group): the keys >= t of the groups whose
-    maximum is >= t (only those are loaded) go to lst[pos] with their row-relative columns at
-    lst[CAP + pos] (pos < CAP), in column order within a chunk. SHARED: other CTAs fill the same list,
-    room is reserved with an atomic add on cnt_ptr; else count is the list's running length. Returns
-    count plus the candidates seen."""
+def _collect(row, x_s1, ncols, start, end, t, fmax_row, g0, g1, ids, lst, cnt_ptr, count, G0: tl.constexpr,
+             FS: tl.constexpr, FC: tl.constexpr, CAP: tl.constexpr, SHARED: tl.constexpr, OFF64: tl.constexpr):
+    """Pass 2 over the groups [g0, g1) of a row (from its first group), FS group maxima a step: the groups
+    whose maximum is >= t are listed in ids (this CTA's scratch, FS entries), then loaded FC at a time;
+    their keys >= t go to lst[pos] with their row-relative columns at lst[CAP + pos] (pos < CAP). SHARED:
+    other CTAs fill the same list, room is reserved with an atomic add on cnt_ptr; else count is the
+    list's running length. Returns count plus the candidates seen."""
     first = start // G0
+    fl = tl.arange(0, FS)
     gl = tl.arange(0, FC)
     el = tl.arange(0, G0)
-    for base in range(g0, g1, FC):
-        g = base + gl
-        f = tl.load(fmax_row + g, mask=g < g1, other=0).to(tl.uint32, bitcast=True)
-        q = (g < g1) & (f >= t)
-        col = (first + g)[:, None] * G0 + el[None, :]
-        key, inside = _keys_at(row, x_s1, col, ncols, start, end, q[:, None], OFF64)
-        c = tl.reshape(inside & (key >= t), [FC * G0])
-        n = tl.sum(c.to(tl.int32), 0)
-        if n > 0:
+    for base in range(g0, g1, FS):
+        g = base + fl
+        q = (g < g1) & (tl.load(fmax_row + g, mask=g < g1, other=0).to(tl.uint32, bitcast=True) >= t)
+        nq = tl.sum(q.to(tl.int32), 0)
+        tl.store(ids + tl.cumsum(q.to(tl.int32), 0) - 1, g, mask=q)
+        tl.debug_barrier()                                # the list of groups, dense, for every thread
+        for b2 in range(0, nq, FC):
+            i = b2 + gl
+            gi = tl.load(ids + i, mask=i < nq, other=0)
+            col = (first + gi)[:, None] * G0 + el[None, :]
+            key, inside = _keys_at(row, x_s1, col, ncols, start, end, (i < nq)[:, None], OFF64)
+            c = tl.reshape(inside & (key >= t), [FC * G0])
+            n = tl.sum(c.to(tl.int32), 0)
             if SHARED:
                 at = tl.atomic_add(cnt_ptr, n, sem="relaxed", scope="gpu")
             else:
@@ -320,7 +326,8 @@ def _collect(row, x_s1, ncols, start, end, t, fmax_row, g0, g1, lst, cnt_ptr, co
             keep = c & (pos < CAP)
             tl.store(lst + pos, tl.reshape(key, [FC * G0]).to(tl.int32, bitcast=True), mask=keep)
             tl.store(lst + CAP + pos, tl.reshape(col - start, [FC * G0]), mask=keep)
-        count += n
+            count += n
+        tl.debug_barrier()                                # ids is rewritten by the next step
     return count
 
 
@@ -353,12 +360,15 @@ def _long_row(r, x_ptr, x_s0, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE: tl.
 @triton.jit
 def _fused_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
                   num_rows, fmax_ptr, fmax_s0, lst_ptr, lst_s0, MODE: tl.constexpr, LONG: tl.constexpr,
-                  G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr, FC: tl.constexpr, CAP: tl.constexpr,
-                  RM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr):
-    """One CTA a row: program p takes rows p, p + grid, ... with its scratch rows fmax[p] and lst[p].
-    LONG: some row may exceed RM (else only the trivial and short paths are compiled)."""
+                  G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr, FS: tl.constexpr, FC: tl.constexpr,
+                  CAP: tl.constexpr, RM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr,
+                  OFF64: tl.constexpr):
+    """One CTA a row: program p takes rows p, p + grid, ... with its scratch rows fmax[p] and lst[p] (the
+    candidate list [2 CAP], then the qualifying groups [FS]). LONG: some row may exceed RM (else only
+    the trivial and short paths are compiled)."""
     fmax_row = fmax_ptr + tl.program_id(0).to(tl.int64) * fmax_s0
     lst = lst_ptr + tl.program_id(0).to(tl.int64) * lst_s0
+    ids = lst + 2 * CAP
     for r in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         r = r + tl.zeros([], tl.int32)                    # a tensor also where the loop yields Python ints
         row, start, end, is_long = _long_row(r, x_ptr, x_s0, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE, RM)
@@ -373,7 +383,7 @@ def _fused_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, ou
                 t, _, _ = _kth_largest(coarse, coarse > 0, k, k // 8, D)
                 tl.debug_barrier()                        # fmax stores before other threads' loads
                 count = _collect(row, x_s1, ncols, start, end, t, fmax_row, 0, tl.cdiv(end, G0) - start // G0,
-                                 lst, lst, tl.zeros([], tl.int32), G0, FC, CAP, False, OFF64)
+                                 ids, lst, lst, tl.zeros([], tl.int32), G0, FS, FC, CAP, False, OFF64)
                 tl.debug_barrier()
                 _finish_list(lst, count, row, x_s1, ncols, start, end, t, out_row, out_s1, k, CAP, D, CHUNK,
                              OFF64)
@@ -416,11 +426,12 @@ def _coarse_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, k
 
 @triton.jit
 def _collect_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
-                    fmax_ptr, fmax_s0, state_ptr, state_s0, thr_ptr, lst_ptr, lst_s0, MODE: tl.constexpr,
-                    G0: tl.constexpr, GB: tl.constexpr, FC: tl.constexpr, CAP: tl.constexpr, RM: tl.constexpr,
-                    D: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr):
+                    fmax_ptr, fmax_s0, state_ptr, state_s0, thr_ptr, lst_ptr, lst_s0, ids_ptr, MODE: tl.constexpr,
+                    G0: tl.constexpr, GB: tl.constexpr, FS: tl.constexpr, FC: tl.constexpr, CAP: tl.constexpr,
+                    RM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr):
     """Split pass 2, grid (rows, S2): trivial and short rows by CTA (r, 0); for long rows CTA (r, s)
-    lists the candidates of the s-th share of the groups, the last to arrive selects and writes."""
+    lists the candidates of the s-th share of the groups (its qualifying groups in ids[r, s], FS of
+    them), the last to arrive selects and writes."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     S2 = tl.num_programs(1)
@@ -434,11 +445,11 @@ def _collect_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, 
         lst = lst_ptr + r.to(tl.int64) * lst_s0
         t = tl.load(thr_ptr + r).to(tl.uint32, bitcast=True)
         n_groups = tl.cdiv(end, G0) - start // G0
-        per = tl.cdiv(tl.cdiv(n_groups, S2), FC) * FC
+        per = tl.cdiv(tl.cdiv(n_groups, S2), FS) * FS
         g0 = s * per
         _collect(row, x_s1, ncols, start, end, t, fmax_ptr + r.to(tl.int64) * fmax_s0, g0,
-                 tl.minimum(g0 + per, n_groups), lst, state + GB + 2, tl.zeros([], tl.int32), G0, FC, CAP, True,
-                 OFF64)
+                 tl.minimum(g0 + per, n_groups), ids_ptr + (r * S2 + s).to(tl.int64) * FS, lst, state + GB + 2,
+                 tl.zeros([], tl.int32), G0, FS, FC, CAP, True, OFF64)
         tl.debug_barrier()                                # every thread's writes before the arrival
         if tl.atomic_add(state + GB + 1, 1, sem="acq_rel", scope="gpu") == S2 - 1:
             tl.store(state + GB + 1, 0)
@@ -460,11 +471,13 @@ def default_config(arch: str, k: int) -> dict:
     coarse     GB, coarse maxima (4 k: ~1.15 k candidates on i.i.d. data; 2 k: ~1.4 k)
     load, fused_load: columns per pass-1 step of the split / fused kernels (multiples of GB)
     group      G0, columns per group maximum (pass 2 rereads ~1/G0 of a row)
-    chunk      columns per pass-2 step (a multiple of G0) and per step of the slow path
+    scan       FS, group maxima per pass-2 step (those >= t are listed, then loaded)
+    chunk      columns of listed groups loaded per pass-2 step (a multiple of G0), and per slow-path step
     cap        CAP, candidates held in registers (more: the slow path)
     digit      D, bits per radix round
     mode       "auto" (split below ctas x SMs rows, else fused), "split" or "fused"
-    ctas, ctas2: CTAs per SM to aim at in split pass 1 / pass 2 (rows x S CTAs, S <= the row's steps)
+    ctas, ctas2: CTAs per SM in split pass 1 / pass 2: S = ctas x SMs // rows a row (one wave; at most
+               the row's steps)
     fused_ctas: programs per SM of the fused kernel (each walks every grid-th row)
     warps      num_warps of split pass 2 and of the short-rows kernel; coarse_warps: of split pass 1;
                fused_warps: of the fused kernel (on NVIDIA 8 warps run with up to 255 registers a thread)."""
@@ -475,8 +488,8 @@ def default_config(arch: str, k: int) -> dict:
     # split pass-1 tiles of 8192 columns (the coarse maxima from k = 2048 on), the fused kernel's of 4096
     # and short rows up to 2048 (it holds every path's blocks: no spill at 255 registers); pass 2 with 16
     # warps on NVIDIA up to k = 2048, 8 with 255 registers beyond (8192 candidates)
-    return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), fused_raw_max=max(2048, coarse, kp),
-                fused_load=max(4096, coarse), group=16, chunk=4096, cap=cap, digit=8, mode="auto", ctas=1.0,
+    return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), fused_raw_max=2048,
+                fused_load=max(4096, coarse), group=16, scan=2048, chunk=4096, cap=cap, digit=8, mode="auto", ctas=1.0,
                 ctas2=1.0, fused_ctas=1, coarse_warps=8 if amd else 16, warps=8 if amd or kp > 2048 else 16,
                 fused_warps=8)
 
@@ -501,22 +514,22 @@ def _resolve(arch: str, k: int, config) -> dict:
         raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}")
     cfg.update(config or {})
     gb, g0 = cfg["coarse"], cfg["group"]
-    if min(cfg["raw_max"], cfg["fused_raw_max"]) < max(gb, _pow2(k)) or cfg["load"] % gb or cfg["fused_load"] % gb \
-            or cfg["chunk"] % g0 or cfg["cap"] < _pow2(k):
-        raise ValueError(f"top-k config needs raw_max, fused_raw_max >= coarse, k; load, fused_load % coarse == 0; "
-                         f"chunk % group == 0; cap >= k: {cfg}")
+    # a long row has more than k columns, so min(n, coarse) >= k coarse maxima; raw_max is free
+    if gb < k or cfg["cap"] < k or cfg["load"] % gb or cfg["fused_load"] % gb or cfg["chunk"] % g0:
+        raise ValueError(f"top-k config needs coarse >= k, cap >= k, load and fused_load multiples of coarse, "
+                         f"chunk a multiple of group: {cfg}")
     if cfg["mode"] not in ("auto", "split", "fused"):
         raise ValueError(f"top-k config mode must be 'auto', 'split' or 'fused', got {cfg['mode']!r}")
     return cfg
 
 
 _PASS1 = ("MODE", "G0", "GB", "LF", "RM", "D", "OFF64")                   # the constexprs of each kernel
-_PASS2 = ("MODE", "G0", "GB", "FC", "CAP", "RM", "D", "CHUNK", "KB", "OFF64")
-_FUSED = ("MODE", "LONG", "G0", "GB", "LF", "FC", "CAP", "RM", "D", "CHUNK", "KB", "OFF64")
+_PASS2 = ("MODE", "G0", "GB", "FS", "FC", "CAP", "RM", "D", "CHUNK", "KB", "OFF64")
+_FUSED = ("MODE", "LONG", "G0", "GB", "LF", "FS", "FC", "CAP", "RM", "D", "CHUNK", "KB", "OFF64")
 
 
 def _constexprs(cfg, mode, names, **extra):
-    every = dict(MODE=mode, G0=cfg["group"], GB=cfg["coarse"], LF=cfg["load"] // cfg["coarse"],
+    every = dict(MODE=mode, G0=cfg["group"], GB=cfg["coarse"], LF=cfg["load"] // cfg["coarse"], FS=cfg["scan"],
                  FC=cfg["chunk"] // cfg["group"], CAP=cfg["cap"], RM=cfg["raw_max"], D=cfg["digit"],
                  CHUNK=cfg["chunk"], KB=1024, **extra)
     return {n: every[n] for n in names}
@@ -530,7 +543,7 @@ def _fused_sizes(cfg):
 def _short_constexprs(width, digit, mode, off64):
     """The fused kernel without its long-row path: the sizes of that path are fixed (they would only
     multiply its compiled variants)."""
-    return dict(MODE=mode, LONG=False, G0=1, GB=1, LF=1, FC=1, CAP=1, RM=width, D=digit, CHUNK=1, KB=1024,
+    return dict(MODE=mode, LONG=False, G0=1, GB=1, LF=1, FS=1, FC=1, CAP=1, RM=width, D=digit, CHUNK=1, KB=1024,
                 OFF64=off64)
 
 
@@ -547,9 +560,9 @@ def _plan(cfg, num_rows, ncols, sms):
     if ncols <= cfg["raw_max"]:
         return "short", 1, 1
     steps1 = triton.cdiv(ncols, cfg["load"]) + 1
-    steps2 = triton.cdiv(triton.cdiv(ncols, cfg["group"]) + 1, cfg["chunk"] // cfg["group"])
-    S = max(1, min(steps1, triton.cdiv(int(cfg["ctas"] * sms), num_rows), 65535))
-    S2 = max(1, min(steps2, triton.cdiv(int(cfg["ctas2"] * sms), num_rows), 65535))
+    steps2 = triton.cdiv(triton.cdiv(ncols, cfg["group"]) + 1, cfg["scan"])
+    S = max(1, min(steps1, int(cfg["ctas"] * sms) // num_rows, 65535))      # one wave of CTAs
+    S2 = max(1, min(steps2, int(cfg["ctas2"] * sms) // num_rows, 65535))
     mode = cfg["mode"] if cfg["mode"] != "auto" else ("split" if S > 1 else "fused")
     return mode, S, S2
 
@@ -576,19 +589,21 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
                                    **_options(arch, cfg["warps"]))
     elif layout == "fused":
         programs = max(1, min(num_rows, int(cfg["fused_ctas"] * sms)))
-        ws = scratch(dev, programs * (groups + 2 * cap)).view(torch.int32)
-        _fused_kernel[(programs,)](*row_args, *out_args, num_rows, ws, groups, ws[programs * groups:], 2 * cap,
+        slot = 2 * cap + cfg["scan"]
+        ws = scratch(dev, programs * (groups + slot)).view(torch.int32)
+        _fused_kernel[(programs,)](*row_args, *out_args, num_rows, ws, groups, ws[programs * groups:], slot,
                                    **_constexprs(_fused_sizes(cfg), mode, _FUSED, LONG=True, OFF64=off64),
                                    **_options(arch, cfg["fused_warps"]))
     else:
         gb = cfg["coarse"]
-        ws = scratch(dev, num_rows * (groups + 2 * cap + 1)).view(torch.int32)
-        fmax, lst, thr = ws, ws[num_rows * groups:], ws[num_rows * (groups + 2 * cap):]
+        ws = scratch(dev, num_rows * (groups + 2 * cap + 16 + S2 * cfg["scan"])).view(torch.int32)
+        fmax, lst = ws, ws[num_rows * groups:]
+        thr, ids = lst[num_rows * 2 * cap:], lst[num_rows * (2 * cap + 16):]
         state = zeroed_state(dev, num_rows * (gb + 4))
         _coarse_kernel[(num_rows, S)](*row_args, k, fmax, groups, state, gb + 4, thr,
                                       **_constexprs(cfg, mode, _PASS1, OFF64=off64),
                                       **_options(arch, cfg["coarse_warps"]))
-        _collect_kernel[(num_rows, S2)](*row_args, *out_args, fmax, groups, state, gb + 4, thr, lst, 2 * cap,
+        _collect_kernel[(num_rows, S2)](*row_args, *out_args, fmax, groups, state, gb + 4, thr, lst, 2 * cap, ids,
                                         **_constexprs(cfg, mode, _PASS2, OFF64=off64), **_options(arch, cfg["warps"]))
 
 
@@ -615,7 +630,7 @@ def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int
 
 
 _PTRS = dict(x_ptr="*fp32", a_ptr="*i32", b_ptr="*i32", fmax_ptr="*i32", out_ptr="*i32", lst_ptr="*i32",
-             state_ptr="*i32", thr_ptr="*i32")
+             state_ptr="*i32", thr_ptr="*i32", ids_ptr="*i32")
 _SPECS = [  # (k, mode, logits type): each call form once, k from 512 to 2048
     (512, REQUEST_LENS, "*fp32"), (2048, RANGES, "*fp32"), (1024, ROW_LENS, "*bf16")]
 # on AMD, tl.histogram's ballots (one 64-bit mask per digit bit and element, wave64) and the radix loops'
