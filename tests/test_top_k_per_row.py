@@ -269,8 +269,8 @@ def interpreter_cases():
     # small sizes, so that rows of a few thousand columns span many tiles, groups and CTAs
     k, width = 64, 6000
     lg = hard_rows(width, g)
-    small = dict(raw_max=512, fused_raw_max=512, coarse=256, load=512, fused_load=512, group=8, scan=128, chunk=256,
-                 cap=256)
+    small = dict(raw_max=512, coarse=256, load=512, group=8, scan=128, chunk=256, cap=256,
+                 fused=dict(raw_max=512, load=512, scan=128))
     seq = torch.tensor([6000, 5999, 3001, 6000, 4097, 6000, 800, 6000, 513, 65], dtype=torch.int32)
     n = seq.clamp(max=width)
     for name, cfg in {"split, 13 + 6 CTAs a row": dict(small, ctas=1.0, ctas2=1.0),

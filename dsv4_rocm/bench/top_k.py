@@ -26,6 +26,7 @@ SWEEP = {
     "fused": lambda c: dict(mode="fused"),                        # one launch, one CTA a row
     "coarse/2": lambda c: dict(coarse=c["coarse"] // 2),          # cheaper t, more candidates
     "load*2": lambda c: dict(load=2 * c["load"], coarse_warps=8),
+    "scan/2": lambda c: dict(scan=c["scan"] // 2),               # more pass-2 CTAs a row, one step less each
     "group8": lambda c: dict(group=8),
     "group32": lambda c: dict(group=32),
     "digit6": lambda c: dict(digit=6),

@@ -50,10 +50,11 @@ Rows by length (ncols decides on the host which kernels run; each row's own leng
       time (a grid of at most fused_ctas x SMs walks the rows), both passes, no atomics, one launch.
 
 Expected work on an H100 (~2-3 us per kernel in a CUDA graph). Batch 1 x 256K: pass 1 is 33 CTAs of
-one 8K tile and 2048 atomic maxima each, then a 2-round select over C; pass 2, 8 CTAs of one scan of
-2048 group maxima and one load of the ~70 that qualify (~590 candidates in all), then a 2-round select.
-Batch 64 x 128K: pass 1 streams the 33.5 MB with 2 CTAs a row (~11 us at 3 TB/s), pass 2 reads 2 MB of
-group maxima and ~600 groups of 16 columns a row, 2 steps a CTA.
+one 8K tile and 2048 atomic maxima each, then a 2-round select over C; pass 2, 4 CTAs of one scan of
+4096 group maxima and one load of the ~150 groups that qualify (~590 candidates in all), then a 2-round
+select. Batch 64 x 128K: pass 1 streams the 33.5 MB with 2 CTAs a row (~11 us at 3 TB/s), pass 2 reads
+2 MB of group maxima and ~600 groups of 16 columns a row, one step a CTA. Each pass is a chain of 4-6
+dependent memory round trips a CTA, not a loop over the row.
 
 Memory layout: logits element (r, c) at ``logits + r * stride0 + c * stride1`` (any strides, 64-bit
 offsets; loads are masked at the row's storage end ncols, columns past a row's end are read and
@@ -466,32 +467,33 @@ def _pow2(v: int) -> int:
 
 def default_config(arch: str, k: int) -> dict:
     """Sizes for k on a target; every entry can be overridden through ``config=`` (sweeps):
-    raw_max    RM, rows whose aligned span fits RM columns are selected from registers in one pass;
-               fused_raw_max: the same in the fused kernel (which holds every path's blocks at once)
-    coarse     GB, coarse maxima (4 k: ~1.15 k candidates on i.i.d. data; 2 k: ~1.4 k)
-    load, fused_load: columns per pass-1 step of the split / fused kernels (multiples of GB)
+    raw_max    RM, rows whose 16-aligned span fits RM columns are selected from registers in one pass
+    coarse     GB, coarse maxima (4 k: ~1.15 k candidates on i.i.d. data; 2 k: ~1.4 k), at least k
+    load       columns per pass-1 step (a multiple of GB)
     group      G0, columns per group maximum (pass 2 rereads ~1/G0 of a row)
     scan       FS, group maxima per pass-2 step (those >= t are listed, then loaded)
     chunk      columns of listed groups loaded per pass-2 step (a multiple of G0), and per slow-path step
-    cap        CAP, candidates held in registers (more: the slow path)
+    cap        CAP, candidates held in registers, at least k (more candidates: the slow path)
     digit      D, bits per radix round
-    mode       "auto" (split below ctas x SMs rows, else fused), "split" or "fused"
+    mode       "auto" (split while ctas x SMs // rows > 1, else fused), "split" or "fused"
     ctas, ctas2: CTAs per SM in split pass 1 / pass 2: S = ctas x SMs // rows a row (one wave; at most
                the row's steps)
     fused_ctas: programs per SM of the fused kernel (each walks every grid-th row)
-    warps      num_warps of split pass 2 and of the short-rows kernel; coarse_warps: of split pass 1;
-               fused_warps: of the fused kernel (on NVIDIA 8 warps run with up to 255 registers a thread)."""
+    warps      num_warps of split pass 2 and of the short-rows kernel; coarse_warps: of split pass 1
+    fused      the entries the fused kernel takes instead (it holds every path's blocks at once): raw_max,
+               load, scan, warps.
+    On NVIDIA, 8 warps or fewer run with up to 255 registers a thread (``_options``)."""
     kp = _pow2(k)
     amd = arch.startswith("gfx")
     coarse = max(1024, 4 * kp if kp <= 512 else 2 * kp)
     cap = max(2048, 4 * kp if kp <= 512 else 2 * kp)       # ~1.5 x the expected candidates from k = 1024 on
-    # split pass-1 tiles of 8192 columns (the coarse maxima from k = 2048 on), the fused kernel's of 4096
-    # and short rows up to 2048 (it holds every path's blocks: no spill at 255 registers); pass 2 with 16
-    # warps on NVIDIA up to k = 2048, 8 with 255 registers beyond (8192 candidates)
-    return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), fused_raw_max=2048,
-                fused_load=max(4096, coarse), group=16, scan=2048, chunk=4096, cap=cap, digit=8, mode="auto", ctas=1.0,
-                ctas2=1.0, fused_ctas=1, coarse_warps=8 if amd else 16, warps=8 if amd or kp > 2048 else 16,
-                fused_warps=8)
+    # split pass 1 in tiles of 8192 columns, pass 2 in scans of 4096 group maxima (one each a CTA at batch
+    # 1 and 64), with 16 warps on NVIDIA up to k = 2048 (8 with 255 registers beyond: 8192 candidates);
+    # the fused kernel in 8 warps with smaller blocks (no spill at 255 registers)
+    return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), group=16, scan=4096, chunk=4096,
+                cap=cap, digit=8, mode="auto", ctas=1.0, ctas2=1.0, fused_ctas=1, coarse_warps=8 if amd else 16,
+                warps=8 if amd or kp > 2048 else 16,
+                fused=dict(raw_max=2048, load=max(4096, coarse), scan=2048, warps=8))
 
 
 @functools.lru_cache(maxsize=None)
@@ -509,14 +511,17 @@ def _facts(device):
 
 def _resolve(arch: str, k: int, config) -> dict:
     cfg = default_config(arch, k)
-    unknown = set(config or {}) - set(cfg)
+    config = dict(config or {})
+    unknown = set(config) - set(cfg) | set(config.get("fused", {})) - set(cfg["fused"])
     if unknown:
-        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(config or {})
+        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}, fused: "
+                         f"{sorted(cfg['fused'])}")
+    cfg["fused"].update(config.pop("fused", {}))
+    cfg.update(config)
     gb, g0 = cfg["coarse"], cfg["group"]
     # a long row has more than k columns, so min(n, coarse) >= k coarse maxima; raw_max is free
-    if gb < k or cfg["cap"] < k or cfg["load"] % gb or cfg["fused_load"] % gb or cfg["chunk"] % g0:
-        raise ValueError(f"top-k config needs coarse >= k, cap >= k, load and fused_load multiples of coarse, "
+    if gb < k or cfg["cap"] < k or cfg["load"] % gb or cfg["fused"]["load"] % gb or cfg["chunk"] % g0:
+        raise ValueError(f"top-k config needs coarse >= k, cap >= k, load and fused load multiples of coarse, "
                          f"chunk a multiple of group: {cfg}")
     if cfg["mode"] not in ("auto", "split", "fused"):
         raise ValueError(f"top-k config mode must be 'auto', 'split' or 'fused', got {cfg['mode']!r}")
@@ -536,8 +541,8 @@ def _constexprs(cfg, mode, names, **extra):
 
 
 def _fused_sizes(cfg):
-    """The fused kernel's own pass-1 tile and short-row width."""
-    return dict(cfg, load=cfg["fused_load"], raw_max=cfg["fused_raw_max"])
+    """The configuration with the fused kernel's own entries."""
+    return dict(cfg, **cfg["fused"])
 
 
 def _short_constexprs(width, digit, mode, off64):
@@ -575,7 +580,7 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
     ncols = logits.shape[1]
     x_s0, x_s1 = logits.stride()
     layout, S, S2 = _plan(cfg, num_rows, ncols, sms)
-    overrun = max(cfg["load"], cfg["fused_load"], cfg["chunk"], cfg["raw_max"])    # tiles reach past a row's end
+    overrun = max(cfg["load"], cfg["fused"]["load"], cfg["chunk"], cfg["raw_max"])  # tiles reach past a row's end
     off64 = (ncols + overrun) * abs(x_s1) >= 2 ** 31                               # column offsets past int32
     row_args = (logits, x_s0, x_s1, ncols, a, b, a_s0, a_s1, next_n)
     out_args = (out, out.stride(0), out.stride(1), k)
@@ -589,11 +594,12 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
                                    **_options(arch, cfg["warps"]))
     elif layout == "fused":
         programs = max(1, min(num_rows, int(cfg["fused_ctas"] * sms)))
-        slot = 2 * cap + cfg["scan"]
+        fcfg = _fused_sizes(cfg)
+        slot = 2 * cap + fcfg["scan"]
         ws = scratch(dev, programs * (groups + slot)).view(torch.int32)
         _fused_kernel[(programs,)](*row_args, *out_args, num_rows, ws, groups, ws[programs * groups:], slot,
-                                   **_constexprs(_fused_sizes(cfg), mode, _FUSED, LONG=True, OFF64=off64),
-                                   **_options(arch, cfg["fused_warps"]))
+                                   **_constexprs(fcfg, mode, _FUSED, LONG=True, OFF64=off64),
+                                   **_options(arch, fcfg["warps"]))
     else:
         gb = cfg["coarse"]
         ws = scratch(dev, num_rows * (groups + 2 * cap + 16 + S2 * cfg["scan"])).view(torch.int32)
@@ -651,7 +657,7 @@ def _spec(name, fn, k, mode, xt, names, warps, fused=False, **extra):
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
     spec for k, mode, xt in _SPECS for spec in (
-        _spec(f"top_k_per_row_fused[k={k},mode={mode}]", _fused_kernel, k, mode, xt, _FUSED, "fused_warps",
+        _spec(f"top_k_per_row_fused[k={k},mode={mode}]", _fused_kernel, k, mode, xt, _FUSED, "warps",
               fused=True, LONG=True),
         _spec(f"top_k_per_row_coarse[k={k},mode={mode}]", _coarse_kernel, k, mode, xt, _PASS1, "coarse_warps"),
         _spec(f"top_k_per_row_collect[k={k},mode={mode}]", _collect_kernel, k, mode, xt, _PASS2, "warps"))
