@@ -61,16 +61,16 @@ def call(x, lens, out, k, cfg):
 
 
 def _compile_one(task):
-    """Worker: run (variant, shape) once so that its kernels land in Triton's cache."""
+    """Worker: run (variant, shape) once so that its kernels land in Triton's cache; the error, if any."""
     variant, si = task
     name, rows, n, k = SHAPES[si]
-    cfg = configs([variant])[(variant, k)]
-    x, lens = inputs(rows, n, "normal", 0)
-    out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
-    t0 = time.time()
-    call(x, lens, out, k, cfg)
-    torch.cuda.synchronize()
-    return time.time() - t0
+    try:
+        x, lens = inputs(rows, n, "normal", 0)
+        call(x, lens, torch.empty(rows, k, dtype=torch.int32, device=DEVICE), k, configs([variant])[(variant, k)])
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:          # reported, and the variant left out of what follows
+        return f"{type(e).__name__}: {str(e)[-300:]}"
 
 
 def check(x, lens, out, k):
@@ -100,15 +100,21 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()} ({arch}, {sms} SMs), torch {torch.__version__}", flush=True)
 
     t0 = time.time()
-    tasks = [(v, si) for v in names for si in range(len(SHAPES))]
+    tasks = [(v, si) for si in range(len(SHAPES)) for v in names]      # neighbours compile different kernels
     if a.jobs > 1:
         import multiprocessing as mp
         with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
-            list(pool.map(_compile_one, tasks))
+            errors = list(pool.map(_compile_one, tasks))
+    else:
+        errors = [_compile_one(t) for t in tasks]
+    failures = [f"{SHAPES[si][0]} / {v} / compile or first run: {e}" for (v, si), e in zip(tasks, errors) if e]
+    names = [v for v in names if not any(e and tv == v for (tv, _), e in zip(tasks, errors))]
     print(f"compile: {len(tasks)} (variant, shape) runs in {time.time() - t0:.1f} s with {a.jobs} processes",
           flush=True)
+    if not names:
+        print("\n".join(["every variant failed to run:"] + failures))
+        return 1
 
-    failures = []
     t0 = time.time()
     for name, rows, n, k in SHAPES:
         out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
