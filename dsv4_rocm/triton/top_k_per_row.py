@@ -41,7 +41,7 @@ Rows by length (ncols decides on the host which kernels run; each row's own leng
     - split (fewer rows than CTAs to fill the GPU): ``_coarse_kernel``, S CTAs a row, each over a share
       of the row's tiles, merges its coarse maxima into the row's C with ``tl.atomic_max``;
       ``_collect_kernel``, S2 CTAs a row, each over a share of the groups, reserves room in the row's
-      candidate list with one ``tl.atomic_add`` a chunk. In both, the CTA that arrives last at the row's
+      candidate list with one ``tl.atomic_add`` a load step. In both, the CTA that arrives last at the row's
       counter (an acq_rel atomic after a CTA barrier, so every CTA's writes are visible to it) finishes
       the row: t from C, or the select from the list. It returns the row's counters and C to zero, so
       the next call and every graph replay start from zeros; nothing spins, so the order the CTAs run
@@ -59,9 +59,10 @@ dependent memory round trips a CTA, not a loop over the row.
 Memory layout: logits element (r, c) at ``logits + r * stride0 + c * stride1`` (any strides, 64-bit
 offsets; loads are masked at the row's storage end ncols, columns past a row's end are read and
 ignored); out_idx (r, i) at ``out + r * out.stride(0) + i * out.stride(1)``. Scratch (int32, in
-``_launch.scratch``): fmax [slots, ceil(ncols / G0)], list [slots, 2 CAP] (keys, then row-relative
-columns) and, split only, t [rows]; slots are rows (split) or programs (fused). Split also keeps
-[rows, GB + 4] of state (C, then the pass-1 arrivals, the pass-2 arrivals and the candidate count) in
+``_launch.scratch``): fmax [slots, ceil(ncols / G0) rounded up to 16], list [slots, 2 CAP] (keys, then
+row-relative columns), the listed groups [CTAs, FS] and, split only, t [rows]; slots are rows (split)
+or programs (fused, whose list row also holds its listed groups). Split also keeps [rows, GB + 4] of
+state (C, then the pass-1 arrivals, the pass-2 arrivals and the candidate count) in
 ``_launch.zeroed_state``. Within a CTA, scratch written before ``tl.debug_barrier`` is read after it by
 other threads: bar.sync orders global memory for the CTA on NVIDIA; on AMD Triton's barrier carries
 workgroup release / acquire fences.
