@@ -1,5 +1,5 @@
 """Top-k per row in vLLM's call forms (top_k_per_row_prefill / top_k_per_row_decode / persistent_topk):
-the oracle, the argument checks, the Triton kernel under the interpreter (CPU, subprocess) and on a GPU.
+the oracle, the argument checks, the Triton kernels under the interpreter (CPU, subprocess) and on a GPU.
 
 vLLM's own test semantics are ported here (its tests/kernels/test_top_k_per_row.py): rows [0, row_end)
 with row_end = seq_len - next_n + r % next_n + 1 for 1-D seq_lens, each row's own length for 2-D ones,
@@ -202,53 +202,93 @@ def test_ops_forms_on_cpu_and_empty_batch():
     assert (out == POISON).all()                               # num_rows 0: nothing to do
 
 
-# ---------------------------------------------------------------- the Triton kernel under the interpreter (CPU)
+# ---------------------------------------------------------------- the Triton kernels under the interpreter (CPU)
+def clustered_logits(rows, width, gen, device="cpu"):
+    """Values drawn from [1, 1 + 1e-3): one exponent, the top mantissa bits shared by the whole row."""
+    return (1 + torch.rand(rows, width, generator=gen) * 1e-3).to(device)
+
+
+def hard_rows(width, gen):
+    """[10, width] rows of the data that stresses a selection: random, a grid of ties with -inf / +inf, a
+    run of one value longer than any candidate list (the slow path), a narrow range, ascending and
+    descending runs (the top k in one place), NaNs, vLLM's 10LSBits (1024 distinct values), every third
+    value -inf, and random again."""
+    x = torch.randn(10, width, generator=gen)
+    x[1] = tied_logits(1, width, gen)[0]
+    x[2, :] = 2.5
+    x[3] = clustered_logits(1, width, gen)[0]
+    x[4] = -torch.arange(width, dtype=torch.float32)
+    x[5] = torch.arange(width, dtype=torch.float32)
+    x[6, 100:150] = float("nan")
+    x[7] = vllm_logits(1, width, torch.tensor([width]), "10LSBits", gen=gen)[0]
+    x[8, ::3] = float("-inf")
+    return x
+
+
 def test_triton_kernel_under_interpreter():
-    """The kernel's integer logic runs exactly under TRITON_INTERPRET=1 (set before triton is imported, hence
-    a subprocess): k = 512 on rows of 600-5000 columns through each path (short rows, group maxima, the
-    streamed slow path) and each call form; see ``interpreter_cases``."""
+    """The kernels' integer logic runs exactly under TRITON_INTERPRET=1 (set before triton is imported,
+    hence a subprocess): every path (trivial, short, long through split and fused, the slow path), every
+    call form, multi-CTA rows; see ``interpreter_cases``."""
     r = run_file_interpreted(__file__)
     assert r.returncode == 0 and "interpreter cases passed" in r.stdout
+
+
+def _state_is_zero():
+    """Split mode leaves its cached state (coarse maxima, counters) as it found it: zeros."""
+    from dsv4_rocm.triton import _launch
+    return all(int(b.abs().sum()) == 0 for key, b in _launch._SCRATCH.items() if key[0] == "state")
 
 
 def interpreter_cases():
     from dsv4_rocm.triton import top_k_per_row as T
     patch_interpreter_scalars()
     g = torch.Generator().manual_seed(0)
+    # k = 512 with the default sizes: rows past 4096 columns are long (split: 2 + 2 CTAs a row, or fused)
     k, width = 512, 5000
-    starts = torch.tensor([0, 100, 7, 0, 300, 1000, 0, 901], dtype=torch.int32)
-    ends = torch.tensor([5000, 700, 1507, 512, 813, 5000, 4096, 5000], dtype=torch.int32)
-    store = torch.randn(8, width + 64, generator=g)
-    lg = store[:, 32:32 + width]                                       # stride0 > row length, offset base
-    lg[1] = tied_logits(1, width, g)[0]
-    lg[2, 7:1507] = 2.5                                                # one long tie: the streamed path
-    lg[0, 1000:1010] = float("nan")
-    lg[3, :50] = float("nan")
-    lg[5] = vllm_logits(1, width, torch.tensor([width]), "10LSBits", gen=g)[0]
-    lg[6] = -torch.arange(width, dtype=torch.float32)                  # the top k in the first groups
-    lg[7] = torch.arange(width, dtype=torch.float32)                   # ... in the last (partial) group
-    s, n = I.prefill_rows(starts, ends, 8, width)
-    grouped = dict(raw_max=1024, group=2)             # rows over 1024 columns through the group maxima
-    configs = {"default": None, "group maxima": grouped, "cap < k (streamed)": dict(cap=256),
-               "8-bit digits, 3 CTAs for 8 rows": dict(grouped, digit=8, t_digit=8, t_rounds=2, gather=256,
-                                                       k2_ctas=3 / T._facts(lg.device)[1])}
-    for name, cfg in configs.items():
-        out = torch.full((8, k), POISON, dtype=torch.int32)
-        T.top_k_per_row_prefill(lg, starts, ends, out, 8, lg.stride(0), 1, k, config=cfg)
-        check_topk(lg, out, s, n, k, lowest_ties=True, label=f"interpreter prefill, {name}")
-    # decode: 1-D seq_lens with next_n 2, 2-D per-row, and persistent_topk's lengths
-    dec = tied_logits(6, 2400, g)
-    for seq, nn in ((torch.tensor([2400, 900, 600], dtype=torch.int32), 2),
-                    (torch.tensor([[2400, 513], [1700, 0], [-3, 9999]], dtype=torch.int32), 2)):
-        out = torch.full((6, k), POISON, dtype=torch.int32)
-        T.top_k_per_row_decode(dec, nn, seq, out, 6, dec.stride(0), 1, k, config=dict(raw_max=1024, group=4))
-        check_topk(dec, out, torch.zeros(6), I.decode_rows(seq, nn, 6, 2400), k, lowest_ties=True,
-                   label=f"interpreter decode seq_lens {tuple(seq.shape)}")
-    lengths = torch.tensor([[2400, 511], [3000, -1], [1200, 640]], dtype=torch.int32)
-    out = torch.full((6, k), POISON, dtype=torch.int32)
-    T.persistent_topk(dec, lengths, out, torch.empty(1, dtype=torch.uint8), k, 2400)
-    check_topk(dec, out, torch.zeros(6), lengths.reshape(-1).clamp(0, 2400), k, lowest_ties=True,
-               label="interpreter persistent_topk")
+    store = torch.randn(10, 2 * width + 64, generator=g)
+    lg = store[:, 32:32 + 2 * width:2]                                 # stride0 > row, stride1 = 2, offset base
+    lg.copy_(hard_rows(width, g))
+    starts = torch.tensor([0, 100, 7, 0, 300, 1000, 0, 901, 2, 4090], dtype=torch.int32)
+    ends = torch.tensor([5000, 4800, 2000, 4999, 5000, 4300, 4096, 5000, 5000, 4600], dtype=torch.int32)
+    s, n = I.prefill_rows(starts, ends, 10, width)
+    for name, cfg in {"split": None, "fused": dict(mode="fused"), "split, cap 1024": dict(cap=1024),
+                      "fused, 6-bit digits": dict(mode="fused", digit=6)}.items():
+        for rep in range(2 if cfg is None else 1):                     # a second call on the same state
+            out = torch.full((10, k), POISON, dtype=torch.int32)
+            T.top_k_per_row_prefill(lg, starts, ends, out, 10, lg.stride(0), lg.stride(1), k, config=cfg)
+            check_topk(lg, out, s, n, k, lowest_ties=True, label=f"interpreter prefill k={k}, {name}, call {rep}")
+            assert _state_is_zero()
+    # small sizes, so that rows of a few thousand columns span many tiles, groups and CTAs
+    k, width = 64, 6000
+    lg = hard_rows(width, g)
+    small = dict(raw_max=512, coarse=256, load=512, group=8, scan=128, chunk=256, cap=256,
+                 fused=dict(raw_max=512, load=512, scan=128))
+    seq = torch.tensor([6000, 5999, 3001, 6000, 4097, 6000, 800, 6000, 513, 65], dtype=torch.int32)
+    n = seq.clamp(max=width)
+    for name, cfg in {"split, 13 + 6 CTAs a row": dict(small, ctas=1.0, ctas2=1.0),
+                      "split, 1 CTA a row": dict(small, mode="split", ctas=0.01, ctas2=0.01),
+                      "split, coarse 128, groups of 32, 5-bit digits": dict(small, coarse=128, group=32, digit=5),
+                      "fused, 2 programs": dict(small, mode="fused", fused_ctas=2 / 132),
+                      "fused, slow path (cap 64)": dict(small, mode="fused", cap=64)}.items():
+        out = torch.full((10, k), POISON, dtype=torch.int32)
+        T.persistent_topk(lg, seq, out, torch.empty(1, dtype=torch.uint8), k, width, config=cfg)
+        check_topk(lg, out, torch.zeros(10), n, k, lowest_ties=True, label=f"interpreter k={k}, {name}")
+        assert _state_is_zero()
+    # the short-rows kernel (width <= raw_max): the C4 decode step's shape, vLLM's decode forms
+    k, width = 512, 2048
+    dec = torch.cat([hard_rows(width, g)[:8], clustered_logits(2, width, g)])
+    seq1 = torch.tensor([2048, 900, 600, 2048, 513], dtype=torch.int32)
+    seq2 = torch.tensor([[2048, 513], [1700, 0], [-3, 9999], [2047, 2048], [1024, 512]], dtype=torch.int32)
+    for seq, nn in ((seq1, 2), (seq2, 2), (torch.full((10,), 2048, dtype=torch.int32), 1)):
+        out = torch.full((10, k), POISON, dtype=torch.int32)
+        T.top_k_per_row_decode(dec, nn, seq, out, 10, dec.stride(0), 1, k)
+        check_topk(dec, out, torch.zeros(10), I.decode_rows(seq, nn, 10, width), k, lowest_ties=True,
+                   label=f"interpreter short rows, seq_lens {tuple(seq.shape)}, next_n {nn}")
+    lengths = torch.tensor([[2048, 511], [3000, -1], [1200, 640], [512, 513], [2000, 1999]], dtype=torch.int32)
+    out = torch.full((10, k), POISON, dtype=torch.int32)
+    T.persistent_topk(dec, lengths, out, torch.empty(1, dtype=torch.uint8), k, width)
+    check_topk(dec, out, torch.zeros(10), lengths.reshape(-1).clamp(0, width), k, lowest_ties=True,
+               label="interpreter short rows, persistent_topk")
     print("interpreter cases passed")
 
 
@@ -327,15 +367,44 @@ def test_gpu_vllm_decode(k, batch, next_n, data, clean, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, width, k, next_n", [(1, 262144, 512, 1), (64, 131072, 512, 1),
                                                     (4, 300000, 2048, 2), (64, 32768, 1024, 1)])
-def test_gpu_long_rows(rows, width, k, next_n, gpu):
-    """The benchmark shapes (1M context at C4 is 256K candidates) and vLLM's large-vocabulary case."""
+@pytest.mark.parametrize("data", ["normal", "clustered"])
+@pytest.mark.parametrize("mode", ["auto", "fused"])
+def test_gpu_long_rows(rows, width, k, next_n, data, mode, gpu):
+    """The benchmark shapes (1M context at C4 is 256K candidates) and vLLM's large-vocabulary case, through
+    the layout the launcher picks (split for these row counts) and through the fused kernel."""
     g = torch.Generator(device=gpu).manual_seed(rows)
     lg = torch.randn(rows, width, device=gpu, generator=g)
+    if data == "clustered":
+        lg = 1 + torch.rand(rows, width, device=gpu, generator=g) * 1e-3
     seq = torch.full((rows // next_n,), width, dtype=torch.int32, device=gpu)
     seq[0] = width - 5
-    out = _run_form("decode", lg, k, rows, seq=seq, next_n=next_n)
+    out = _run_form("decode", lg, k, rows, seq=seq, next_n=next_n, config=dict(mode=mode))
     n = I.decode_rows(seq, next_n, rows, width)
-    check_topk(lg, out, torch.zeros_like(n), n, k, lowest_ties=True, label=f"long rows {rows}x{width}")
+    check_topk(lg, out, torch.zeros_like(n), n, k, lowest_ties=True, label=f"long rows {rows}x{width} {data} {mode}")
+
+
+@pytest.mark.gpu
+def test_gpu_split_graph_replay_batch_one(gpu):
+    """Batch 1 x 256K runs split with many CTAs a row: the graph replays on other data and lengths, so
+    the row's counters and coarse maxima must be back to zero after every run."""
+    width, k = 262144, 512
+    g = torch.Generator(device=gpu).manual_seed(5)
+    lg = torch.randn(1, width, device=gpu, generator=g)
+    seq = torch.full((1,), width, dtype=torch.int32, device=gpu)
+    out = torch.full((1, k), POISON, dtype=torch.int32, device=gpu)
+    _run_form("decode", lg, k, 1, seq=seq, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run_form("decode", lg, k, 1, seq=seq, out=out)
+    for step, length in enumerate([width, 200000, 4097, 100, width]):
+        lg.copy_(clustered_logits(1, width, torch.Generator().manual_seed(step), gpu) if step % 2 else
+                 torch.randn(1, width, device=gpu, generator=g))
+        seq.fill_(length)
+        out.fill_(POISON)
+        graph.replay()
+        check_topk(lg, out, torch.zeros(1), seq.cpu(), k, lowest_ties=True, label=f"split replay {step}")
+    assert _state_is_zero()
 
 
 @pytest.mark.gpu

@@ -6,51 +6,66 @@ Semantics (docs/conventions.md, "Selection"). Row r holds n valid columns [s, s 
 ``_row_range``). Its k outputs are column indices relative to s: with n <= k, [0, 1, ..., n-1, -1, ...];
 otherwise k distinct columns whose logits are the k largest, in no particular order. Order of values: the
 float order (-0 = +0, -inf an ordinary value) with every NaN above +inf, NaNs tied. Of the values tied
-at the k-th place, the lowest columns are taken (every tie reaches the candidate list, kept in column
-order), so the output set is a function of the row alone.
+at the k-th place, the lowest columns are taken, so the output set is a function of the row alone.
 
 Keys. ``_order_key`` maps a float to a uint32 whose unsigned order is that order (flip the sign bit of
 non-negatives, all bits of negatives, -0 -> +0, NaN -> 0xFFFFFFFF); 0 is below every real key and pads.
 
-Algorithm: a filter that keeps at least k and usually ~1.1 k elements, then an exact radix select.
-  K1 ``_group_max_kernel`` (rows longer than RAW_MAX only), grid (rows, CTAs per row): the maximum key of
-     every group of G0 columns (groups aligned to multiples of G0 in absolute columns, so loads are
-     16-byte vectors) -> fmax [rows, groups]. One pass over the logits, one max per element; 1/G0 of the
-     bytes written back.
-  K2 ``_select_kernel``, one CTA per row at a time (a grid of at most k2_ctas x SMs CTAs walks the rows,
-  so its scratch scales with the SMs, not with the rows of a prefill chunk):
-     1. coarse maxima C[GB]: C[j] = max of the level-1 values with index = j mod GB, where the level-1
-        values are the group maxima (long rows) or the row's keys themselves (rows up to RAW_MAX).
-        Each C[j] is the key of a distinct element of the row (or 0).
-     2. t = a lower bound of the k-th largest C: its top T_ROUNDS x DT bits, by radix select
-        (``tl.histogram`` of DT-bit digits). At least k entries of C, hence k elements, are >= t; for
-        continuous data with GB = 4k about 1.15 k elements are (sampled: 1.07 k at GB = 8k).
-     3. candidates: every element with key >= t, compacted in column order into a per-row scratch
-        list (keys and columns). Long rows read only the groups whose maximum is >= t (~k groups of
-        G0 columns), short rows rescan themselves.
-     4. exact radix select over the candidates held in registers (ceil(32 / D) rounds): the k-th
-        largest key T and how many of its ties to take; write the columns with key > T, then the first
-        ties. With more than CAP candidates (long runs of equal values), the same radix select streams
-        over the whole row instead: exact, but ceil(32 / D) + 1 passes of one CTA (the slow path).
-  Rows with n <= k take the trivial path in K2 (K1 skips them). Every size is a ``default_config`` entry.
+Exact selection in registers (``_kth_largest``): a radix select over a register block of keys, D-bit
+digits (one ``tl.histogram`` of 2^D bins a round). It starts below the bits all candidates share (the
+highest bit where the largest and smallest differ) and stops as soon as the bin holding the k-th
+largest is taken whole, so a block of distinct values needs 2-3 rounds of 8 bits, not 32 / D. Its
+result (T, above): the k largest are the keys > T plus k - above of the keys == T; when those ties are
+not all taken, a second select over their negated columns finds the largest column C to take
+(``_select_regs``), so candidates may come in any order.
 
-Passes and predicted time on an H100 (copy bandwidth ~3.0 TB/s, ~2-3 us per kernel in a CUDA graph):
-  k = 512 over 256K candidates (1 MB), batch 1: K1 reads 1 MB with 64 CTAs (~0.5 us of traffic, ~1.5 us
-  with its latency), K2 (one CTA) reads 64 KB of group maxima and ~540 x 16 columns, runs 4 + 7
-  histogram rounds on 2048 + 1024 register keys (~0.3 us each) and ~10 block scans: ~6 us. Total with
-  two launches: 10-13 us (target 15).
-  Batch 64 x 128K (33.5 MB): K1 streams 33.5 MB + 2 MB of maxima (~12 us at 3 TB/s), then K2 runs 64
-  CTAs of ~6 us side by side: ~20 us (target 30). In the common case nothing reads the logits twice but
-  the ~k qualifying groups.
+Rows by length (ncols decides on the host which kernels run; each row's own length decides inside them):
+  * n <= k: [0..n-1, -1...].
+  * short rows (the row's 16-aligned span fits RM columns): the keys in registers, the select, the
+    output; one CTA, one pass, no scratch. The C4 decode step (2048 candidates a row) is all short rows
+    and runs the fused kernel without its long-row path, RM sized to the width.
+  * long rows, in two passes:
+    1. coarse maxima C[j] = max key of the columns c with c % GB == j (GB ~ 2-4 k of them; strided, so
+       a run of high values lands in distinct C[j]), and group maxima fmax[g] of every aligned group of
+       G0 columns (stored: 1/G0 of the logits' bytes). t: at least k of the C, hence k elements, are
+       >= t, and at most k/8 more C than needed (the select over C stops there); for i.i.d. values about
+       1.15 k (GB = 4 k) or 1.4 k (GB = 2 k) elements are >= t. t depends on ranks only: values in a
+       narrow range or a few exponents filter as well as spread ones, and so do sorted rows.
+    2. candidates: the group maxima are scanned FS at a time, the groups whose maximum is >= t listed
+       (a CTA-private scratch list, so that they load densely) and loaded (1/G0 of the row plus those
+       groups is read again); their keys >= t go to the row's candidate list with their columns (<= CAP
+       of them), then the exact select over the list in registers, and the output. With more than CAP
+       candidates (thousands of ties at t) the select streams over the whole row in column order instead:
+       exact, up to ceil(32 / D) + 1 passes of one CTA (the slow path).
+    Two ways to run them, chosen from rows x SMs on the host (``_plan``):
+    - split (fewer rows than CTAs to fill the GPU): ``_coarse_kernel``, S CTAs a row, each over a share
+      of the row's tiles, merges its coarse maxima into the row's C with ``tl.atomic_max``;
+      ``_collect_kernel``, S2 CTAs a row, each over a share of the groups, reserves room in the row's
+      candidate list with one ``tl.atomic_add`` a load step. In both, the CTA that arrives last at the row's
+      counter (an acq_rel atomic after a CTA barrier, so every CTA's writes are visible to it) finishes
+      the row: t from C, or the select from the list. It returns the row's counters and C to zero, so
+      the next call and every graph replay start from zeros; nothing spins, so the order the CTAs run
+      in does not matter (the interpreter runs them one after the other).
+    - fused (rows enough to fill the GPU, e.g. prefill chunks): ``_fused_kernel``, one CTA a row at a
+      time (a grid of at most fused_ctas x SMs walks the rows), both passes, no atomics, one launch.
+
+Expected work on an H100 (~2-3 us per kernel in a CUDA graph). Batch 1 x 256K: pass 1 is 33 CTAs of
+one 8K tile and 2048 atomic maxima each, then a 2-round select over C; pass 2, 4 CTAs of one scan of
+4096 group maxima and one load of the ~150 groups that qualify (~590 candidates in all), then a 2-round
+select. Batch 64 x 128K: pass 1 streams the 33.5 MB with 2 CTAs a row (~11 us at 3 TB/s), pass 2 reads
+2 MB of group maxima and ~600 groups of 16 columns a row, one step a CTA. Each pass is a chain of 4-6
+dependent memory round trips a CTA, not a loop over the row.
 
 Memory layout: logits element (r, c) at ``logits + r * stride0 + c * stride1`` (any strides, 64-bit
 offsets; loads are masked at the row's storage end ncols, columns past a row's end are read and
-ignored); out_idx (r, i) at ``out + r * out.stride(0) + i * out.stride(1)``; scratch: int32 fmax
-[rows, ceil(ncols / G0)] (only when some row can exceed RAW_MAX: 1/G0 of the logits' bytes) and
-[K2 CTAs, 3 * CAP] (candidate keys, candidate columns, qualifying group ids). Within a CTA, the scratch
-written before ``tl.debug_barrier`` is read after it by other threads: bar.sync orders global memory for
-the CTA on NVIDIA; on AMD all waves of a workgroup share one CU and its L1, where LLVM's memory model
-needs no wait at workgroup scope either.
+ignored); out_idx (r, i) at ``out + r * out.stride(0) + i * out.stride(1)``. Scratch (int32, in
+``_launch.scratch``): fmax [slots, ceil(ncols / G0) rounded up to 16], list [slots, 2 CAP] (keys, then
+row-relative columns), the listed groups [CTAs, FS] and, split only, t [rows]; slots are rows (split)
+or programs (fused, whose list row also holds its listed groups). Split also keeps [rows, GB + 4] of
+state (C, then the pass-1 arrivals, the pass-2 arrivals and the candidate count) in
+``_launch.counters``. Within a CTA, scratch written before ``tl.debug_barrier`` is read after it by
+other threads: bar.sync orders global memory for the CTA on NVIDIA; on AMD Triton's barrier carries
+workgroup release / acquire fences.
 """
 import functools
 
@@ -59,7 +74,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
-from ._launch import cdiv, launch, next_power_of_2
+from ._launch import cdiv, counters, launch, next_power_of_2, scratch
 
 RANGES, REQUEST_LENS, ROW_LENS = 0, 1, 2   # how a row's valid columns are given (``_row_range``)
 
@@ -99,259 +114,387 @@ def _row_range(r, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE: tl.constexpr):
 
 
 @triton.jit
-def _keys_at(row, x_s1, col, ncols, start, end, OFF64: tl.constexpr):
-    """(keys, inside) of the absolute columns col of a row: key 0 outside [start, end). Loads are masked only
-    at the row's storage end ncols (columns past end are read and ignored), so that aligned runs of
-    columns load as vectors. Column offsets are 64-bit only where a row spans 2^31 elements (OFF64)."""
+def _keys_at(row, x_s1, col, ncols, start, end, take, OFF64: tl.constexpr):
+    """(keys, inside) of the absolute columns col of a row where take holds: key 0 outside [start, end) or
+    where take fails. Loads are masked only at the row's storage end ncols and by take (columns past end
+    are read and ignored), so that aligned runs of columns load as vectors. Column offsets are 64-bit
+    only where a row spans 2^31 elements (OFF64)."""
     if OFF64:
-        x = tl.load(row + col.to(tl.int64) * x_s1, mask=col < ncols, other=0.0)
+        x = tl.load(row + col.to(tl.int64) * x_s1, mask=take & (col < ncols), other=0.0)
     else:
-        x = tl.load(row + col * x_s1, mask=col < ncols, other=0.0)
-    inside = (col >= start) & (col < end)
+        x = tl.load(row + col * x_s1, mask=take & (col < ncols), other=0.0)
+    inside = take & (col >= start) & (col < end)
     return tl.where(inside, _order_key(x), 0), inside
 
 
+# ---------------------------------------------------------------- exact selection
 @triton.jit
-def _group_max_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, fmax_ptr, fmax_s0, raw_max,
-                      splits, MODE: tl.constexpr, G0: tl.constexpr, TILE_G: tl.constexpr, OFF64: tl.constexpr):
-    """K1: for rows longer than raw_max, fmax[r, j] = max key of the row's columns in the aligned group
-    [(start // G0 + j) * G0, + G0) of absolute columns. CTA (r, sp) covers a contiguous share of the
-    row's groups, TILE_G groups per step."""
-    r = tl.program_id(0)
-    sp = tl.program_id(1)
-    start, n = _row_range(r, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE)
-    if n > raw_max:
-        end = start + n
-        first = start // G0
-        groups = tl.cdiv(end, G0) - first
-        per = tl.cdiv(tl.cdiv(groups, splits), TILE_G) * TILE_G
-        lo = sp * per
-        hi = tl.minimum(lo + per, groups)
-        row = x_ptr + r.to(tl.int64) * x_s0
-        out = fmax_ptr + r.to(tl.int64) * fmax_s0
-        gl = tl.arange(0, TILE_G)
-        el = tl.arange(0, G0)
-        for g0 in range(lo, hi, TILE_G):
-            gi = g0 + gl
-            key, _ = _keys_at(row, x_s1, (first + gi)[:, None] * G0 + el[None, :], ncols, start, end, OFF64)
-            tl.store(out + gi, tl.max(key, axis=1).to(tl.int32, bitcast=True), mask=gi < hi)
+def _high_mask(shift):
+    """uint32 with the bits at and above shift (0..32) set."""
+    return ((1 << 32) - (1 << shift.to(tl.int64))).to(tl.uint32)
 
 
 @triton.jit
-def _descend(hist, need, prefix, RND: tl.constexpr, D: tl.constexpr):
-    """One radix step: the largest digit d with #(digit >= d) >= need goes into prefix at digit RND; need
-    drops by #(digit > d)."""
-    bins = tl.arange(0, 1 << D)
-    ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-    d = tl.max(tl.where(ge >= need, bins, 0), 0)
-    above = tl.sum(tl.where(bins == d, ge - hist, 0), 0)
-    hi = 32 - RND * D
-    return prefix | (d.to(tl.uint32) << (hi - D if hi > D else 0)), need - above
+def _bit_length(x):
+    """Significant bits of the uint32 scalar x, or one more (the float conversion may round up); 0 for 0."""
+    e = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
+    return tl.where(x == 0, 0, tl.minimum(e, 32))
 
 
 @triton.jit
-def _digit(keys, RND: tl.constexpr, D: tl.constexpr):
-    """Digit RND (from the top) of D bits; the last digit takes what is left of the 32 bits."""
-    hi = 32 - RND * D
-    lo = hi - D if hi > D else 0
-    return ((keys >> lo) & ((1 << (hi - lo)) - 1)).to(tl.int32)
+def _span_combine(hi1, lo1, n1, hi2, lo2, n2):
+    return tl.maximum(hi1, hi2), tl.minimum(lo1, lo2), n1 + n2
 
 
 @triton.jit
-def _same_prefix(keys, prefix, RND: tl.constexpr, D: tl.constexpr):
-    """keys whose digits above digit RND equal prefix's."""
-    if RND == 0:
-        same = keys == keys
-    else:
-        same = (keys >> (32 - RND * D)) == (prefix >> (32 - RND * D))
-    return same
+def _kth_largest(v, valid, k, slack, D: tl.constexpr):
+    """Radix select over the valid uint32 values of a register block (at least k of them, fewer than 2^20).
+    slack = 0: (T, above) with above = #(valid v > T) <= k and #(valid v >= T) >= k; the k largest are
+    those > T plus k - above of those == T. Rounds start below the bits every valid value shares and stop
+    once the bin holding the k-th largest is taken whole (then T is one below that bin and above = k).
+    slack > 0 (a threshold, not a selection): they stop once that bin holds at most slack values more
+    than needed; then only #(valid v >= T) >= k is promised.
+    Also returns #(valid v == T) when not all of those are taken (above < k, slack = 0)."""
+    BINS: tl.constexpr = 1 << D
+    bins = tl.arange(0, BINS)
+    hi, lo, cnt = tl.reduce((tl.where(valid, v, 0), tl.where(valid, v, 0xFFFFFFFF), valid.to(tl.int32)), 0,
+                            _span_combine)
+    shift = _bit_length(hi ^ lo)
+    prefix = hi & _high_mask(shift)
+    need = k + tl.zeros([], tl.int32)
+    while (shift > 0) & (cnt > need + slack):
+        low = tl.maximum(shift - D, 0)
+        m = valid & ((v & _high_mask(shift)) == prefix)
+        digit = ((v >> low.to(tl.uint32)) & ((1 << (shift - low)) - 1).to(tl.uint32)).to(tl.int32)
+        h = tl.histogram(BINS - 1 - digit, BINS, mask=m)       # bin 0 = the highest digit
+        ge = tl.cumsum(h, 0)                                    # values with digit >= that bin's
+        # the first bin reaching need, its cumulative count and its own count, in one reduction
+        pk = tl.where(ge >= need, (bins.to(tl.int64) << 40) | (ge.to(tl.int64) << 20) | h.to(tl.int64),
+                      1 << 62)
+        best = tl.min(pk, 0)
+        j = (best >> 40).to(tl.int32)
+        cnt = (best & 0xFFFFF).to(tl.int32)
+        need = need - (((best >> 20) & 0xFFFFF).to(tl.int32) - cnt)
+        prefix = prefix | ((BINS - 1 - j).to(tl.uint32) << low.to(tl.uint32))
+        shift = low
+    whole = (cnt == need) | (shift > 0)                         # the bin taken whole
+    return tl.where(whole, tl.maximum(prefix, 1) - 1, prefix), tl.where(whole, k + cnt - need, k - need), cnt
 
 
 @triton.jit
-def _select_block(keys, valid, need, ROUNDS: tl.constexpr, D: tl.constexpr):
-    """Radix select over a register block: the top ROUNDS digits P of the need-th largest valid key (as a
-    key with the lower bits 0) and how many keys with those top digits the need largest contain."""
-    prefix = tl.zeros([], tl.uint32)
-    for rnd in tl.static_range(ROUNDS):
-        m = valid & _same_prefix(keys, prefix, rnd, D)
-        prefix, need = _descend(tl.histogram(_digit(keys, rnd, D), 1 << D, mask=m), need, prefix, rnd, D)
-    return prefix, need
+def _select_regs(keys, cols, ok, k, D: tl.constexpr):
+    """(T, C) such that the k largest keys of the block (ties to the lowest columns) are the keys > T and
+    the keys == T with column <= C."""
+    T, above, n_eq = _kth_largest(keys, ok, k, 0, D)
+    need = k - above
+    C = tl.full([], 2147483647, tl.int32)
+    if need == 0:
+        C = tl.full([], -1, tl.int32)
+    elif n_eq > need:
+        # the need lowest columns = the need largest negated columns: distinct, so the select ends with
+        # its bin taken whole, and the columns taken are those with ~col > Tn, i.e. col < ~Tn
+        neg = (~cols).to(tl.uint32, bitcast=True)
+        Tn, _, _ = _kth_largest(neg, ok & (keys == T), need, 0, D)
+        C = ((Tn ^ 0xFFFFFFFF).to(tl.int64) - 1).to(tl.int32)
+    return T, C
 
 
 @triton.jit
-def _select_stream(row, x_s1, ncols, start, end, t, need, CHUNK: tl.constexpr, ROUNDS: tl.constexpr,
-                   D: tl.constexpr, OFF64: tl.constexpr):
-    """_select_block over the keys >= t of a whole row, streamed in chunks (the slow path)."""
-    prefix = tl.zeros([], tl.uint32)
+def _emit_selected(out_row, out_s1, cols, keys, ok, T, C):
+    take = ok & ((keys > T) | ((keys == T) & (cols <= C)))
+    pos = tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(out_row + pos.to(tl.int64) * out_s1, cols, mask=take)
+
+
+@triton.jit
+def _select_stream(row, x_s1, ncols, start, end, t, k, CHUNK: tl.constexpr, D: tl.constexpr,
+                   OFF64: tl.constexpr):
+    """``_kth_largest`` over the keys >= t of a whole row, streamed in chunks (the slow path; counts may
+    exceed 2^20 here, so the bin's own count is a second reduction)."""
+    BINS: tl.constexpr = 1 << D
+    bins = tl.arange(0, BINS)
     offs = tl.arange(0, CHUNK)
-    for rnd in tl.static_range(ROUNDS):
-        hist = tl.zeros([1 << D], tl.int32)
+    prefix = tl.zeros([], tl.uint32)
+    need = k + tl.zeros([], tl.int32)
+    shift = 32 + tl.zeros([], tl.int32)
+    cnt = end - start
+    while (shift > 0) & (cnt > need):
+        low = tl.maximum(shift - D, 0)
+        hist = tl.zeros([BINS], tl.int32)
         for base in range((start // 16) * 16, end, CHUNK):
-            key, inside = _keys_at(row, x_s1, base + offs, ncols, start, end, OFF64)
-            m = inside & (key >= t) & _same_prefix(key, prefix, rnd, D)
-            hist += tl.histogram(_digit(key, rnd, D), 1 << D, mask=m)
-        prefix, need = _descend(hist, need, prefix, rnd, D)
-    return prefix, need
+            key, inside = _keys_at(row, x_s1, base + offs, ncols, start, end, True, OFF64)
+            m = inside & (key >= t) & ((key & _high_mask(shift)) == prefix)
+            digit = ((key >> low.to(tl.uint32)) & ((1 << (shift - low)) - 1).to(tl.uint32)).to(tl.int32)
+            hist += tl.histogram(BINS - 1 - digit, BINS, mask=m)
+        ge = tl.cumsum(hist, 0)
+        best = tl.min(tl.where(ge >= need, (bins.to(tl.int64) << 32) | ge.to(tl.int64), 1 << 62), 0)
+        j = (best >> 32).to(tl.int32)
+        cnt = tl.sum(tl.where(bins == j, hist, 0), 0)
+        need = need - ((best & 0xFFFFFFFF).to(tl.int32) - cnt)
+        prefix = prefix | ((BINS - 1 - j).to(tl.uint32) << low.to(tl.uint32))
+        shift = low
+    whole = cnt == need
+    return tl.where(whole, tl.maximum(prefix, 1) - 1, prefix), tl.where(whole, k, k - need)
 
 
 @triton.jit
-def _emit(out_row, out_s1, cols, keys, ok, T, n_gt, k, done_gt, done_eq):
-    """Write the columns with key > T at done_gt.., the ties at n_gt + done_eq.. (while < k); returns the
-    updated counts."""
-    gt = ok & (keys > T)
-    eq = ok & (keys == T)
-    pg = done_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-    tl.store(out_row + pg.to(tl.int64) * out_s1, cols, mask=gt)
-    pe = n_gt + done_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-    tl.store(out_row + pe.to(tl.int64) * out_s1, cols, mask=eq & (pe < k))
-    return done_gt + tl.sum(gt.to(tl.int32), 0), done_eq + tl.sum(eq.to(tl.int32), 0)
+def _emit_stream(row, x_s1, ncols, start, end, out_row, out_s1, T, above, k, CHUNK: tl.constexpr,
+                 OFF64: tl.constexpr):
+    """Streamed output in column order: keys > T at 0.., the first k - above ties at above.."""
+    offs = tl.arange(0, CHUNK)
+    done_gt = tl.zeros([], tl.int32)
+    done_eq = tl.zeros([], tl.int32)
+    for base in range((start // 16) * 16, end, CHUNK):
+        c = base + offs
+        key, inside = _keys_at(row, x_s1, c, ncols, start, end, True, OFF64)
+        gt = inside & (key > T)
+        eq = inside & (key == T)
+        pg = done_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+        tl.store(out_row + pg.to(tl.int64) * out_s1, c - start, mask=gt)
+        pe = above + done_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        tl.store(out_row + pe.to(tl.int64) * out_s1, c - start, mask=eq & (pe < k))
+        done_gt += tl.sum(gt.to(tl.int32), 0)
+        done_eq += tl.sum(eq.to(tl.int32), 0)
+
+
+# ---------------------------------------------------------------- row paths
+@triton.jit
+def _trivial_row(out_row, out_s1, n, k, KB: tl.constexpr):
+    for base in range(0, k, KB):
+        i = base + tl.arange(0, KB)
+        tl.store(out_row + i.to(tl.int64) * out_s1, tl.where(i < n, i, -1), mask=i < k)
 
 
 @triton.jit
-def _select_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
-                   num_rows, fmax_ptr, fmax_s0, ws_ptr, ws_s0, raw_max,
-                   MODE: tl.constexpr, G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr, CAP: tl.constexpr,
-                   D: tl.constexpr, DT: tl.constexpr, T_ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
-                   GATHER: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr):
-    """K2: CTA p selects rows p, p + grid, ... one after the other, reusing its scratch row ws[p]."""
-    ws_row = ws_ptr + tl.program_id(0).to(tl.int64) * ws_s0      # [CAP keys | CAP columns | CAP group ids]
-    for r in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-        _select_row(r, x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
-                    fmax_ptr, fmax_s0, ws_row, raw_max, MODE, G0, GB, LF, CAP, D, DT, T_ROUNDS, CHUNK, GATHER, KB,
-                    OFF64)
-        tl.debug_barrier()                                # the next row overwrites the scratch
+def _short_row(row, x_s1, ncols, start, end, out_row, out_s1, k, RM: tl.constexpr, D: tl.constexpr,
+               OFF64: tl.constexpr):
+    """A row whose aligned span fits RM columns: its keys in registers, the select, the output."""
+    c = (start // 16) * 16 + tl.arange(0, RM)
+    key, inside = _keys_at(row, x_s1, c, ncols, start, end, True, OFF64)
+    T, C = _select_regs(key, c - start, inside, k, D)
+    _emit_selected(out_row, out_s1, c - start, key, inside, T, C)
 
 
 @triton.jit
-def _select_row(r, x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
-                fmax_ptr, fmax_s0, ws_row, raw_max, MODE: tl.constexpr, G0: tl.constexpr, GB: tl.constexpr,
-                LF: tl.constexpr, CAP: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, T_ROUNDS: tl.constexpr,
-                CHUNK: tl.constexpr, GATHER: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr):
-    """Steps 1-4 of the module docstring for row r."""
-    ROUNDS: tl.constexpr = (32 + D - 1) // D
-    r = r + tl.zeros([], tl.int32)                    # a tensor also where the loop yields Python ints
-    start, n = _row_range(r, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE)
-    out_row = out_ptr + r.to(tl.int64) * out_s0
-    if n <= k:
-        for base in range(0, k, KB):
-            i = base + tl.arange(0, KB)
-            tl.store(out_row + i.to(tl.int64) * out_s1, tl.where(i < n, i, -1), mask=i < k)
-    else:
-        row = x_ptr + r.to(tl.int64) * x_s0          # columns are absolute; outputs relative to start
-        fmax_row = fmax_ptr + r.to(tl.int64) * fmax_s0
-        end = start + n
-        a0 = (start // 16) * 16                       # chunks start aligned: vector loads
-        grouped = n > raw_max
-        first = start // G0
-        n_groups = tl.cdiv(end, G0) - first
-        # 1. coarse maxima: coarse[j] = max of the level-1 values at j mod GB, LF * GB of them per step
-        gofs = tl.arange(0, GB)
-        lofs = tl.arange(0, LF)[:, None] * GB + gofs[None, :]
-        coarse = tl.zeros([GB], tl.uint32)
-        if grouped:
-            for base in range(0, n_groups, LF * GB):
-                j = base + lofs
-                f = tl.load(fmax_row + j, mask=j < n_groups, other=0).to(tl.uint32, bitcast=True)
-                coarse = tl.maximum(coarse, tl.max(f, axis=0))
-        else:
-            for base in range(a0, end, LF * GB):
-                key, _ = _keys_at(row, x_s1, base + lofs, ncols, start, end, OFF64)
-                coarse = tl.maximum(coarse, tl.max(key, axis=0))
-        # 2. t: at least k coarse maxima, so at least k elements, are >= t
-        t, _ = _select_block(coarse, gofs < GB, k, T_ROUNDS, DT)
-        # 3. candidates (key >= t) into the scratch list, in column order
-        cofs = tl.arange(0, CHUNK)
-        cnt = tl.zeros([], tl.int32)
-        if grouped:
-            ng = tl.zeros([], tl.int32)
-            for base in range(0, n_groups, CHUNK):
-                j = base + cofs
-                f = tl.load(fmax_row + j, mask=j < n_groups, other=0).to(tl.uint32, bitcast=True)
-                q = (j < n_groups) & (f >= t)
-                pos = ng + tl.cumsum(q.to(tl.int32), 0) - 1
-                tl.store(ws_row + 2 * CAP + pos, j, mask=q & (pos < CAP))
-                ng += tl.sum(q.to(tl.int32), 0)
-            tl.debug_barrier()
-            if ng <= CAP:
-                gl = tl.arange(0, GATHER)
-                el = tl.arange(0, G0)
-                for base in range(0, ng, GATHER):
-                    gi = base + gl
-                    g = tl.load(ws_row + 2 * CAP + gi, mask=gi < ng, other=0)
-                    col = (first + g)[:, None] * G0 + el[None, :]
-                    key, inside = _keys_at(row, x_s1, col, ncols, start, end, OFF64)
-                    q = tl.reshape(inside & (gi < ng)[:, None] & (key >= t), [GATHER * G0])
-                    pos = cnt + tl.cumsum(q.to(tl.int32), 0) - 1
-                    keep = q & (pos < CAP)
-                    tl.store(ws_row + pos, tl.reshape(key, [GATHER * G0]).to(tl.int32, bitcast=True), mask=keep)
-                    tl.store(ws_row + CAP + pos, tl.reshape(col - start, [GATHER * G0]), mask=keep)
-                    cnt += tl.sum(q.to(tl.int32), 0)
+def _coarse_pass(row, x_s1, ncols, start, end, c0, c1, fmax_row, G0: tl.constexpr, GB: tl.constexpr,
+                 LF: tl.constexpr, OFF64: tl.constexpr):
+    """Pass 1 over the absolute columns [c0, c1) (c0 a multiple of LF * GB): returns the coarse maxima
+    C[j] of the columns c % GB == j, stores the group maxima of their groups into fmax_row (indexed from
+    the row's first group)."""
+    TILE: tl.constexpr = LF * GB
+    first = start // G0
+    n_groups = tl.cdiv(end, G0) - first
+    gofs = tl.arange(0, TILE // G0)
+    offs = gofs[:, None] * G0 + tl.arange(0, G0)[None, :]          # a tile as its groups, row-major
+    acc = tl.zeros([TILE // G0, G0], tl.uint32)
+    for base in range(c0, c1, TILE):
+        cur, _ = _keys_at(row, x_s1, base + offs, ncols, start, end, base + offs < c1, OFF64)
+        acc = tl.maximum(acc, cur)
+        g = base // G0 - first + gofs
+        tl.store(fmax_row + g, tl.max(cur, 1).to(tl.int32, bitcast=True), mask=(g >= 0) & (g < n_groups))
+    return tl.max(tl.reshape(acc, [LF, GB]), 0)                     # column c of a tile: c % GB
+
+
+@triton.jit
+def _collect(row, x_s1, ncols, start, end, t, fmax_row, g0, g1, ids, lst, cnt_ptr, count, G0: tl.constexpr,
+             FS: tl.constexpr, FC: tl.constexpr, CAP: tl.constexpr, SHARED: tl.constexpr, OFF64: tl.constexpr):
+    """Pass 2 over the groups [g0, g1) of a row (from its first group), FS group maxima a step: the groups
+    whose maximum is >= t are listed in ids (this CTA's scratch, FS entries), then loaded FC at a time;
+    their keys >= t go to lst[pos] with their row-relative columns at lst[CAP + pos] (pos < CAP). SHARED:
+    other CTAs fill the same list, room is reserved with an atomic add on cnt_ptr; else count is the
+    list's running length. Returns count plus the candidates seen."""
+    first = start // G0
+    fl = tl.arange(0, FS)
+    gl = tl.arange(0, FC)
+    el = tl.arange(0, G0)
+    for base in range(g0, g1, FS):
+        g = base + fl
+        q = (g < g1) & (tl.load(fmax_row + g, mask=g < g1, other=0).to(tl.uint32, bitcast=True) >= t)
+        nq = tl.sum(q.to(tl.int32), 0)
+        tl.store(ids + tl.cumsum(q.to(tl.int32), 0) - 1, g, mask=q)
+        tl.debug_barrier()                                # the list of groups, dense, for every thread
+        for b2 in range(0, nq, FC):
+            i = b2 + gl
+            gi = tl.load(ids + i, mask=i < nq, other=0)
+            col = (first + gi)[:, None] * G0 + el[None, :]
+            key, inside = _keys_at(row, x_s1, col, ncols, start, end, (i < nq)[:, None], OFF64)
+            c = tl.reshape(inside & (key >= t), [FC * G0])
+            n = tl.sum(c.to(tl.int32), 0)
+            if SHARED:
+                at = tl.atomic_add(cnt_ptr, n, sem="relaxed", scope="gpu")
             else:
-                cnt = ng        # > CAP: at least that many candidates
-        else:
-            for base in range(a0, end, CHUNK):
-                c = base + cofs
-                key, inside = _keys_at(row, x_s1, c, ncols, start, end, OFF64)
-                q = inside & (key >= t)
-                pos = cnt + tl.cumsum(q.to(tl.int32), 0) - 1
-                keep = q & (pos < CAP)
-                tl.store(ws_row + pos, key.to(tl.int32, bitcast=True), mask=keep)
-                tl.store(ws_row + CAP + pos, c - start, mask=keep)
-                cnt += tl.sum(q.to(tl.int32), 0)
-        tl.debug_barrier()
-        # 4. exact select (candidate keys in registers, or the streamed slow path), then output in chunks
-        if cnt <= CAP:
-            ofs = tl.arange(0, CAP)
-            keys = tl.load(ws_row + ofs, mask=ofs < cnt, other=0).to(tl.uint32, bitcast=True)
-            T, ties = _select_block(keys, ofs < cnt, k, ROUNDS, D)
-        else:
-            T, ties = _select_stream(row, x_s1, ncols, start, end, t, k, CHUNK, ROUNDS, D, OFF64)
-        done_gt = tl.zeros([], tl.int32)
-        done_eq = tl.zeros([], tl.int32)
-        if cnt <= CAP:
-            for base in range(0, cnt, CHUNK):
-                c = base + cofs
-                ok = c < cnt
-                key = tl.load(ws_row + c, mask=ok, other=0).to(tl.uint32, bitcast=True)
-                col = tl.load(ws_row + CAP + c, mask=ok, other=0)
-                done_gt, done_eq = _emit(out_row, out_s1, col, key, ok, T, k - ties, k, done_gt, done_eq)
-        else:
-            for base in range(a0, end, CHUNK):
-                c = base + cofs
-                key, inside = _keys_at(row, x_s1, c, ncols, start, end, OFF64)
-                done_gt, done_eq = _emit(out_row, out_s1, c - start, key, inside, T, k - ties, k, done_gt,
-                                         done_eq)
+                at = count
+            pos = at + tl.cumsum(c.to(tl.int32), 0) - 1
+            keep = c & (pos < CAP)
+            tl.store(lst + pos, tl.reshape(key, [FC * G0]).to(tl.int32, bitcast=True), mask=keep)
+            tl.store(lst + CAP + pos, tl.reshape(col - start, [FC * G0]), mask=keep)
+            count += n
+        tl.debug_barrier()                                # ids is rewritten by the next step
+    return count
 
 
+@triton.jit
+def _finish_list(lst, count, row, x_s1, ncols, start, end, t, out_row, out_s1, k, CAP: tl.constexpr,
+                 D: tl.constexpr, CHUNK: tl.constexpr, OFF64: tl.constexpr):
+    """The select over a row's candidate list (count of them, in any order), or over the whole row when
+    the list overflowed; then the row's output."""
+    if count <= CAP:
+        i = tl.arange(0, CAP)
+        ok = i < count
+        keys = tl.load(lst + i, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        cols = tl.load(lst + CAP + i, mask=ok, other=0, cache_modifier=".cg")
+        T, C = _select_regs(keys, cols, ok, k, D)
+        _emit_selected(out_row, out_s1, cols, keys, ok, T, C)
+    else:
+        T, above = _select_stream(row, x_s1, ncols, start, end, t, k, CHUNK, D, OFF64)
+        _emit_stream(row, x_s1, ncols, start, end, out_row, out_s1, T, above, k, CHUNK, OFF64)
+
+
+@triton.jit
+def _long_row(r, x_ptr, x_s0, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE: tl.constexpr, RM: tl.constexpr):
+    """(row pointer, start, end, long?) of row r; n <= k rows are handled before."""
+    start, n = _row_range(r, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE)
+    end = start + n
+    return x_ptr + r.to(tl.int64) * x_s0, start, end, end - (start // 16) * 16 > RM
+
+
+# ---------------------------------------------------------------- kernels
+@triton.jit
+def _fused_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
+                  num_rows, fmax_ptr, fmax_s0, lst_ptr, lst_s0, MODE: tl.constexpr, LONG: tl.constexpr,
+                  G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr, FS: tl.constexpr, FC: tl.constexpr,
+                  CAP: tl.constexpr, RM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr,
+                  OFF64: tl.constexpr):
+    """One CTA a row: program p takes rows p, p + grid, ... with its scratch rows fmax[p] and lst[p] (the
+    candidate list [2 CAP], then the qualifying groups [FS]). LONG: some row may exceed RM (else only
+    the trivial and short paths are compiled)."""
+    fmax_row = fmax_ptr + tl.program_id(0).to(tl.int64) * fmax_s0
+    lst = lst_ptr + tl.program_id(0).to(tl.int64) * lst_s0
+    ids = lst + 2 * CAP
+    for r in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        r = r + tl.zeros([], tl.int32)                    # a tensor also where the loop yields Python ints
+        row, start, end, is_long = _long_row(r, x_ptr, x_s0, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE, RM)
+        out_row = out_ptr + r.to(tl.int64) * out_s0
+        if end - start <= k:
+            _trivial_row(out_row, out_s1, end - start, k, KB)
+        elif is_long:
+            if LONG:
+                TILE: tl.constexpr = LF * GB
+                coarse = _coarse_pass(row, x_s1, ncols, start, end, (start // TILE) * TILE, end, fmax_row, G0,
+                                      GB, LF, OFF64)
+                t, _, _ = _kth_largest(coarse, coarse > 0, k, k // 8, D)
+                tl.debug_barrier()                        # fmax stores before other threads' loads
+                count = _collect(row, x_s1, ncols, start, end, t, fmax_row, 0, tl.cdiv(end, G0) - start // G0,
+                                 ids, lst, lst, tl.zeros([], tl.int32), G0, FS, FC, CAP, False, OFF64)
+                tl.debug_barrier()
+                _finish_list(lst, count, row, x_s1, ncols, start, end, t, out_row, out_s1, k, CAP, D, CHUNK,
+                             OFF64)
+                tl.debug_barrier()                        # the next row overwrites the scratch
+        else:
+            _short_row(row, x_s1, ncols, start, end, out_row, out_s1, k, RM, D, OFF64)
+
+
+@triton.jit
+def _coarse_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, k, fmax_ptr, fmax_s0, state_ptr,
+                   state_s0, thr_ptr, MODE: tl.constexpr, G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr,
+                   RM: tl.constexpr, D: tl.constexpr, OFF64: tl.constexpr):
+    """Split pass 1, grid (rows, S): CTA (r, s) covers the s-th share of row r's tiles; the last CTA of
+    the row to arrive computes t = thr[r] and returns the row's state to zero. State row: C [GB], then
+    the pass-1 arrivals, the pass-2 arrivals and the candidate count."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    S = tl.num_programs(1)
+    row, start, end, is_long = _long_row(r, x_ptr, x_s0, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE, RM)
+    if is_long & (end - start > k):
+        TILE: tl.constexpr = LF * GB
+        tiles = tl.cdiv(end, TILE) - start // TILE
+        per = tl.cdiv(tiles, S)
+        c0 = (start // TILE + s * per) * TILE
+        c1 = tl.minimum(c0 + per * TILE, end)
+        state = state_ptr + r.to(tl.int64) * state_s0
+        cmax = state.to(tl.pointer_type(tl.uint32)) + tl.arange(0, GB)
+        if c0 < c1:
+            coarse = _coarse_pass(row, x_s1, ncols, start, end, c0, c1, fmax_ptr + r.to(tl.int64) * fmax_s0, G0,
+                                  GB, LF, OFF64)
+            tl.atomic_max(cmax, coarse, mask=coarse > 0, sem="relaxed", scope="gpu")
+        tl.debug_barrier()                                # every thread's writes before the arrival
+        if tl.atomic_add(state + GB, 1, sem="acq_rel", scope="gpu") == S - 1:
+            coarse = tl.load(cmax, cache_modifier=".cg")
+            tl.store(cmax, tl.zeros([GB], tl.uint32))
+            tl.store(state + GB, 0)
+            t, _, _ = _kth_largest(coarse, coarse > 0, k, k // 8, D)
+            tl.store(thr_ptr + r, t.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _collect_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, out_ptr, out_s0, out_s1, k,
+                    fmax_ptr, fmax_s0, state_ptr, state_s0, thr_ptr, lst_ptr, lst_s0, ids_ptr, MODE: tl.constexpr,
+                    G0: tl.constexpr, GB: tl.constexpr, FS: tl.constexpr, FC: tl.constexpr, CAP: tl.constexpr,
+                    RM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr):
+    """Split pass 2, grid (rows, S2): trivial and short rows by CTA (r, 0); for long rows CTA (r, s)
+    lists the candidates of the s-th share of the groups (its qualifying groups in ids[r, s], FS of
+    them), the last to arrive selects and writes."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    S2 = tl.num_programs(1)
+    row, start, end, is_long = _long_row(r, x_ptr, x_s0, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, MODE, RM)
+    out_row = out_ptr + r.to(tl.int64) * out_s0
+    if end - start <= k:
+        if s == 0:
+            _trivial_row(out_row, out_s1, end - start, k, KB)
+    elif is_long:
+        state = state_ptr + r.to(tl.int64) * state_s0
+        lst = lst_ptr + r.to(tl.int64) * lst_s0
+        t = tl.load(thr_ptr + r).to(tl.uint32, bitcast=True)
+        n_groups = tl.cdiv(end, G0) - start // G0
+        per = tl.cdiv(tl.cdiv(n_groups, S2), FS) * FS
+        g0 = s * per
+        _collect(row, x_s1, ncols, start, end, t, fmax_ptr + r.to(tl.int64) * fmax_s0, g0,
+                 tl.minimum(g0 + per, n_groups), ids_ptr + (r * S2 + s).to(tl.int64) * FS, lst, state + GB + 2,
+                 tl.zeros([], tl.int32), G0, FS, FC, CAP, True, OFF64)
+        tl.debug_barrier()                                # every thread's writes before the arrival
+        if tl.atomic_add(state + GB + 1, 1, sem="acq_rel", scope="gpu") == S2 - 1:
+            tl.store(state + GB + 1, 0)
+            count = tl.atomic_xchg(state + GB + 2, 0, sem="relaxed", scope="gpu")
+            _finish_list(lst, count, row, x_s1, ncols, start, end, t, out_row, out_s1, k, CAP, D, CHUNK, OFF64)
+    elif s == 0:
+        _short_row(row, x_s1, ncols, start, end, out_row, out_s1, k, RM, D, OFF64)
+
+
+# ---------------------------------------------------------------- host side
 def _pow2(v: int) -> int:
     return next_power_of_2(max(int(v), 1))
 
 
 def default_config(arch: str, k: int) -> dict:
-    """Tile sizes for k on a target; every entry can be overridden through ``config=`` (sweeps):
-    group      G0, columns per group maximum (K1); rows longer than raw_max go through K1
-    raw_max    rows up to this length are filtered from their own keys (no K1)
-    coarse     GB, coarse maxima (4 k: ~1.15 k candidates on continuous data; 2 k: ~1.4 k)
-    load       level-1 values read per coarsening step (a multiple of GB, at least GB)
-    cap        CAP, candidate keys held in registers (more: the streamed slow path)
-    digit      D, bits per digit of the exact select: the warp width's log2 (one histogram bin per lane)
-    t_digit, t_rounds: digits of the filter threshold t (more bits: fewer candidates when values cluster)
-    tile       columns per K1 step; ctas: K1 CTAs per SM to aim at (the split of long rows)
-    k2_ctas    K2 CTAs per SM at most; each takes every grid-th row, so scratch scales with SMs, not rows
-    chunk      columns per K2 streaming step; gather: columns gathered per K2 step (a multiple of G0)
-    warps_k1, warps_k2: num_warps of the two kernels."""
+    """Sizes for k on a target; every entry can be overridden through ``config=`` (sweeps):
+    raw_max    RM, rows whose 16-aligned span fits RM columns are selected from registers in one pass
+    coarse     GB, coarse maxima (4 k: ~1.15 k candidates on i.i.d. data; 2 k: ~1.4 k), at least k
+    load       columns per pass-1 step (a multiple of GB)
+    group      G0, columns per group maximum (pass 2 rereads ~1/G0 of a row)
+    scan       FS, group maxima per pass-2 step (those >= t are listed, then loaded)
+    chunk      columns of listed groups loaded per pass-2 step (a multiple of G0), and per slow-path step
+    cap        CAP, candidates held in registers, at least k (more candidates: the slow path)
+    digit      D, bits per radix round
+    mode       "auto" (split while ctas x SMs // rows > 1, else fused), "split" or "fused"
+    ctas, ctas2: CTAs per SM in split pass 1 / pass 2: S = ctas x SMs // rows a row (one wave; at most
+               the row's steps)
+    fused_ctas: programs per SM of the fused kernel (each walks every grid-th row)
+    warps      num_warps of split pass 2 and of the short-rows kernel; coarse_warps: of split pass 1
+    fused      the entries the fused kernel takes instead (it holds every path's blocks at once): raw_max,
+               load, scan, warps.
+    On NVIDIA, 8 warps or fewer run with up to 255 registers a thread (``_options``)."""
     kp = _pow2(k)
-    g0 = max(1, min(16, 32768 // (4 * kp)))
     amd = arch.startswith("gfx")
-    d = 6 if amd else 5
-    # K2: 16 warps from k = 512 on, 8 on AMD (wave64: 512 threads; 1024 would leave 128 VGPRs each);
-    # streaming steps of 4 columns per thread (2 beyond k = 2048)
-    warps = 8 if amd or kp < 512 else 16
-    step = 4 * warps * (64 if amd else 32) // (2 if kp > 2048 else 1)
-    coarse = max(256, 4 * kp if kp <= 1024 else 2 * kp)      # 2 k beyond 1024: ~1.4 k candidates, in registers
-    return dict(group=g0, raw_max=max(4 * kp * g0, 1024), coarse=coarse, load=step,
-                cap=min(8192, max(256, 2 * kp)), digit=d, t_digit=d, t_rounds=4, tile=4096, ctas=4, k2_ctas=2,
-                chunk=step, gather=step, warps_k1=8, warps_k2=warps)
+    coarse = max(1024, 4 * kp if kp <= 512 else 2 * kp)
+    cap = max(2048, 4 * kp if kp <= 512 else 2 * kp)       # ~1.5 x the expected candidates from k = 1024 on
+    # split pass 1 in tiles of 8192 columns, pass 2 in scans of 4096 group maxima (one each a CTA at batch
+    # 1 and 64), with 16 warps on NVIDIA up to k = 2048 (8 with 255 registers beyond: 8192 candidates);
+    # the fused kernel in 8 warps with smaller blocks (no spill at 255 registers)
+    return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), group=16, scan=4096, chunk=4096,
+                cap=cap, digit=8, mode="auto", ctas=1.0, ctas2=1.0, fused_ctas=1, coarse_warps=8 if amd else 16,
+                warps=8 if amd or kp > 2048 else 16,
+                fused=dict(raw_max=2048, load=max(4096, coarse), scan=2048, warps=8))
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,59 +510,109 @@ def _facts(device):
     return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
-    if num_rows == 0:
-        return
-    arch, sms = _facts(logits.device)
-    cfg, select = _plan(arch, k, mode, tuple(sorted(config.items())) if config else ())
-    g0, cap = cfg["group"], cfg["cap"]
-    ncols = logits.shape[1]
-    x_s0, x_s1 = logits.stride()
-    grouped = ncols > cfg["raw_max"]
-    fmax_w = cdiv(ncols, g0) if grouped else 1
-    fmax = torch.empty(num_rows if grouped else 1, fmax_w, dtype=torch.int32, device=logits.device)
-    programs = max(1, min(num_rows, int(cfg["k2_ctas"] * sms)))
-    ws = torch.empty(programs, 3 * cap, dtype=torch.int32, device=logits.device)
-    row_args = (logits, x_s0, x_s1, ncols, a, b, a_s0, a_s1, next_n)
-    off64 = (ncols + 16) * abs(x_s1) >= 2 ** 31        # column offsets past int32 (aligned chunks overrun by < 16)
-    if grouped:
-        tile_g = max(1, cfg["tile"] // g0)
-        steps = cdiv(cdiv(ncols, g0), tile_g)
-        splits = max(1, min(steps, cdiv(cfg["ctas"] * sms, num_rows), 65535))
-        launch(_group_max_kernel)[(num_rows, splits)](*row_args, fmax, fmax_w, cfg["raw_max"], splits, MODE=mode, G0=g0,
-                                                      TILE_G=tile_g, OFF64=off64, num_warps=cfg["warps_k1"])
-    select[off64][(programs,)](*row_args, out, out.stride(0), out.stride(1), k, num_rows, fmax, fmax_w, ws,
-                               ws.stride(0), cfg["raw_max"])
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(arch: str, k: int, mode: int, config_items: tuple):
-    """(config, the select kernel bound for OFF64 False / True) of a target, k and call form, built once."""
+def _resolve(arch: str, k: int, config) -> dict:
     cfg = default_config(arch, k)
-    unknown = set(dict(config_items)) - set(cfg)
+    config = dict(config or {})
+    unknown = set(config) - set(cfg) | set(config.get("fused", {})) - set(cfg["fused"])
     if unknown:
-        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(dict(config_items))
-    consts = dict(_select_constexprs(cfg, mode), **_select_options(arch, cfg["warps_k2"]))
-    select = tuple(launch(_select_kernel).bind(OFF64=off64, **consts) for off64 in (False, True))
-    return cfg, select
+        raise ValueError(f"unknown top-k config keys {sorted(unknown)}; known: {sorted(cfg)}, fused: "
+                         f"{sorted(cfg['fused'])}")
+    cfg["fused"].update(config.pop("fused", {}))
+    cfg.update(config)
+    gb, g0 = cfg["coarse"], cfg["group"]
+    # a long row has more than k columns, so min(n, coarse) >= k coarse maxima; raw_max is free
+    if gb < k or cfg["cap"] < k or cfg["load"] % gb or cfg["fused"]["load"] % gb or cfg["chunk"] % g0:
+        raise ValueError(f"top-k config needs coarse >= k, cap >= k, load and fused load multiples of coarse, "
+                         f"chunk a multiple of group: {cfg}")
+    if cfg["mode"] not in ("auto", "split", "fused"):
+        raise ValueError(f"top-k config mode must be 'auto', 'split' or 'fused', got {cfg['mode']!r}")
+    return cfg
 
 
-def _select_options(arch, warps):
-    """num_warps, and on NVIDIA with 8 warps or fewer .maxnreg 255: K2 runs one CTA per SM, and without the
-    bound ptxas spills to stay at 128 registers for an occupancy it cannot use (at 16 warps, 128 is the
-    limit anyway, and an explicit bound measured worse)."""
+_PASS1 = ("MODE", "G0", "GB", "LF", "RM", "D", "OFF64")                   # the constexprs of each kernel
+_PASS2 = ("MODE", "G0", "GB", "FS", "FC", "CAP", "RM", "D", "CHUNK", "KB", "OFF64")
+_FUSED = ("MODE", "LONG", "G0", "GB", "LF", "FS", "FC", "CAP", "RM", "D", "CHUNK", "KB", "OFF64")
+
+
+def _constexprs(cfg, mode, names, **extra):
+    every = dict(MODE=mode, G0=cfg["group"], GB=cfg["coarse"], LF=cfg["load"] // cfg["coarse"], FS=cfg["scan"],
+                 FC=cfg["chunk"] // cfg["group"], CAP=cfg["cap"], RM=cfg["raw_max"], D=cfg["digit"],
+                 CHUNK=cfg["chunk"], KB=1024, **extra)
+    return {n: every[n] for n in names}
+
+
+def _fused_sizes(cfg):
+    """The configuration with the fused kernel's own entries."""
+    return dict(cfg, **cfg["fused"])
+
+
+def _short_constexprs(width, digit, mode, off64):
+    """The fused kernel without its long-row path: the sizes of that path are fixed (they would only
+    multiply its compiled variants)."""
+    return dict(MODE=mode, LONG=False, G0=1, GB=1, LF=1, FS=1, FC=1, CAP=1, RM=width, D=digit, CHUNK=1, KB=1024,
+                OFF64=off64)
+
+
+def _options(arch, warps):
+    """num_warps, and on NVIDIA with 8 warps or fewer .maxnreg 255: these kernels run one CTA per SM, and
+    without the bound ptxas spills to stay at 128 registers for an occupancy they cannot use."""
     if arch.startswith("gfx") or warps > 8:
         return dict(num_warps=warps)
     return dict(num_warps=warps, maxnreg=255)
 
 
-def _select_constexprs(cfg, mode):
-    t_digit = cfg["t_digit"]
-    return dict(MODE=mode, G0=cfg["group"], GB=cfg["coarse"], LF=max(1, cfg["load"] // cfg["coarse"]),
-                CAP=cfg["cap"], D=cfg["digit"],
-                DT=t_digit, T_ROUNDS=min(cfg["t_rounds"], cdiv(32, t_digit)), CHUNK=cfg["chunk"],
-                GATHER=max(1, cfg["gather"] // cfg["group"]), KB=1024)
+def _plan(cfg, num_rows, ncols, sms):
+    """(kernel layout, S, S2): "short" (no row can exceed raw_max), "fused" or "split"."""
+    if ncols <= cfg["raw_max"]:
+        return "short", 1, 1
+    steps1 = cdiv(ncols, cfg["load"]) + 1
+    steps2 = cdiv(cdiv(ncols, cfg["group"]) + 1, cfg["scan"])
+    S = max(1, min(steps1, int(cfg["ctas"] * sms) // num_rows, 65535))      # one wave of CTAs
+    S2 = max(1, min(steps2, int(cfg["ctas2"] * sms) // num_rows, 65535))
+    mode = cfg["mode"] if cfg["mode"] != "auto" else ("split" if S > 1 else "fused")
+    return mode, S, S2
+
+
+def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config):
+    if num_rows == 0:
+        return
+    arch, sms = _facts(logits.device)
+    cfg = _resolve(arch, k, config)
+    ncols = logits.shape[1]
+    x_s0, x_s1 = logits.stride()
+    layout, S, S2 = _plan(cfg, num_rows, ncols, sms)
+    overrun = max(cfg["load"], cfg["fused"]["load"], cfg["chunk"], cfg["raw_max"])  # tiles reach past a row's end
+    off64 = (ncols + overrun) * abs(x_s1) >= 2 ** 31                               # column offsets past int32
+    row_args = (logits, x_s0, x_s1, ncols, a, b, a_s0, a_s1, next_n)
+    out_args = (out, out.stride(0), out.stride(1), k)
+    dev = logits.device
+    groups = cdiv(cdiv(ncols, cfg["group"]), 16) * 16   # fmax row stride: every scratch slice 64-B aligned
+    cap = cfg["cap"]
+    if layout == "short":       # every row's span fits ncols <= raw_max: registers sized to the width
+        programs = max(1, min(num_rows, int(cfg["fused_ctas"] * sms)))
+        launch(_fused_kernel)[(programs,)](*row_args, *out_args, num_rows, out, 0, out, 0,
+                                           **_short_constexprs(max(_pow2(ncols), 16), cfg["digit"], mode, off64),
+                                           **_options(arch, cfg["warps"]))
+    elif layout == "fused":
+        programs = max(1, min(num_rows, int(cfg["fused_ctas"] * sms)))
+        fcfg = _fused_sizes(cfg)
+        slot = 2 * cap + fcfg["scan"]
+        ws = scratch(dev, programs * (groups + slot)).view(torch.int32)
+        launch(_fused_kernel)[(programs,)](*row_args, *out_args, num_rows, ws, groups, ws[programs * groups:],
+                                           slot, **_constexprs(fcfg, mode, _FUSED, LONG=True, OFF64=off64),
+                                           **_options(arch, fcfg["warps"]))
+    else:
+        gb = cfg["coarse"]
+        ws = scratch(dev, num_rows * (groups + 2 * cap + 16 + S2 * cfg["scan"])).view(torch.int32)
+        fmax, lst = ws, ws[num_rows * groups:]
+        thr, ids = lst[num_rows * 2 * cap:], lst[num_rows * (2 * cap + 16):]
+        state = counters(dev, num_rows * (gb + 4))
+        launch(_coarse_kernel)[(num_rows, S)](*row_args, k, fmax, groups, state, gb + 4, thr,
+                                              **_constexprs(cfg, mode, _PASS1, OFF64=off64),
+                                              **_options(arch, cfg["coarse_warps"]))
+        launch(_collect_kernel)[(num_rows, S2)](*row_args, *out_args, fmax, groups, state, gb + 4, thr, lst,
+                                                2 * cap, ids, **_constexprs(cfg, mode, _PASS2, OFF64=off64),
+                                                **_options(arch, cfg["warps"]))
 
 
 def top_k_per_row_prefill(logits, row_starts, row_ends, out_idx, num_rows: int, stride0: int, stride1: int, k: int,
@@ -444,21 +637,32 @@ def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int
     _launch(logits, ROW_LENS, flat, flat, flat.stride(0), 0, 1, output, logits.shape[0], k, config)
 
 
-_PTRS = dict(x_ptr="*fp32", a_ptr="*i32", b_ptr="*i32", fmax_ptr="*i32", out_ptr="*i32", ws_ptr="*i32")
-_SELECT_SPECS = [  # (k, mode, logits type): each call form once, k from 512 to 2048
+_PTRS = dict(x_ptr="*fp32", a_ptr="*i32", b_ptr="*i32", fmax_ptr="*i32", out_ptr="*i32", lst_ptr="*i32",
+             state_ptr="*i32", thr_ptr="*i32", ids_ptr="*i32")
+_SPECS = [  # (k, mode, logits type): each call form once, k from 512 to 2048
     (512, REQUEST_LENS, "*fp32"), (2048, RANGES, "*fp32"), (1024, ROW_LENS, "*bf16")]
+# on AMD, tl.histogram's ballots (one 64-bit mask per digit bit and element, wave64) and the radix loops'
+# scalar state exceed the 106 SGPRs of a wave: some sit in VGPR lanes (v_writelane / v_readlane), never
+# in memory
+_SGPR = "histogram ballot masks and the radix loops' scalar state"
+
+
+def _spec(name, fn, k, mode, xt, names, warps, fused=False, **extra):
+    def cfg(arch):
+        c = default_config(arch, k)
+        return _fused_sizes(c) if fused else c
+    return dict(name=name, fn=fn, pointers=dict(_PTRS, x_ptr=xt), floats=(), matrix=False, sgpr_spills=_SGPR,
+                constexprs=lambda arch: _constexprs(cfg(arch), mode, names, OFF64=False, **extra),
+                options=lambda arch: _options(arch, cfg(arch)[warps]))
+
 
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
-    dict(name=f"top_k_per_row_select[k={k},mode={mode}]", fn=_select_kernel, pointers=dict(_PTRS, x_ptr=xt),
-         floats=(), constexprs=lambda arch, k=k, mode=mode: _select_constexprs(default_config(arch, k), mode),
-         options=lambda arch, k=k: _select_options(arch, default_config(arch, k)["warps_k2"]), matrix=False,
-         # the select loop keeps ~40 scalars (bounds, digit state, pointers) live across its rounds: past the
-         # 106 SGPRs of a wave on AMD, some sit in VGPR lanes (v_writelane / v_readlane), never in memory
-         sgpr_spills="scalar loop state of the radix rounds")
-    for k, mode, xt in _SELECT_SPECS
-] + [
-    dict(name="top_k_per_row_group_max", fn=_group_max_kernel, pointers=_PTRS, floats=(),
-         constexprs=lambda arch: dict(MODE=REQUEST_LENS, G0=16, TILE_G=256, OFF64=False),
-         options=lambda arch: dict(num_warps=8), matrix=False),
-]
+    spec for k, mode, xt in _SPECS for spec in (
+        _spec(f"top_k_per_row_fused[k={k},mode={mode}]", _fused_kernel, k, mode, xt, _FUSED, "warps",
+              fused=True, LONG=True),
+        _spec(f"top_k_per_row_coarse[k={k},mode={mode}]", _coarse_kernel, k, mode, xt, _PASS1, "coarse_warps"),
+        _spec(f"top_k_per_row_collect[k={k},mode={mode}]", _collect_kernel, k, mode, xt, _PASS2, "warps"))
+] + [  # the short-rows kernel at the C4 decode step's width (2048 candidates)
+    dict(_spec("top_k_per_row_short[k=512,width=2048]", _fused_kernel, 512, REQUEST_LENS, "*fp32", _FUSED, "warps"),
+         constexprs=lambda arch: _short_constexprs(2048, default_config(arch, 512)["digit"], REQUEST_LENS, False))]
