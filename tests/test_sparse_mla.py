@@ -155,7 +155,8 @@ _DECODE_FORMS = textwrap.dedent("""
     from dsv4_rocm.triton import _launch
     two = dict(CFG, split_combine="launch")
     for ns in (2, 3, 5):
-        fused = [sparse_mla_decode(*decode_args(a), config=CFG, num_splits=ns) for _ in range(3)]
+        fused = [sparse_mla_decode(*decode_args(a), config=dict(CFG, split_combine="kernel"), num_splits=ns)
+                 for _ in range(3)]
         out2, lse2 = sparse_mla_decode(*decode_args(a), config=two, num_splits=ns)
         for o, l in fused:
             assert torch.equal(o, out2) and torch.equal(l, lse2), ns
@@ -350,7 +351,7 @@ def test_triton_decode_split_combine_in_kernel(gpu):
             base, base_lse = sparse_mla_decode(*decode_args(a), config=two, num_splits=ns)
             check_out(base, ref, f"two-launch combine {case} splits={ns}", decode_key_amax(a))
             for _ in range(4):
-                out, lse = sparse_mla_decode(*decode_args(a), num_splits=ns)
+                out, lse = sparse_mla_decode(*decode_args(a), config=dict(split_combine="kernel"), num_splits=ns)
                 assert torch.equal(out, base) and torch.equal(lse, base_lse), (case, ns)
     torch.cuda.synchronize()
     counts = [v for k, v in _launch._SCRATCH.items() if k[0] == "counters"]
@@ -358,7 +359,7 @@ def test_triton_decode_split_combine_in_kernel(gpu):
     dead = decode_case(3, 2, 64, 64, 128, 64, 512, gpu, 5)
     dead["indices"].fill_(-1)
     dead["extra_topk_length"].zero_()
-    for cfg in (None, two):
+    for cfg in (dict(split_combine="kernel"), two):
         out, lse = sparse_mla_decode(*decode_args(dead), config=cfg, num_splits=4)
         assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
     # captured with splits merged in the kernel, replayed on new inputs: every replay equals an eager call

@@ -19,12 +19,12 @@ cache can hold (-0 is never written), so the scale exponent is raised by one.
 Grid: (tokens x head blocks, splits); token t = b * s_q + s is query s of batch row b, and q, indices,
 lengths and out are addressed through their (b, s, head) strides, so strided views are read and written
 in place. With splits (SPLIT, count at run time) each program handles a contiguous range of key tiles
-and writes a normalized partial output and its lse into a cached scratch buffer. The split programs of a
-(token, head block) then count their arrivals in a cached int32 buffer (``_launch.counters``): the last to
-arrive merges the partials, applies the sink and resets the count to 0, so a call is one launch and a
-graph replays it as is (COMBINE). ``config=dict(split_combine="launch")`` merges in a second launch
-(``_combine_kernel``) instead; both merge with ``_merge_splits``. A query with no valid key gets out = 0
-and lse = +inf.
+and writes a normalized partial output and its lse into a cached scratch buffer. ``_combine_kernel``
+merges them in a second launch (the default), or (``config=dict(split_combine="kernel")``, COMBINE) the
+split programs of a (token, head block) count their arrivals in a cached int32 buffer
+(``_launch.counters``) and the last to arrive merges the partials, applies the sink and resets the count to
+0, so a call is one launch and a graph replays it as is; both merge with ``_merge_splits``. A query with no
+valid key gets out = 0 and lse = +inf.
 
 On Hopper the launcher can run the warp-specialized Gluon kernel of ``sparse_mla_decode_ws.py`` instead
 (same arguments but the counters, same outputs and split partials, merged by ``_combine_kernel``);
@@ -285,9 +285,12 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 221-236
     VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup. NVIDIA: 64 heads
     x 64 keys, 8 warps, one CTA per SM; the integer dequantization (inline PTX) on Hopper and Blackwell;
-    two cp.async stages measured best on the H100. Split partials are merged by the last split program of
-    each (token, head block) (``split_combine="kernel"``); ``"launch"`` merges them in a second launch, as
-    the Hopper kernel always does. The Hopper kernel's own defaults are in its module.
+    two cp.async stages measured best on the H100. Split partials are merged in a second launch
+    (``split_combine="launch"``, as the Hopper kernel always does): replayed from a graph, as decode steps
+    are, it beats the merge by the last split program (``"kernel"``: 21.5 against 39.3 us at b = 2 on the
+    H100, BENCHMARKS.md), which one program per (token, head block) runs serially; eagerly the second
+    launch waits for the host, so the in-kernel merge's GPU span is shorter there (38.9 against 50.7 us).
+    The Hopper kernel's own defaults are in its module.
     """
     kernel = kernel or default_kernel(arch)
     if kernel == "ws":
@@ -304,7 +307,7 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
     else:
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
-    return dict(cfg, kernel="triton", split_combine="kernel")
+    return dict(cfg, kernel="triton", split_combine="launch")
 
 
 def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
