@@ -490,10 +490,15 @@ def default_config(arch: str, k: int) -> dict:
     cap = max(2048, 4 * kp if kp <= 512 else 2 * kp)       # ~1.5 x the expected candidates from k = 1024 on
     # split pass 1 in tiles of 8192 columns, pass 2 in scans of 4096 group maxima (one each a CTA at batch
     # 1 and 64), with 16 warps on NVIDIA up to k = 2048 (8 with 255 registers beyond: 8192 candidates);
-    # the fused kernel in 8 warps with smaller blocks (no spill at 255 registers)
+    # the fused kernel in 8 warps with smaller blocks (no spill at 255 registers). Measured on the H100
+    # (ci/gpu_topk.py, BENCHMARKS.md): 6-bit digits beat 8-bit ones on every shape (a 64-bin histogram a
+    # round costs less than the rounds it saves: 21.6 against 24.3 us at b = 1 x 256K, 7.7 against 9.5 us
+    # for the C4 step's 128 x 2048); from k = 1024 on, a quarter of the split CTAs, which makes b = 64 rows
+    # of 32K fused (39.3 against 47.0 us at k = 1024, 47.8 against 63.1 at k = 2048). Blackwell (untimed)
+    # keeps 8-bit digits: the short-rows kernel spills 80 B there with 6
     return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), group=16, scan=4096, chunk=4096,
-                cap=cap, digit=8, mode="auto", ctas=1.0, ctas2=1.0, fused_ctas=1, coarse_warps=8 if amd else 16,
-                warps=8 if amd or kp > 2048 else 16,
+                cap=cap, digit=8 if arch == "sm_100" else 6, mode="auto", ctas=1.0 if kp <= 512 else 0.25, ctas2=1.0, fused_ctas=1,
+                coarse_warps=8 if amd else 16, warps=8 if amd or kp > 2048 else 16,
                 fused=dict(raw_max=2048, load=max(4096, coarse), scan=2048, warps=8))
 
 
