@@ -578,7 +578,7 @@ def _sparse_mla_ws_kernel(
         RAW_KEYS: gl.constexpr, RAW_STAGES: gl.constexpr, K_STAGES: gl.constexpr, L2_AHEAD: gl.constexpr,
         C0_REGS: gl.constexpr, C1_REGS: gl.constexpr, num_warps: gl.constexpr):
     LOAD_WARPS: gl.constexpr = num_warps      # the loader is the default partition
-    gl.static_assert(BLOCK_N == 64)
+    gl.static_assert(BLOCK_N == 64 and LOAD_WARPS == 4)
     gl.static_assert(BLOCK_N % RAW_KEYS == 0)
     gl.static_assert(RAW_KEYS % 4 == 0 and LOAD_WARPS % (RAW_KEYS // 4) == 0 and LOAD_WARPS // (RAW_KEYS // 4) <= 4)
     gl.static_assert(RAW_STAGES >= 2 and RAW_STAGES - 1 < BLOCK_N // RAW_KEYS)
