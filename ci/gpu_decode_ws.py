@@ -5,13 +5,15 @@ against the reference, then timed beside the Triton decode kernel and FlashMLA o
 
 1. Correctness (tolerances of tests/sparse_mla_inputs.py): the default configuration on the GPU cases of
    tests/test_sparse_mla.py (block sizes 2 to 576, lengths [b] and [b, s_q], no extra set, sinks +-inf, h 64
-   and 128, s_q 1 to 3, b up to 321), planned splits and 3 splits; strided inputs and an out buffer (same bits
-   as the contiguous call, nothing else written); all-invalid and zero-length queries (out 0, lse +inf); the
-   public op's default on this GPU. Every other variant on two cases.
+   and 128, s_q 1 to 3, b up to 321), with the default persistent schedule and with 3 parts per query;
+   strided inputs and an out buffer (same bits as the contiguous call, nothing else written); all-invalid and
+   zero-length queries (out 0, lse +inf); the public op's default on this GPU. Every other variant on two
+   cases; the default again on every timed case (the schedules of the large batches), against the reference.
 2. Compile report of each variant (registers, spills, shared memory of the compiled kernels).
 3. Timing, CUDA-graph replay (median) and eager: FlashMLA (when ``import flash_mla`` works, or from the
    ``--flashmla`` checkout built in place), the Triton kernel, the Hopper kernel and its variants.
-4. A table: per case the times and FlashMLA / ours.
+4. A table: per case the times and FlashMLA / ours, and a verdict per case (which of ws and triton is
+   faster) and overall: the value ``sparse_mla_decode.DEFAULT_SM90_KERNEL`` should hold.
 
 A kernel that hangs ends the run (exit 3) with the case named, so the machine is not held. Exit 1 after the
 timing of what passed when any check failed; 2 when the device is not Hopper (sm_90). ``--smoke`` compiles
@@ -32,13 +34,9 @@ SMOKE_CASE = (4, 2, 64, 256, 128, 64, 512, "random", "b")
 # (name, config, num_splits): the default first; the others change one thing each
 VARIANTS = [
     ("ws", dict(kernel="ws"), None),
-    ("ws c192", dict(kernel="ws", CONSUMER_REGS=192), None),          # loader 120 registers
-    ("ws c208", dict(kernel="ws", CONSUMER_REGS=208), None),          # loader 88 registers
-    ("ws rk8 rs4", dict(kernel="ws", RAW_KEYS=8, RAW_STAGES=4), None),  # 8-key chunks, 24 keys in flight
-    ("ws rs2", dict(kernel="ws", RAW_STAGES=2), None),                # 16 keys in flight (a control)
-    ("ws bn32 ks4", dict(kernel="ws", BLOCK_N=32, K_STAGES=4), None),  # 32-key tiles, four K slots
-    ("ws pingpong", dict(kernel="ws", PINGPONG=True), None),          # the two consumers' S alternate
-    ("ws split2", dict(kernel="ws"), 2),                              # two splits per query (wave tail)
+    ("ws rk16 rs2", dict(kernel="ws", RAW_KEYS=16, RAW_STAGES=2), None),   # 16-key chunks, one in flight
+    ("ws noL2", dict(kernel="ws", L2_AHEAD=False), None),                  # no L2 requests a tile ahead
+    ("ws 1/cta", dict(kernel="ws"), 1),                                    # one unit per CTA (no persistence)
 ]
 TRITON = ("triton", dict(kernel="triton"), None)
 
@@ -47,7 +45,7 @@ TIMED = [
     ("V4-Flash h64 128(bs256)+512(bs64) s_q2 b64", 64, 2, 64, 128, 256, 512, 64, False, True),
     ("V4-Flash h64 128(bs256)+512(bs64) s_q2 b148", 148, 2, 64, 128, 256, 512, 64, False, True),
     ("V4-Pro h128 128+1024(bs64) s_q2 b64", 64, 2, 128, 128, 256, 1024, 64, False, True),
-    ("V4-Pro h128 128+1024(bs64) s_q2 b148", 148, 2, 128, 128, 256, 1024, 64, False, True),
+    ("V4-Pro h128 128+1024(bs64) s_q2 b148", 148, 2, 128, 128, 256, 1024, 64, False, False),
     ("h64 s_q1 128+512 b128", 128, 1, 64, 128, 256, 512, 64, False, False),
     ("h64 s_q1 128+512 b256", 256, 1, 64, 128, 256, 512, 64, False, False),
     ("h64 128+1024(bs2, extra lengths) s_q2 b148", 148, 2, 64, 128, 256, 1024, 2, True, True),
@@ -151,7 +149,7 @@ def check_public_default():
     from dsv4_rocm.reference import attention as ra
     from dsv4_rocm.triton import sparse_mla_decode as D
     from sparse_mla_inputs import check_out, decode_args, decode_case, decode_key_amax
-    assert D.default_kernel("sm_90") == "ws", "the Hopper kernel is not the default on sm_90"
+    assert D.default_kernel("sm_90") == D.DEFAULT_SM90_KERNEL, "sm_90 does not run DEFAULT_SM90_KERNEL"
     a = decode_case(5, 2, 128, 256, 128, 64, 512, "cuda", 3)
     out, _ = ops.sparse_mla_decode(*decode_args(a))
     check_out(out, ra.flash_mla_with_kvcache_sparse(*decode_args(a))[0], "ops default", decode_key_amax(a))
@@ -173,11 +171,12 @@ def correctness(smoke):
     for ns in (1, 4):
         good &= check(f"ws call forms splits={ns}", lambda ns=ns: check_call_forms(dict(kernel="ws"), ns))
     good &= check("ws all-invalid and zero lengths", lambda: check_all_invalid(dict(kernel="ws")))
-    good &= check("ops default on this GPU is the Hopper kernel", check_public_default)
+    good &= check("ops default on this GPU is DEFAULT_SM90_KERNEL", check_public_default)
     ok["ws"] = good
-    # each variant: the timed cases' kernel (V4-Flash pages, unsplit unless the variant splits) and the
-    # odd-page case of FlashMLA's tests (h 128, [b, s_q] lengths, planned splits)
-    picks = [((8, 2, 64, 256, 128, 64, 512, "random", "b"), 1), (DECODE_CASES[-1], None)]
+    # each variant: the timed cases' kernel (V4-Flash pages; 600 units of 10 tiles, so the default schedule
+    # puts four to five units in a CTA and cuts some) and the odd-page case of FlashMLA's tests (h 128,
+    # [b, s_q] lengths, planned schedule)
+    picks = [((300, 2, 64, 256, 128, 64, 512, "random", "b"), None), (DECODE_CASES[-1], None)]
     for name, cfg, ns in VARIANTS[1:] + [TRITON]:
         ok[name] = all([check(f"{name} {case}", lambda case=case, cfg=cfg, n=ns or pns: check_case(
             case, cfg, n, f"{name} {case} splits={n}")) for case, pns in picks])
@@ -224,8 +223,7 @@ def timing(ok, peer):
         label, variants = c[0], c[-1]
         args = timed_inputs(c)
         row = dict(case=label, graph={}, eager={}, compile={})
-        runs = [TRITON] + [v for v in VARIANTS if (variants or v[0] == "ws") and ok.get(v[0])
-                           and not (v[2] and c[1] < 100)]
+        runs = [TRITON] + [v for v in VARIANTS if (variants or v[0] == "ws") and ok.get(v[0])]
         for name, cfg, ns in runs:
             fn = (lambda cfg=cfg, ns=ns: D.sparse_mla_decode(*args, config=cfg, num_splits=ns))
             kern = D._ws._sparse_mla_ws_kernel if cfg["kernel"] == "ws" else D._sparse_mla_paged_kernel
@@ -246,6 +244,8 @@ def timing(ok, peer):
             log(f"  {label:46s} {name:12s} graph {row['graph'][name]:8.1f}"
                 + (f"  eager {row['eager'][name]:8.1f}" if name in row["eager"] else "")
                 + (f"  first call {time.perf_counter() - t0:.1f} s" if row["compile"][name] else ""))
+            if name == "ws":
+                check(f"ws on the timed inputs of {label}", lambda: check_timed(args, label))
         if peer is not None:
             try:
                 with watchdog(240, f"FlashMLA on {label}"):
@@ -260,6 +260,22 @@ def timing(ok, peer):
         del args
         torch.cuda.empty_cache()
     return rows
+
+
+def check_timed(args, label):
+    """The default Hopper kernel on a timed case (its persistent schedule at full size) against the
+    reference."""
+    from dsv4_rocm.reference import attention as ra
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from sparse_mla_inputs import check_lse, check_out, decode_key_amax
+    ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*args)
+    out = torch.full_like(ref_out, float("nan"))
+    sparse_mla_decode(*args, out, config=dict(kernel="ws"))
+    a = dict(q=args[0], k_cache=args[1], indices=args[2], topk_length=args[3], extra_k_cache=args[5],
+             extra_indices_in_kvcache=args[6], extra_topk_length=args[7])
+    check_out(out, ref_out, f"ws timed {label}", decode_key_amax(a))
+    lse = sparse_mla_decode(*args, config=dict(kernel="ws"))[1]
+    check_lse(lse, ref_lse)
 
 
 def table(rows):
@@ -290,6 +306,29 @@ def table(rows):
         log(f"{r['case']:46s} {num(f, 9)} {num(g.get('triton'))} {num(g.get('ws'))} {ratio(f, g.get('ws'))}  "
             f"{(best or '-'):>15s} {num(wsv.get(best))} {ratio(f, wsv.get(best))}   "
             f"       {num(e.get('FlashMLA'), 9)} {num(e.get('ws'))} {ratio(e.get('FlashMLA'), e.get('ws'))}")
+    return verdict(rows)
+
+
+def verdict(rows):
+    """Per case, the faster of the default Hopper kernel and the Triton kernel (CUDA-graph times), and the
+    value of sparse_mla_decode.DEFAULT_SM90_KERNEL the run supports: "ws" when it wins every case it was
+    timed on and passed every check, else "triton"."""
+    log("\n== verdict (graph times; DEFAULT_SM90_KERNEL in dsv4_rocm/triton/sparse_mla_decode.py)")
+    wins = []
+    for r in rows:
+        g = r["graph"]
+        if "ws" in g and "triton" in g:
+            w = "ws" if g["ws"] < g["triton"] else "triton"
+            wins.append(w)
+            log(f"  {r['case']:46s} {w:6s} (ws / triton = {g['ws'] / g['triton']:.2f})")
+        else:
+            wins.append(None)
+            log(f"  {r['case']:46s} -      (ws or triton not timed)")
+    ws_failed = any(name.startswith("ws ") or name.startswith("timing ws") for name, _ in FAILURES)
+    pick = "ws" if wins and all(w == "ws" for w in wins) and not ws_failed else "triton"
+    log(f"VERDICT DEFAULT_SM90_KERNEL = {pick!r}  (ws faster on {sum(w == 'ws' for w in wins)} of {len(wins)} "
+        f"cases{', a ws check failed' if ws_failed else ''})")
+    return pick
 
 
 def main(argv=None):
@@ -315,7 +354,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     ok = correctness(a.smoke)
     log(f"correctness: {time.perf_counter() - t0:.0f} s, {len(FAILURES)} failures")
-    rows = []
+    rows, pick = [], None
     if not a.smoke:
         if a.flashmla and a.flashmla not in sys.path:
             sys.path.append(a.flashmla)
@@ -323,13 +362,13 @@ def main(argv=None):
         peer = flashmla_peer()
         log("FlashMLA: " + ("timed beside ours" if peer is not None else "not importable (timing without it)"))
         rows = timing(ok, peer)
-        table(rows)
+        pick = table(rows)
     else:
         from dsv4_rocm.triton import sparse_mla_decode_ws as W
         log(f"compiled: {compile_report({}, compiled_kernels(W._sparse_mla_ws_kernel))}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(ok=ok, failures=FAILURES, rows=rows), f, indent=1)
+            json.dump(dict(ok=ok, failures=FAILURES, rows=rows, default_sm90_kernel=pick), f, indent=1)
     log(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if FAILURES:
         log(f"FAILED: {len(FAILURES)} checks")

@@ -4,6 +4,7 @@ from the fp8 pages, prefill over a bf16 kv) against the reference, under the Tri
 a GPU. Tolerances: tests/sparse_mla_inputs.py."""
 import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -224,13 +225,16 @@ def test_prefill_kernel_lonely_queries_and_call_forms_under_the_interpreter(tmp_
 
 
 def test_decode_kernel_choice():
-    """Every target runs this file's kernel by default (the warp-specialized Hopper kernel is not faster yet,
-    BENCHMARKS.md); either is forced with config=dict(kernel=...), and the Hopper kernel is refused
-    elsewhere by name."""
+    """Hopper runs DEFAULT_SM90_KERNEL by default (the warp-specialized kernel only where Triton has Gluon),
+    every other target this file's kernel; either is forced with config=dict(kernel=...), and the Hopper
+    kernel is refused elsewhere by name."""
     from dsv4_rocm.triton import sparse_mla_decode as D
+    assert D.DEFAULT_SM90_KERNEL in ("ws", "triton")
     if D._ws is not None:
         assert D.default_config("sm_90", 64, "ws")["kernel"] == "ws"
-    for arch in ("sm_90", "gfx942", "gfx950", "sm_100", "sm_89", "cpu"):
+    assert D.default_config("sm_90", 64)["kernel"] == ("ws" if D._ws is not None and D.DEFAULT_SM90_KERNEL == "ws"
+                                                       else "triton")
+    for arch in ("gfx942", "gfx950", "sm_100", "sm_89", "cpu"):
         assert D.default_config(arch, 64)["kernel"] == "triton"
     assert D.default_config("sm_90", 128, "triton")["num_warps"] == 8
     with pytest.raises(ValueError, match="kernel"):
@@ -246,6 +250,31 @@ def test_split_plan():
     assert _num_splits(2, 100, 132) == MAX_SPLITS
     assert _num_splits(40, 100, 132) == 3                 # one wave of programs
     assert _num_splits(4, 1, 132) == 1
+
+
+def test_ws_schedule():
+    """The Hopper kernel's persistent schedule of one head block's units: every unit (a token's 64 heads, m key
+    tiles) falls into at most max_parts(m, w) <= 16 CTAs of w tiles each, the grid covers every tile, whole
+    units where that costs at most 10% more tiles per CTA, one unit per CTA when asked for one split."""
+    ws = pytest.importorskip("dsv4_rocm.triton.sparse_mla_decode_ws")
+    rng = random.Random(0)
+    for _ in range(3000):
+        units, m, sms = rng.randint(1, 700), rng.randint(1, 60), rng.choice([132, 114, 7, 1])
+        ns = rng.choice([None, None, 1, 2, 3, 16, 40])
+        w = ws.schedule(units, m, sms, ns)
+        grid = -(-units * m // w)
+        parts = [(u * m + m - 1) // w - (u * m) // w + 1 for u in range(units)]
+        assert max(parts) <= ws.max_parts(m, w) <= ws.MAX_PARTS
+        assert (grid - 1) * w < units * m <= grid * w
+        if w % m == 0:
+            assert max(parts) == 1
+        if ns == 1:
+            assert max(parts) == 1
+        if ns is None and sms > 1:
+            assert w <= 1.1 * -(-units * m // sms) or w == -(-(m - 1) // (ws.MAX_PARTS - 1))
+    assert ws.schedule(296, 10, 132) == 23                 # V4-Flash b148 s_q 2: 23 tiles per SM, not 3 waves
+    assert ws.schedule(128, 18, 66) == 36                  # V4-Pro b64 (66 SMs a head block): two whole units
+    assert ws.schedule(128, 10, 132) == 10                 # one unit per SM
 
 
 # ---- GPU: Triton kernels against the reference ---------------------------------------------------

@@ -27,8 +27,9 @@ split programs of a (token, head block) count their arrivals in a cached int32 b
 valid key gets out = 0 and lse = +inf.
 
 On Hopper the launcher can run the warp-specialized Gluon kernel of ``sparse_mla_decode_ws.py`` instead
-(same arguments but the counters, same outputs and split partials, merged by ``_combine_kernel``);
-``default_kernel`` / ``config=dict(kernel=...)`` pick the kernel.
+(the same arguments but the counters, with its tiles per CTA where this kernel takes the split count;
+same outputs, its split partials merged by ``_combine_kernel``); ``DEFAULT_SM90_KERNEL`` /
+``config=dict(kernel=...)`` pick the kernel.
 """
 import functools
 import warnings
@@ -257,25 +258,44 @@ MAX_SPLITS = 16
 MERGE_H = 16              # heads merged at a time (in the kernel, and per program of the two-launch combine)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "s_q", "num_splits"])
+@triton.jit(do_not_specialize=["num_tokens", "s_q", "num_splits", "tiles_per_unit"])
 def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-                    num_tokens, s_q, num_splits, HEADS: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr):
+                    num_tokens, s_q, num_splits, tiles_per_unit, HEADS: tl.constexpr, HAS_SINK: tl.constexpr,
+                    BLOCK_H: tl.constexpr, PARTS: tl.constexpr):
     """The split combine as a second launch (``config=dict(split_combine="launch")``): program (t, hb) merges
-    the partials of token t for BLOCK_H heads."""
+    the partials of token t for BLOCK_H heads.
+
+    Without PARTS every token has ``num_splits`` partials. With PARTS (the persistent schedule of
+    ``sparse_mla_decode_ws.py``) ``num_splits`` is the tiles per CTA W and ``tiles_per_unit`` the tiles M of a
+    unit (64 heads of a token): the unit of token t spans CTAs (t M) // W .. (t M + M - 1) // W of its head
+    block, one partial each; a unit within one CTA was written by the kernel itself, and nothing is
+    written here."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     bi = t // s_q
     si = t - bi * s_q
     o_row = out_ptr + bi * stride_ob + si * stride_os + heads[:, None].to(tl.int64) * stride_oh
-    _merge_splits(part_o_ptr, part_lse_ptr, sink_ptr, o_row, lse_ptr + t * HEADS + heads, heads, t, num_tokens,
-                  num_splits, HEADS, HAS_SINK)
+    if PARTS:
+        first = (t * tiles_per_unit) // num_splits
+        parts = (t * tiles_per_unit + tiles_per_unit - 1) // num_splits - first + 1
+        if parts > 1:
+            _merge_splits(part_o_ptr, part_lse_ptr, sink_ptr, o_row, lse_ptr + t * HEADS + heads, heads, t,
+                          num_tokens, parts, HEADS, HAS_SINK)
+    else:
+        _merge_splits(part_o_ptr, part_lse_ptr, sink_ptr, o_row, lse_ptr + t * HEADS + heads, heads, t, num_tokens,
+                      num_splits, HEADS, HAS_SINK)
+
+
+# the decode kernel Hopper runs by default: "ws" (sparse_mla_decode_ws.py) or "triton" (this file's), as the
+# H100 timing of ci/gpu_decode_ws.py decides (its VERDICT line; BENCHMARKS.md)
+DEFAULT_SM90_KERNEL = "triton"
 
 
 def default_kernel(arch: str) -> str:
-    """Which decode kernel a target runs by default: this file's kernel everywhere until the warp-specialized
-    Hopper kernel (``sparse_mla_decode_ws.py``, forced with ``config=dict(kernel="ws")``) is measured faster
-    on the H100 (BENCHMARKS.md)."""
-    return "triton"
+    """Which decode kernel a target runs by default: on Hopper DEFAULT_SM90_KERNEL (the warp-specialized
+    kernel of ``sparse_mla_decode_ws.py`` only where Triton has Gluon), this file's kernel everywhere else;
+    ``config=dict(kernel=...)`` forces either."""
+    return "ws" if arch == "sm_90" and DEFAULT_SM90_KERNEL == "ws" and _ws is not None else "triton"
 
 
 def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
@@ -332,10 +352,16 @@ class _Variant(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = ()):
-    """Launch plan of a call shape: (config items, split count), cached per device and shape so a launch
-    pays no device query, no config dict and no split arithmetic. ``config_items`` override the default
-    config (sweeps)."""
+def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = (),
+          num_splits: int = None):
+    """Launch plan of a call shape: (config items, splits, partials per query, grid, tiles per unit), cached
+    per device and shape so a launch pays no device query, no config dict and no split arithmetic.
+    ``config_items`` override the default config (sweeps), ``num_splits`` the split count.
+
+    Triton kernel: ``splits`` programs per (token, head block), as many partials. Hopper kernel: a
+    persistent grid of CTAs (the SMs shared evenly by the head blocks) taking ``splits`` = W key tiles each
+    (``sparse_mla_decode_ws.schedule``), up to ``partials`` of them per unit (1: no unit is split, no
+    combine)."""
     arch, fnuz, sms, _ = device_facts(device)
     over = dict(config_items)
     kernel = over.get("kernel") or default_kernel(arch)
@@ -346,8 +372,15 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
         raise ValueError(f"config split_combine must be 'kernel' or 'launch' ('launch' for kernel 'ws'), got "
                          f"{cfg['split_combine']!r}")
     BN = cfg["BLOCK_N"]
+    if kernel == "ws":
+        m = _ws.tiles_per_unit(main_topk, extra_topk, BN)
+        w = _ws.schedule(T, m, max(sms // (h // 64), 1), num_splits)
+        return tuple(cfg.items()), w, _ws.max_parts(m, w), (cdiv(T * m, w), h // 64), m
     max_tiles = cdiv(main_topk, BN) + cdiv(extra_topk, BN)
-    return tuple(cfg.items()), _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
+    ns = _num_splits(T * (h // cfg["BLOCK_H"]), max_tiles, sms, cfg.get("split_waves", 1))
+    if num_splits is not None:
+        ns = max(1, min(int(num_splits), MAX_SPLITS))
+    return tuple(cfg.items()), ns, ns, (T * (h // cfg["BLOCK_H"]), ns), 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -356,10 +389,10 @@ def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: b
     """The kernels (constexprs and launch options bound) of one variant, built once."""
     cfg = dict(cfg_items)
     if cfg["kernel"] == "ws":
-        comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), num_warps=4) \
-            if split else None
+        comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=True,
+                                            num_warps=4) if split else None
         return _Variant(None, comb, h // 64, 0, _ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra, has_len,
-                                                               has_extra_len, has_sink, split))
+                                                               has_extra_len, has_sink))
     in_kernel = split and cfg["split_combine"] == "kernel"
     main = launch(_sparse_mla_paged_kernel).bind(
         MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=has_extra_len,
@@ -368,7 +401,8 @@ def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: b
         THREADS=cfg["num_warps"] * cfg["warp_size"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     comb = None
     if split and not in_kernel:
-        comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), num_warps=4)
+        comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=False,
+                                            num_warps=4)
     return _Variant(main, comb, h // cfg["BLOCK_H"], cfg["num_warps"] * cfg["warp_size"])
 
 
@@ -397,9 +431,8 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     has_extra = extra_k_cache is not None
     topk = indices.shape[2]
     etopk = extra_indices_in_kvcache.shape[2] if has_extra else 0
-    cfg, ns = _plan(dev, h, T, topk, etopk, tuple(sorted(config.items())) if config else ())
-    if num_splits is not None:
-        ns = max(1, min(int(num_splits), MAX_SPLITS))
+    cfg, ns, parts, grid, m = _plan(dev, h, T, topk, etopk, tuple(sorted(config.items())) if config else (),
+                                    num_splits)
     if out is None:
         out = torch.empty((b, s_q, h, 512), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=dev)
@@ -408,12 +441,12 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     kshape = k_cache.shape
     has_len, has_elen = topk_length is not None, has_extra and extra_topk_length is not None
     ebs = extra_k_cache.shape[1] if has_extra else 1
-    split = ns > 1
+    split = parts > 1
     var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split)
     count = indices                     # an int32 placeholder (never read) when nothing is counted
     if split:
-        ws = scratch(dev, ns * T * h * 513)
-        part_o, part_lse = ws, ws[ns * T * h * 512:]
+        ws = scratch(dev, parts * T * h * 513)
+        part_o, part_lse = ws, ws[parts * T * h * 512:]
         if var.combine is None:
             count = counters(dev, T * var.head_blocks + var.threads)
     else:
@@ -431,13 +464,13 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     est = eidx.stride()
     sink = attn_sink if attn_sink is not None else lse
     qst, ost = q.stride(), out.stride()
-    grid = (T * var.head_blocks, ns)
+    # ns: the Triton kernel's split count, or the Hopper kernel's tiles per CTA
     args = (q, qst[0], qst[1], qst[2],
             main, k_cache.stride(0), kshape[0] * kshape[1], indices, ist[0], ist[1], mlen, mls[0], mls[1], topk,
             extra, estride, ecap, eidx, est[0], est[1], elen, els[0], els[1], etopk,
             sink, out, ost[0], ost[1], ost[2], lse, part_o, part_lse, count, T, s_q, ns, softmax_scale * LOG2E)
     comb_grid = (T, h // min(MERGE_H, h))
-    comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns)
+    comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns, m)
     if var.ws is not None:                 # the Hopper kernel: the same arguments but the counters
         ws_args = args[:32] + args[33:]
         if compile_only:
@@ -481,6 +514,6 @@ COMPILE_SPECS = [
          fp8_convert=True),
     dict(name="sparse_mla_combine", fn=_combine_kernel,
          pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
-         floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, BLOCK_H=MERGE_H),
+         floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, BLOCK_H=MERGE_H, PARTS=True),
          options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False),
 ]

@@ -8,59 +8,87 @@ token t and head h, over the valid keys of the main and the extra index sets (K 
 with an online softmax in base 2, P rounded to bf16 for the P.V product, out 0 and lse +inf for a query
 with no valid key, and split partials (normalized o, base-2 lse) that ``_combine_kernel`` merges.
 
-One CTA = one query token x 64 heads (128 heads: two CTAs per token, each its own 64 heads, the second
-one's gathers mostly hitting L2). Grid and splits as the Triton kernel's. Three partitions, 12 warps:
+Work. A unit is one query token x 64 heads (128 heads: two units per token, one per head block). A unit
+has M = cdiv(main topk, BLOCK_N) + cdiv(extra topk, BLOCK_N) key tiles: tile t < Mm = cdiv(main topk,
+BLOCK_N) holds main keys [t BLOCK_N, +BLOCK_N), the others extra keys [(t - Mm) BLOCK_N, +BLOCK_N); a key
+past its set's length, negative or >= the cache's capacity is absent (never read), and a tile with no
+key below its set's length is dead (gathers nothing, computes nothing). The grid is persistent, (CTAs
+per head block, head blocks): CTA (p, hb) takes the tiles [p W, p W + W) of head block hb's units laid
+end to end in token order (W = ``tiles_per_cta``, chosen by the launcher so every SM gets the same number
+of tiles), i.e. the ends of one or more units; with 128 heads CTAs (p, 0) and (p, 1) gather the same
+records at the same time, the second mostly from L2. A unit whose tiles all lie in one CTA is written
+straight to out and lse; one cut by CTA boundaries is split: the CTA holding its part j (j = p - first
+CTA of the unit) writes partial j, and ``_combine_kernel`` merges the parts. The next unit's keys stream
+into the K ring while the last tiles of the current one are multiplied.
 
-* loader (the default partition, 4 warps): walks the key tiles of the query (main set then extra set,
-  BLOCK_N keys each, a set's last tile padded) in chunks of RAW_KEYS keys. For a chunk it reads the
-  indices (a key past its set's length, negative or >= capacity is absent: never read) and gathers the
-  records with cp.async into a ring of RAW_STAGES raw slots: NoPE bytes block-major [8, RAW_KEYS, 64] u8
-  (block 7 unused) so that the dequantizing reads are conflict-free, RoPE [RAW_KEYS, 64] bf16, the 8 UE8M0
-  scale bytes of a record as one int64 (16-, 16- and 8-byte copies), and a bias per key (0, or -inf when
-  absent). An absent key's copies are zero fills, so its K row is 0 and its score -inf. RAW_STAGES - 1
-  chunks stay in flight while the loader dequantizes the oldest one with integer ops (e4m3 -> bf16 times
-  2^-120 by byte shuffles, then two exact packed-bf16 multiplies by powers of two, as
-  ``sparse_mla_decode._e4m3_to_scaled_bf16``) into its rows of the tile's K slot: bf16 [BLOCK_N, 512] in
-  the 128-byte-swizzled wgmma layout, in the natural order (NoPE 448, RoPE 64), plus the slot's bias row.
-* two consumers (worker partitions of one warpgroup each, CID 0 and 1): consumer CID owns output columns
-  [256 CID, 256 CID + 256). Each computes the whole S = Q K^T (64 x BLOCK_N, K-dim 512, both operands in
-  shared memory) itself, so both hold bit-identical S, row max and row sum and exchange nothing; then
-  O += P V with P (bf16) in registers as the A operand and V = the same K slot viewed [BLOCK_N, 256] at
-  the columns of its half (MN-major B operand). Duplicating Q K^T costs tensor time (about 48 instead of
-  34 cycles per key at 64 heads) and saves every data exchange between the two. With PINGPONG their S
-  products alternate (an mbarrier pair), so one's softmax and P.V overlap the other's S. Consumer CID
-  copies Q's columns of its half into the shared Q tile once.
+Three partitions, 12 warps:
 
-Registers: the kernel cap is 65536 / 384 threads = 168; each consumer takes CONSUMER_REGS (default 200:
-a 64 x 256 fp32 accumulator is 128 of them) and the loader what is left, 3 * 168 - 2 * CONSUMER_REGS (104).
-Shared memory (BLOCK_N 64, K_STAGES 2, RAW_KEYS 16, RAW_STAGES 3): Q 64 KB + K ring 128 KB + raw ring
-30.4 KB + biases and barriers = 223.3 KB of the 227 KB.
+* loader (the default partition, 4 warps): walks the CTA's tiles in chunks of RAW_KEYS keys. Two tiles
+  ahead it copies the tile's BLOCK_N indices into a ring of three index rows (cp.async) and loads its
+  unit's lengths (registers); one tile ahead it turns the indices into record offsets (two int64 address
+  rows per tile, two tiles' worth: data offset or -16 for an absent key, scale-word offset) and, with
+  L2_AHEAD, asks L2 for every valid record (``prefetch.global.L2``: the five or six lines of its data and
+  its scale word); RAW_STAGES - 1 chunks ahead it gathers the records with cp.async into a ring of
+  RAW_STAGES raw slots: NoPE bytes block-major [8, RAW_KEYS, 64] u8 (block 7 unused) so that the
+  dequantizing reads are conflict-free, RoPE [RAW_KEYS, 64] bf16, the 8 UE8M0 scale bytes of a record as
+  one int64, and a bias per key (0, or -inf when absent; an absent key's copies are zero fills). No
+  global load and no index arithmetic sit on the chunk loop's path. It dequantizes the oldest chunk with
+  integer ops (e4m3 -> bf16 times 2^-120 by byte shuffles, then two exact packed-bf16 multiplies by powers
+  of two, as ``sparse_mla_decode._e4m3_to_scaled_bf16``) into its rows of the tile's K slot: bf16
+  [BLOCK_N, 512] in the 128-byte-swizzled wgmma layout, in the natural order (NoPE 448, RoPE 64), plus the
+  slot's bias row. A dead tile's slot is handed over without being written.
+* consumer 0 (worker, one warpgroup): per live tile S = Q K^T (64 x BLOCK_N, K-dim 512, both operands in
+  shared memory), the online softmax, P (bf16) and the row rescale alpha into shared memory for consumer
+  1, then O[:, 0:256] = alpha O + P V with P in registers as the A operand and V = the K slot viewed
+  [BLOCK_N, 256] (MN-major B operand). At a unit part's first tile it loads the unit's Q (all 512
+  columns) into the shared Q tile and asks L2 for the next unit's Q; at the part's last tile it hands the
+  output row factor to consumer 1 and writes its columns and the lse (or the partial lse).
+* consumer 1 (worker, one warpgroup): per live tile O[:, 256:512] = alpha O + P V with P read from shared
+  memory (both operands in shared memory); at the part's last tile it takes the row factor and writes
+  its columns. S is computed once per tile (no duplicated Q K^T).
+
+Registers: the kernel cap is 65536 / 384 threads = 168; consumer 0 takes C0_REGS (a 64 x 256 fp32
+accumulator is 128 of them, S and P 48 more), consumer 1 C1_REGS, the loader what is left,
+3 * 168 - C0_REGS - C1_REGS.
+Shared memory (BLOCK_N 64, RAW_KEYS 8, RAW_STAGES 4): Q 64 KB + K ring 2 x 64 KB + P 8 KB + raw ring
+4 x 5.1 KB + index and address rows 2.8 KB + biases, alpha, row factors and barriers 1.1 KB = 224.5 KB of
+the 227 KB (RAW_KEYS 16, RAW_STAGES 2: the same).
 
 Barriers. An mbarrier arrive is made by one thread of its partition, after a partition barrier
 (``gl.thread_barrier``, a named barrier of the partition's warps) that orders every thread's
-shared-memory work before it; waits are by every thread.
-* ``k_ready[s]`` (count 1): the loader arrives when slot s holds a whole tile (K rows and bias row, K made
-  visible to the async proxy by each writer's fence); each consumer waits with parity (fill of s) & 1.
-* ``k_free[s]`` (count 2): each consumer arrives once its last wgmma reading slot s has completed (the
-  wait after its P.V); the loader waits before refilling s, with parity ((fill of s) & 1) ^ 1, which a
-  fresh barrier passes at the first fill.
-* ``q_ready`` (count 2): each consumer arrives after storing (and fencing) its half of Q; both wait for
-  phase 0 before their first wgmma.
-* ``turn[c]`` (count 1, PINGPONG only): consumer 1 - c arrives when its S of a tile is done; consumer 0
-  waits on turn[0] for phase i - 1 before the S of tile i (i > 0), consumer 1 on turn[1] for phase i.
-The raw ring needs no mbarrier: only the loader touches it. cp.async completion is per thread
-(wait_group), so the partition barrier after it makes a chunk's bytes visible to every loader thread, and
-tells the loader that every thread is done reading the slot it refills next.
+shared-memory work before it; waits are by every thread of the waiting partition. Phases count fills: the
+n-th fill is waited for with parity n & 1, and a wait for parity (n & 1) ^ 1 before the n-th fill passes a
+fresh barrier at once.
+* ``k_ready[s]`` (count 1): the loader arrives when slot s holds the tile (K rows and bias row, K made
+  visible to the async proxy by each writer's fence; nothing written for a dead tile); both consumers
+  wait, parity (fill of s) & 1, for every tile, live or dead.
+* ``k_free[s]`` (count 2): each consumer arrives when done with slot s (after the wait on its last wgmma
+  reading it); the loader waits, parity ((fill of s) & 1) ^ 1, before its first write into s.
+* ``p_ready`` (count 1): consumer 0 arrives when P and alpha of its n-th live tile are stored (P fenced
+  for the async proxy); consumer 1 waits, parity n & 1.
+* ``p_free`` (count 1): consumer 1 arrives when its P.V of its n-th live tile has completed; consumer 0
+  waits, parity (n & 1) ^ 1, before storing P of its n-th live tile.
+* ``o_ready`` / ``o_free`` (count 1): the same hand-over of the row factors at the end of the k-th unit
+  part (consumer 0 stores them after waiting on o_free, parity (k & 1) ^ 1; consumer 1 waits on o_ready,
+  parity k & 1, reads them and arrives on o_free).
+The raw ring, the index and address rows need no mbarrier: only the loader touches them. cp.async
+completion is per thread (wait_group, one group per chunk step), so the partition barrier after it makes
+a chunk's bytes (and an index row that rode in an earlier group) visible to every loader thread, and tells
+the loader that every thread is done reading the slot it refills next. Q is written and read by consumer
+0 alone (its S of the previous unit has completed before the next Q is stored).
 """
 import functools
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._decode_tiles import DECODE_POINTERS, program_tiles
+from ._decode_tiles import DECODE_POINTERS
+
+MAX_PARTS = 16        # parts of one split unit: the combine kernel's MAX_SPLITS
 
 
 @gluon.jit
@@ -88,84 +116,156 @@ def _dequant_e4m3(kb, m1, m2):
 
 
 @gluon.jit
+def _prefetch_l2(addr, pred):
+    """Ask L2 for the 128-byte line holding each address (int64) where ``pred``; returns 0s. Not pure:
+    nothing uses the result, and the request must stay where it is issued."""
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $1, 0; @p prefetch.global.L2 [$2]; mov.b32 $0, 0; }",
+        constraints="=r,r,l", args=[pred.to(gl.int32), addr], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _opaque_zero(x):
     """0, computed where it is called: an asm with side effects, so no loop-invariant code motion moves
     what depends on it (the wgmma descriptors of Q) out of the loop into long-lived, spilled registers."""
     return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
+# ---- the schedule: which unit and tile a CTA's i-th tile is ------------------------------------------------
 @gluon.jit
-def _query(qa, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
-           HAS_EXTRA_LEN: gl.constexpr, SPLIT: gl.constexpr):
-    """``program_tiles`` of the arguments every partition gets: (t64, bi, si, head block, split, n_main,
-    n_extra, tiles_main, lo, hi)."""
-    (main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
-     s_q, num_splits) = qa
-    return program_tiles(main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb,
-                         extra_len_ss, extra_topk, s_q, num_splits, HEADS, 64, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN,
-                         HAS_EXTRA_LEN, SPLIT)
+def _tiles_per_unit(main_topk, extra_topk, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr):
+    """(Mm, M): main tiles and all tiles of a unit (at least one)."""
+    mm = gl.cdiv(main_topk, BLOCK_N)
+    m = mm
+    if HAS_EXTRA:
+        m = mm + gl.cdiv(extra_topk, BLOCK_N)
+    return mm, gl.maximum(m, 1)
 
 
 @gluon.jit
-def _chunk_keys(ka, bi, si, n_main, n_extra, tiles_main, tile, key0, live, layout: gl.constexpr,
-                RAW_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr):
-    """The keys key0 .. key0 + RAW_KEYS of key tile ``tile`` of the query (in ``layout``): (cache base
-    pointer, byte offset of each record's data, element offset of its scale word, valid). A chunk lies in
-    one set; nothing is valid when ``live`` is false (a chunk past the end of the query's tiles)."""
-    (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis,
-     extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis) = ka
-    in_main = tile < tiles_main
-    n = gl.where(in_main, tile, tile - tiles_main) * BLOCK_N + key0 + gl.arange(0, RAW_KEYS, layout=layout)
-    n_set = gl.where(live, gl.where(in_main, n_main, n_extra), 0)
+def _cta_tiles(num_tokens, W, M):
+    """(p, head block hb, first tile A of this CTA in its head block's tile sequence, number of tiles)."""
+    p = gl.program_id(0)
+    a = p * W
+    return p, gl.program_id(1), a, gl.minimum(W, num_tokens * M - a)
+
+
+@gluon.jit
+def _unit_tile(gt, sa, M):
+    """Tile gt of a head block's sequence -> (token u, tile t of its unit, batch row bi, query si)."""
+    num_tokens, s_q, W = sa
+    u = gt // M
+    bi = u.to(gl.int64) // s_q
+    return u, gt - u * M, bi, u - bi * s_q
+
+
+@gluon.jit
+def _lengths(la, bi, si, ok, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
+    """(n_main, n_extra): the valid prefix of each index set of query (bi, si), its length clamped to
+    [0, topk]; 0 and 0 where not ``ok`` (nothing is read then)."""
+    main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk = la
+    n_main = main_topk
+    if HAS_MAIN_LEN:
+        n_main = gl.minimum(gl.load(main_len_ptr + bi * main_len_sb + si * main_len_ss, mask=ok, other=0), main_topk)
+    n_main = gl.where(ok, gl.maximum(n_main, 0), 0)
+    n_extra = n_main * 0
+    if HAS_EXTRA:
+        n_extra = extra_topk
+        if HAS_EXTRA_LEN:
+            n_extra = gl.minimum(gl.load(extra_len_ptr + bi * extra_len_sb + si * extra_len_ss, mask=ok, other=0),
+                                 extra_topk)
+        n_extra = gl.where(ok, gl.maximum(n_extra, 0), 0)
+    return n_main, n_extra
+
+
+@gluon.jit
+def _tile_live(t, n_main, n_extra, Mm, BLOCK_N: gl.constexpr):
+    """A tile holds a key below its set's length."""
+    in_main = t < Mm
+    return gl.where(in_main, t, t - Mm) * BLOCK_N < gl.where(in_main, n_main, n_extra)
+
+
+# ---- loader ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _copy_indices(ka, dst, t, bi, si, ok, Mm, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """cp.async of tile t's BLOCK_N indices (main or extra row of query (bi, si)) into the index row
+    ``dst``; entries past the set's topk (or all, where not ``ok``) are zero-filled, never read."""
+    (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_topk,
+     extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_topk) = ka
+    LI: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
+    in_main = t < Mm
     row = gl.where(in_main, main_idx_ptr + bi * stride_mib + si * stride_mis,
                    extra_idx_ptr + bi * stride_eib + si * stride_eis)
-    inb = n < n_set
-    idx = gl.load(row + n, mask=inb, other=-1)
-    valid = inb & (idx >= 0) & (idx < gl.where(in_main, main_cap, extra_cap))
+    n = gl.where(in_main, t, t - Mm) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LI)
+    async_copy.async_copy_global_to_shared(dst, row + n, mask=(n < gl.where(in_main, main_topk, extra_topk)) & ok)
+
+
+@gluon.jit
+def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_AHEAD: gl.constexpr,
+                    BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr):
+    """Tile t's records, once per tile: from its shared index row to two int64 rows [BLOCK_N] (``data_row``:
+    byte offset of each record's data from its cache's base, -16 when the key is absent (negative, and a
+    multiple of 16 like every offset, so the masked-off 16-byte copies keep aligned addresses);
+    ``scal_row``: element offset of its 8 scale bytes as an int64), so the chunk gathers do no index
+    arithmetic. With L2_AHEAD also asks L2 for every valid record: bytes 0, 128, ..., 512 and 575 of its
+    data (the five or six 128-byte lines it spans) and its scale word, one request per element of
+    [BLOCK_N keys, 8]."""
+    (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_topk,
+     extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_topk) = ka
+    # 2 warps along the keys, 2 along the 8 requests of a key (4 each)
+    LP: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [2, 2], [1, 0])
+    in_main = t < Mm
+    n = gl.where(in_main, t, t - Mm) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LP))
+    idx = idx_row.load(gl.SliceLayout(1, LP))
+    valid = (n < gl.where(in_main, n_main, n_extra)) & (idx >= 0) & (idx < gl.where(in_main, main_cap, extra_cap))
     idx = gl.where(valid, idx, 0)
     # a division by each constant block size, then a select: cheaper than one division by a run-time value
     page = gl.where(in_main, (idx // MAIN_BS).to(gl.int64) * main_stride, (idx // EXTRA_BS).to(gl.int64) * extra_stride)
     off = gl.where(in_main, idx % MAIN_BS, idx % EXTRA_BS).to(gl.int64)
-    data = gl.multiple_of(page + off * 576, 16)
+    data = page + off * 576
     # the 8 scale bytes of a record: one aligned int64 at page + bs * 576 + off * 8 (bytes)
-    scal = (page + gl.where(in_main, MAIN_BS * 576, EXTRA_BS * 576) + off * 8) // 8
-    base = gl.where(in_main, main_ptr, extra_ptr)
-    return base, data, scal, valid
+    scal = page + gl.where(in_main, MAIN_BS * 576, EXTRA_BS * 576) + off * 8
+    data_row.store(gl.where(valid, data, -16))
+    scal_row.store(scal // 8)
+    if L2_AHEAD:
+        c = gl.arange(0, 8, layout=gl.SliceLayout(0, LP))
+        off8 = gl.where(c[None, :] < 5, (c * 128).to(gl.int64)[None, :],
+                        gl.where(c[None, :] == 5, data[:, None] * 0 + 575, (scal - data)[:, None]))
+        base = gl.where(in_main, main_ptr, extra_ptr)
+        _prefetch_l2(base.to(gl.int64) + data[:, None] + off8, valid[:, None] & (c < 7)[None, :])
 
 
 @gluon.jit
-def _issue_chunk(ka, qry, g, slot, live, raw_nope, raw_rope, raw_scale, raw_bias,
-                 RAW_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr,
+def _issue_chunk(ka, addr_rows, a, t, key0, Mm, slot, raw_nope, raw_rope, raw_scale, raw_bias, RAW_KEYS: gl.constexpr,
                  LOAD_WARPS: gl.constexpr):
-    """Start the gather of chunk g of this program's tiles into raw slot ``slot`` (cp.async, one group)."""
-    bi, si, n_main, n_extra, tiles_main, lo = qry
-    CPT: gl.constexpr = BLOCK_N // RAW_KEYS
-    tile = lo + g // CPT
-    key0 = (g % CPT) * RAW_KEYS
+    """Start the gather of keys key0 .. key0 + RAW_KEYS of tile t (record offsets from its address rows 2a and
+    2a + 1) into raw slot ``slot`` (cp.async; an absent key's copies are zero fills)."""
+    main_ptr = ka[0]
+    extra_ptr = ka[7]
+    base = gl.where(t < Mm, main_ptr, extra_ptr)
+    data_row = addr_rows.index(2 * a).slice(key0, RAW_KEYS)
     KW: gl.constexpr = RAW_KEYS // 4           # warps along the keys, the others along the column blocks
     BW: gl.constexpr = LOAD_WARPS // KW
     # NoPE bytes as [8 column blocks, keys, 64]: 16 bytes per copy; block 7 (past the 448 NoPE bytes) is
     # never copied
     LN: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 4, 4], [BW, KW, 1], [2, 1, 0])
-    LN_K: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, LN))
-    base, data, scal, valid = _chunk_keys(ka, bi, si, n_main, n_extra, tiles_main, tile, key0, live, LN_K,
-                                          RAW_KEYS, BLOCK_N, MAIN_BS, EXTRA_BS)
+    data = gl.multiple_of(data_row.load(gl.SliceLayout(0, gl.SliceLayout(2, LN))), 16)
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LN)))
     d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, LN)))
     ptr = base + data[None, :, None] + (c8 * 64)[:, None, None] + d64[None, None, :]
-    msk = valid[None, :, None] & (c8 < 7)[:, None, None]
+    msk = (data >= 0)[None, :, None] & (c8 < 7)[:, None, None]
     async_copy.async_copy_global_to_shared(raw_nope.index(slot).reshape([8, RAW_KEYS, 64]), ptr, mask=msk)
     # RoPE: 64 bf16 right after the NoPE bytes
     LR: gl.constexpr = gl.BlockedLayout([1, 8 // BW], [4, 8], [KW, BW], [1, 0])
-    base, data, scal, valid = _chunk_keys(ka, bi, si, n_main, n_extra, tiles_main, tile, key0, live,
-                                          gl.SliceLayout(1, LR), RAW_KEYS, BLOCK_N, MAIN_BS, EXTRA_BS)
+    data = gl.multiple_of(data_row.load(gl.SliceLayout(1, LR)), 16)
     d = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
     rope = base.to(gl.pointer_type(gl.bfloat16)) + gl.multiple_of((data + 448) // 2, 8)
-    async_copy.async_copy_global_to_shared(raw_rope.index(slot), rope[:, None] + d[None, :], mask=valid[:, None])
+    async_copy.async_copy_global_to_shared(raw_rope.index(slot), rope[:, None] + d[None, :],
+                                           mask=(data >= 0)[:, None])
     # scale words and the per-key bias (0 valid, -inf absent)
     LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
-    base, data, scal, valid = _chunk_keys(ka, bi, si, n_main, n_extra, tiles_main, tile, key0, live, LS,
-                                          RAW_KEYS, BLOCK_N, MAIN_BS, EXTRA_BS)
+    valid = data_row.load(LS) >= 0
+    scal = addr_rows.index(2 * a + 1).slice(key0, RAW_KEYS).load(LS)
     async_copy.async_copy_global_to_shared(raw_scale.index(slot), base.to(gl.pointer_type(gl.int64)) + scal,
                                            mask=valid)
     raw_bias.index(slot).store(gl.where(valid, 0.0, float("-inf")))
@@ -199,150 +299,271 @@ def _dequant_chunk(raw_nope, raw_rope, raw_scale, raw_bias, rs, k_slot, bias_slo
 
 
 @gluon.jit
-def _loader(qa, ka, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, RAW_KEYS: gl.constexpr,
+def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, RAW_KEYS: gl.constexpr,
             RAW_STAGES: gl.constexpr, K_STAGES: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr,
             HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
-            SPLIT: gl.constexpr, LOAD_WARPS: gl.constexpr):
-    q_smem, k_ring, k_bias, raw_nope, raw_rope, raw_scale, raw_bias = bufs
-    k_ready, k_free, q_ready, turn = bars
-    t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = _query(qa, HEADS, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN,
-                                                                      HAS_EXTRA_LEN, SPLIT)
-    qry = (bi, si, n_main, n_extra, tiles_main, lo)
+            L2_AHEAD: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
+     raw_bias) = bufs
+    k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
+    num_tokens, s_q, W = sa
+    main_topk = la[3]
+    extra_topk = la[7]
+    Mm, M = _tiles_per_unit(main_topk, extra_topk, BLOCK_N, HAS_EXTRA)
+    p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
     CPT: gl.constexpr = BLOCK_N // RAW_KEYS
-    n_tiles = gl.maximum(hi - lo, 0)
-    n_chunks = n_tiles * CPT
-    # chunk g goes to raw slot g % RAW_STAGES; RAW_STAGES - 1 chunks are in flight before the first wait.
-    # Every step commits one cp.async group (empty past the last chunk), so "chunk g is done" is always
-    # "at most RAW_STAGES - 2 groups pending" at step g.
-    for g0 in gl.static_range(RAW_STAGES - 1):
-        _issue_chunk(ka, qry, g0, g0, g0 < n_chunks, raw_nope, raw_rope, raw_scale, raw_bias, RAW_KEYS, BLOCK_N,
-                     MAIN_BS, EXTRA_BS, LOAD_WARPS)
+    D: gl.constexpr = RAW_STAGES - 1           # chunks in flight while one is dequantized
+    # tiles i and i + 1: their units' lengths (registers) and index rows (i % 3, (i + 1) % 3)
+    u0, t0, b0, s0 = _unit_tile(A, sa, M)
+    nm0, ne0 = _lengths(la, b0, s0, n_tiles > 0, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    u1, t1, b1, s1 = _unit_tile(A + 1, sa, M)
+    nm1, ne1 = _lengths(la, b1, s1, n_tiles > 1, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    _copy_indices(ka, idx_rows.index(0), t0, b0, s0, n_tiles > 0, Mm, BLOCK_N, LOAD_WARPS)
+    _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, nm0, ne0, Mm, L2_AHEAD,
+                    BLOCK_N, MAIN_BS, EXTRA_BS)
+    gl.thread_barrier()
+    # chunk g goes to raw slot g % RAW_STAGES; D chunks are in flight before the first wait. Every step
+    # commits one cp.async group (empty past the last chunk), so "chunk g is done" is always "at most D - 1
+    # groups pending" at step g. The index row of tile i + 2 rides in the group of step i * CPT: done by step
+    # i * CPT + D, before its reader (the address rows of tile i + 2, at step (i + 1) * CPT). The address rows
+    # of tile i + 1 (2 ((i + 1) % 2), + 1) are written at step i * CPT, read by gathers from step (i + 1) * CPT - D >
+    # i * CPT on (a partition barrier between), and last read for tile i - 1 before step i * CPT.
+    for g0 in gl.static_range(D):
+        _issue_chunk(ka, addr_rows, 0, t0, g0 * RAW_KEYS, Mm, g0, raw_nope, raw_rope, raw_scale, raw_bias,
+                     RAW_KEYS, LOAD_WARPS)
         async_copy.commit_group()
     for i in range(n_tiles):
         ks = i % K_STAGES
-        # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
-        mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
         k_slot = k_ring.index(ks)
         bias_slot = k_bias.index(ks)
+        live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
+        # tile i + 2: its unit's lengths now (registers, used from the next tile on), its indices at step 0
+        u2, t2, b2, s2 = _unit_tile(A + i + 2, sa, M)
+        ok2 = i + 2 < n_tiles
+        nm2, ne2 = _lengths(la, b2, s2, ok2, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
         for sub in gl.static_range(CPT):
             g = i * CPT + sub
-            rs = g % RAW_STAGES
-            async_copy.wait_group(RAW_STAGES - 2)
-            # every loader thread's copies of chunk g have landed, and every thread is done reading
-            # chunk g - 1, whose slot the next issue refills
+            async_copy.wait_group(D - 1)
+            # every loader thread's copies of chunk g have landed, and every thread is done reading chunk
+            # g - 1 (whose slot the next issue refills) and the index row of tile i - 1
             gl.thread_barrier()
-            nx = g + RAW_STAGES - 1
-            _issue_chunk(ka, qry, nx, nx % RAW_STAGES, nx < n_chunks, raw_nope, raw_rope, raw_scale, raw_bias,
-                         RAW_KEYS, BLOCK_N, MAIN_BS, EXTRA_BS, LOAD_WARPS)
+            if sub == 0:
+                _copy_indices(ka, idx_rows.index((i + 2) % 3), t2, b2, s2, ok2, Mm, BLOCK_N, LOAD_WARPS)
+                _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
+                                addr_rows.index(2 * ((i + 1) % 2) + 1), t1, nm1, ne1, Mm, L2_AHEAD, BLOCK_N, MAIN_BS,
+                                EXTRA_BS)
+            if sub + D < CPT:
+                _issue_chunk(ka, addr_rows, i % 2, t0, (sub + D) * RAW_KEYS, Mm, (g + D) % RAW_STAGES, raw_nope,
+                             raw_rope, raw_scale, raw_bias, RAW_KEYS, LOAD_WARPS)
+            else:
+                _issue_chunk(ka, addr_rows, (i + 1) % 2, t1, (sub + D - CPT) * RAW_KEYS, Mm, (g + D) % RAW_STAGES,
+                             raw_nope, raw_rope, raw_scale, raw_bias, RAW_KEYS, LOAD_WARPS)
             async_copy.commit_group()
-            _dequant_chunk(raw_nope, raw_rope, raw_scale, raw_bias, rs, k_slot, bias_slot, sub, RAW_KEYS,
-                           LOAD_WARPS)
+            if sub == 0:
+                # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
+                mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+            if live:
+                _dequant_chunk(raw_nope, raw_rope, raw_scale, raw_bias, g % RAW_STAGES, k_slot, bias_slot, sub,
+                               RAW_KEYS, LOAD_WARPS)
         # K rows written by the generic proxy are read by wgmma (async proxy): fence, then one arrive
         # once every loader thread has fenced its stores
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(k_ready.index(ks), count=1)
+        t0, nm0, ne0 = t1, nm1, ne1
+        t1, nm1, ne1 = t2, nm2, ne2
     async_copy.wait_group(0)
 
 
+# ---- consumers ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(qa, oa, bufs, bars, CID: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
-              K_STAGES: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
-              HAS_EXTRA_LEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
-    q_smem, k_ring, k_bias, raw_nope, raw_rope, raw_scale, raw_bias = bufs
-    k_ready, k_free, q_ready, turn = bars
-    (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-     part_o_ptr, part_lse_ptr, num_tokens, sm_log2) = oa
-    t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = _query(qa, HEADS, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN,
-                                                                      HAS_EXTRA_LEN, SPLIT)
-    n_tiles = gl.maximum(hi - lo, 0)
-    HALF: gl.constexpr = 256
-    c0: gl.constexpr = CID * HALF
+def _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+                   HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
+    """The CTA's i-th tile as a consumer sees it: (K slot, token, tile of its unit, batch row, query, live)."""
+    u, t, bi, si = _unit_tile(A + i, sa, M)
+    nm, ne = _lengths(la, bi, si, i < n_tiles, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    return i % K_STAGES, u, t, bi, si, _tile_live(t, nm, ne, Mm, BLOCK_N)
 
-    # Q columns [c0, c0 + 256) of the 64 heads -> the shared Q tile, 16 bytes per load, 64 columns at a
-    # time (few registers)
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    qh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-    qc = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    q_row = q_ptr + bi * stride_qb + si * stride_qs + qh.to(gl.int64) * stride_qh
-    for j in gl.static_range(HALF // 64):
-        q_smem.index(0).slice(c0 + 64 * j, 64, dim=1).store(gl.load(q_row[:, None] + (c0 + 64 * j + qc)[None, :]))
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(q_ready, count=1)
+
+@gluon.jit
+def _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, factor, acc, O_L: gl.constexpr, c0: gl.constexpr,
+                   HEADS: gl.constexpr, split):
+    """Write columns [c0, c0 + 256) of a unit part: acc * factor to out (bf16) when the unit is whole, to
+    its partial row j = p - first CTA of the unit (fp32) when split."""
+    (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+     part_o_ptr, part_lse_ptr, sm_log2) = oa
+    # the rows made here (an opaque 0 keeps loop-invariant code motion from holding their offsets in
+    # registers across the tile loop); the columns stay constants, folded into the stores' offsets
+    oh = hb * 64 + _opaque_zero(u) + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
+    cols = c0 + gl.arange(0, 256, layout=gl.SliceLayout(0, O_L))
+    res = acc * factor[:, None]
+    if split:
+        j = p - (u * M) // W
+        base = (j * num_tokens + u).to(gl.int64) * HEADS
+        gl.store(part_o_ptr + (base + oh)[:, None] * 512 + cols[None, :], res)
+    else:
+        o_row = out_ptr + bi * stride_ob + si * stride_os + oh.to(gl.int64) * stride_oh
+        gl.store(o_row[:, None] + cols[None, :], res.to(gl.bfloat16))
+
+
+@gluon.jit
+def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+               HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
+               HAS_SINK: gl.constexpr):
+    (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
+     raw_bias) = bufs
+    k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
+    (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+     part_o_ptr, part_lse_ptr, sm_log2) = oa
+    num_tokens, s_q, W = sa
+    Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
+    p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
 
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    acc = gl.zeros([64, HALF], gl.float32, O_L)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    PQ: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
+
+    acc = gl.zeros([64, 256], gl.float32, O_L)
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_L))
-    mbarrier.wait(q_ready, 0)
+    n_live = 0
+    n_parts = 0
     for i in range(n_tiles):
-        ks = i % K_STAGES
+        ks, u, t, bi, si, live = _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN,
+                                                HAS_EXTRA_LEN)
         k_slot = k_ring.index(ks)
+        if (i == 0) | (t == 0):
+            # offsets made here (an opaque 0 keeps loop-invariant code motion from holding them, and their
+            # products with the strides, in registers across the loop)
+            z = _opaque_zero(i)
+            qr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+            qc = z + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+            pr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, PQ))
+            pc = z + gl.arange(0, 8, layout=gl.SliceLayout(0, PQ))
+            # the unit's Q -> the shared Q tile (consumer 0's own wgmma of the previous unit have completed)
+            q_row = q_ptr + bi * stride_qb + si * stride_qs + (hb * 64 + qr).to(gl.int64) * stride_qh
+            for j in gl.static_range(8):
+                q_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_row[:, None] + (64 * j + qc)[None, :]))
+            fence_async_shared()
+            gl.thread_barrier()
+            # ask L2 for the next unit's Q (eight 128-byte lines per head row)
+            un, tn, bn, sn = _unit_tile((u + 1) * M, sa, M)
+            nq = q_ptr + bn * stride_qb + sn * stride_qs + (hb * 64 + pr).to(gl.int64) * stride_qh
+            _prefetch_l2(nq.to(gl.int64)[:, None] + (pc * 128).to(gl.int64)[None, :],
+                         (pr[:, None] * 0 + pc[None, :] * 0 + un) < num_tokens)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
-        if PINGPONG:
-            # the S of consumer 0 and consumer 1 alternate (0 on tile i, 1 on tile i, 0 on tile i + 1, ...),
-            # so one's softmax and P.V overlap the other's S instead of both idling the tensor cores at once
-            if CID == 0:
-                mbarrier.wait(turn.index(0), (i + 1) & 1, pred=i > 0)
-            else:
-                mbarrier.wait(turn.index(1), i & 1)
-        s = warpgroup_mma(q_smem.index(_opaque_zero(i)), k_slot.permute((1, 0)),
-                          gl.zeros([64, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s, ))
-        if PINGPONG:
-            # only an order of tensor-core use: no shared memory is handed over, no partition barrier
-            mbarrier.arrive(turn.index(1 - CID), count=1)
-        bias = k_bias.index(ks).load(gl.SliceLayout(0, S_L))
-        s = s * sm_log2 + bias[None, :]
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        # the accumulator layout of S is the A-operand layout of P.V (16-bit operands): no data movement
-        p16 = gl.convert_layout(p.to(gl.bfloat16), P_L, assert_trivial=True)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L), assert_trivial=True)
-        acc = warpgroup_mma(p16, k_slot.slice(c0, HALF, dim=1), acc * alpha_o[:, None], is_async=True)
-        # P.V completes inside the iteration: a wgmma left in flight across the loop's back edge makes ptxas
-        # serialize every wgmma of the kernel (its pipeline check counts the kernel-wide register cap). The
-        # other consumer keeps the tensor cores busy meanwhile.
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if live:
+            s = warpgroup_mma(q_smem.index(_opaque_zero(i)), k_slot.permute((1, 0)),
+                              gl.zeros([64, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            bias = k_bias.index(ks).load(gl.SliceLayout(0, S_L))
+            s = s * sm_log2 + bias[None, :]
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            pm = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(pm, 1)
+            m_i = m_new
+            p16 = pm.to(gl.bfloat16)
+            # P and alpha for consumer 1, once it is done with the previous ones
+            mbarrier.wait(p_free, (n_live & 1) ^ 1)
+            p_smem.index(_opaque_zero(i)).store(p16)
+            alpha_smem.store(alpha)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready, count=1)
+            # the accumulator layout of S is the A-operand layout of P.V (16-bit operands): no data movement
+            pa = gl.convert_layout(p16, P_L, assert_trivial=True)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L), assert_trivial=True)
+            acc = warpgroup_mma(pa, k_slot.slice(0, 256, dim=1), acc * alpha_o[:, None], is_async=True)
+            # P.V completes inside the iteration: a wgmma left in flight across the loop's back edge makes
+            # ptxas serialize every wgmma of the kernel
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            n_live += 1
         gl.thread_barrier()
         mbarrier.arrive(k_free.index(ks), count=1)
+        if (i == n_tiles - 1) | (t == M - 1):
+            empty = l_i == 0.0
+            inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
+            lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+            split = (u * M) // W != (u * M + M - 1) // W
+            heads = hb * 64 + _opaque_zero(i) + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
+            factor = inv_l
+            if split:
+                j = p - (u * M) // W
+                gl.store(part_lse_ptr + (j * num_tokens + u).to(gl.int64) * HEADS + heads, lse2)
+            else:
+                if HAS_SINK:
+                    sink = gl.load(sink_ptr + heads)
+                    # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2^(sink*log2e - lse2))
+                    factor = gl.where(empty, 0.0, inv_l / (1.0 + gl.exp2(sink * 1.4426950408889634 - lse2)))
+                gl.store(lse_ptr + u.to(gl.int64) * HEADS + heads,
+                         gl.where(empty, float("inf"), lse2 * 0.6931471805599453))
+            # the row factors for consumer 1, once it has taken the previous ones
+            mbarrier.wait(o_free, (n_parts & 1) ^ 1)
+            o_scale.store(factor)
+            gl.thread_barrier()
+            mbarrier.arrive(o_ready, count=1)
+            f_o = gl.convert_layout(factor, gl.SliceLayout(1, O_L), assert_trivial=True)
+            _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, f_o, acc, O_L, 0, HEADS, split)
+            # the next tile starts a unit part: reset here, where acc dies (a reset at the part's first
+            # tile would keep acc alive across this epilogue, beside the scaled copy being stored)
+            acc = gl.zeros([64, 256], gl.float32, O_L)
+            m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+            l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_L))
+            n_parts += 1
 
-    empty = l_i == 0.0
-    inv_l = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i))
-    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
-    heads = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
-    oh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
-    cols = c0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-    if SPLIT:
-        base = (sp * num_tokens + t64) * HEADS
-        po = part_o_ptr + (base + oh)[:, None] * 512 + cols[None, :]
-        gl.store(po, acc * gl.convert_layout(inv_l, gl.SliceLayout(1, O_L), assert_trivial=True)[:, None])
-        if CID == 0:
-            gl.store(part_lse_ptr + base + heads, lse2)
-    else:
-        factor = inv_l
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + heads)
-            # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2^(sink*log2e - lse2))
-            factor = gl.where(empty, 0.0, inv_l / (1.0 + gl.exp2(sink * 1.4426950408889634 - lse2)))
-        f_o = gl.convert_layout(factor, gl.SliceLayout(1, O_L), assert_trivial=True)
-        o_row = out_ptr + bi * stride_ob + si * stride_os + oh.to(gl.int64) * stride_oh
-        gl.store(o_row[:, None] + cols[None, :], (acc * f_o[:, None]).to(gl.bfloat16))
-        if CID == 0:
-            gl.store(lse_ptr + t64 * HEADS + heads, gl.where(empty, float("inf"), lse2 * 0.6931471805599453))
+
+@gluon.jit
+def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+               HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
+    (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
+     raw_bias) = bufs
+    k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
+    num_tokens, s_q, W = sa
+    Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
+    p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    n_live = 0
+    n_parts = 0
+    acc = gl.zeros([64, 256], gl.float32, O_L)
+    for i in range(n_tiles):
+        ks, u, t, bi, si, live = _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN,
+                                                HAS_EXTRA_LEN)
+        k_slot = k_ring.index(ks)
+        mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
+        if live:
+            mbarrier.wait(p_ready, n_live & 1)
+            alpha = alpha_smem.load(gl.SliceLayout(1, O_L))
+            acc = warpgroup_mma(p_smem.index(0), k_slot.slice(256, 256, dim=1), acc * alpha[:, None], is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            gl.thread_barrier()
+            mbarrier.arrive(p_free, count=1)
+            n_live += 1
+        gl.thread_barrier()
+        mbarrier.arrive(k_free.index(ks), count=1)
+        if (i == n_tiles - 1) | (t == M - 1):
+            mbarrier.wait(o_ready, n_parts & 1)
+            factor = o_scale.load(gl.SliceLayout(1, O_L))
+            gl.thread_barrier()
+            mbarrier.arrive(o_free, count=1)
+            split = (u * M) // W != (u * M + M - 1) // W
+            _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, factor, acc, O_L, 256, HEADS, split)
+            acc = gl.zeros([64, 256], gl.float32, O_L)
+            n_parts += 1
 
 
-# arguments as _sparse_mla_paged_kernel's; the same ones are left unspecialized
-@gluon.jit(do_not_specialize=["main_cap", "extra_cap", "num_tokens", "s_q", "num_splits", "main_len_sb",
-                              "main_len_ss", "extra_len_sb", "extra_len_ss"],
+# arguments as _sparse_mla_paged_kernel's, with tiles_per_cta (W) where that kernel takes num_splits; the
+# same ones are left unspecialized, and the topks (a topk of 1 would turn the tile counts into constants)
+@gluon.jit(do_not_specialize=["main_cap", "extra_cap", "num_tokens", "s_q", "tiles_per_cta", "main_len_sb",
+                              "main_len_ss", "extra_len_sb", "extra_len_ss", "main_topk", "extra_topk"],
            do_not_specialize_on_alignment=["main_len_ptr", "extra_len_ptr"])
 def _sparse_mla_ws_kernel(
         q_ptr, stride_qb, stride_qs, stride_qh,
@@ -351,79 +572,118 @@ def _sparse_mla_ws_kernel(
         extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_len_ptr, extra_len_sb,
         extra_len_ss, extra_topk,
         sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-        part_o_ptr, part_lse_ptr, num_tokens, s_q, num_splits, sm_log2,
+        part_o_ptr, part_lse_ptr, num_tokens, s_q, tiles_per_cta, sm_log2,
         MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
-        HAS_EXTRA_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
-        HEADS: gl.constexpr, RAW_KEYS: gl.constexpr, RAW_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+        HAS_EXTRA_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr, HEADS: gl.constexpr,
+        RAW_KEYS: gl.constexpr, RAW_STAGES: gl.constexpr, K_STAGES: gl.constexpr, L2_AHEAD: gl.constexpr,
+        C0_REGS: gl.constexpr, C1_REGS: gl.constexpr, num_warps: gl.constexpr):
     LOAD_WARPS: gl.constexpr = num_warps      # the loader is the default partition
+    gl.static_assert(BLOCK_N == 64 and LOAD_WARPS == 4)
     gl.static_assert(BLOCK_N % RAW_KEYS == 0)
     gl.static_assert(RAW_KEYS % 4 == 0 and LOAD_WARPS % (RAW_KEYS // 4) == 0 and LOAD_WARPS // (RAW_KEYS // 4) <= 4)
-    gl.static_assert(RAW_STAGES >= 2)
+    gl.static_assert(RAW_STAGES >= 2 and RAW_STAGES - 1 < BLOCK_N // RAW_KEYS)
     KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], KL)
     k_ring = gl.allocate_shared_memory(gl.bfloat16, [K_STAGES, BLOCK_N, 512], KL)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, BLOCK_N], KL)
     k_bias = gl.allocate_shared_memory(gl.float32, [K_STAGES, BLOCK_N], PLAIN1)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [64], PLAIN1)
+    o_scale = gl.allocate_shared_memory(gl.float32, [64], PLAIN1)
+    idx_rows = gl.allocate_shared_memory(gl.int32, [3, BLOCK_N], PLAIN1)
+    addr_rows = gl.allocate_shared_memory(gl.int64, [4, BLOCK_N], PLAIN1)
     raw_nope = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, 8 * RAW_KEYS, 64], PLAIN2)
     raw_rope = gl.allocate_shared_memory(gl.bfloat16, [RAW_STAGES, RAW_KEYS, 64], PLAIN2)
     raw_scale = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, RAW_KEYS], PLAIN1)
     raw_bias = gl.allocate_shared_memory(gl.float32, [RAW_STAGES, RAW_KEYS], PLAIN1)
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    o_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    o_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(k_free.index(s), count=2)
-    mbarrier.init(q_ready, count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(o_ready, count=1)
+    mbarrier.init(o_free, count=1)
 
-    bufs = (q_smem, k_ring, k_bias, raw_nope, raw_rope, raw_scale, raw_bias)
-    bars = (k_ready, k_free, q_ready, turn)
-    qa = (main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
-          s_q, num_splits)
-    ka = (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis,
-          extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis)
+    bufs = (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
+            raw_bias)
+    bars = (k_ready, k_free, p_ready, p_free, o_ready, o_free)
+    sa = (num_tokens, s_q, tiles_per_cta)
+    la = (main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk)
+    ka = (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_topk,
+          extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_topk)
     oa = (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-          part_o_ptr, part_lse_ptr, num_tokens, sm_log2)
+          part_o_ptr, part_lse_ptr, sm_log2)
     # the loader gets what the consumers leave of the kernel's register cap (65536 / 384 threads -> 168):
-    # 3 * 168 - 2 * CONSUMER_REGS per thread
+    # 3 * 168 - C0_REGS - C1_REGS per thread
     gl.warp_specialize([
-        (_loader, (qa, ka, bufs, bars, HEADS, BLOCK_N, RAW_KEYS, RAW_STAGES, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA,
-                   HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT, LOAD_WARPS)),
-        (_consumer, (qa, oa, bufs, bars, 0, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
-                     HAS_SINK, SPLIT, PINGPONG)),
-        (_consumer, (qa, oa, bufs, bars, 1, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
-                     HAS_SINK, SPLIT, PINGPONG)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        (_loader, (sa, la, ka, bufs, bars, BLOCK_N, RAW_KEYS, RAW_STAGES, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA,
+                   HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD, LOAD_WARPS)),
+        (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
+                      HAS_SINK)),
+        (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)),
+    ], [4, 4], [C0_REGS, C1_REGS])
 
 
 # ---- launch ----------------------------------------------------------------------------------------------
 def default_config() -> dict:
-    """The H100 defaults: 64-key tiles, two K slots, gathers in 16-key chunks three deep, the consumers at
-    200 registers (the loader gets 104), no spills (compile matrix)."""
-    return dict(BLOCK_N=64, RAW_KEYS=16, RAW_STAGES=3, K_STAGES=2, CONSUMER_REGS=200, PINGPONG=False, num_warps=4)
+    """The H100 defaults: 64-key tiles, two K slots, gathers in 8-key chunks four deep (three in flight while
+    one is dequantized), L2 requests a tile ahead, consumer 0 at 200 registers, consumer 1 at 160 (the loader
+    gets 144), no spills (compile matrix)."""
+    return dict(BLOCK_N=64, RAW_KEYS=8, RAW_STAGES=4, K_STAGES=2, L2_AHEAD=True, C0_REGS=200, C1_REGS=160,
+                num_warps=4)
 
 
 CONFIG_KEYS = tuple(default_config())
 
 
+def tiles_per_unit(main_topk: int, extra_topk: int, block_n: int) -> int:
+    """M: key tiles of one unit (a token's 64 heads), at least one (as the kernel counts them)."""
+    return max(triton.cdiv(main_topk, block_n) + triton.cdiv(extra_topk, block_n), 1)
+
+
+def schedule(units: int, m: int, sm_count: int, num_splits: int = None) -> int:
+    """W, the tiles per CTA of the persistent grid of one head block (``units`` tokens of m tiles each on
+    ``sm_count`` SMs: cdiv(units * m, W) CTAs).
+
+    By default every SM gets the same number of tiles (cdiv(units * m, sm_count)); when whole units per CTA
+    come within 10% of that, whole units (no partials, no combine). A unit is cut into at most MAX_PARTS
+    parts. ``num_splits`` = s asks for each unit cut into about s parts (1: one unit per CTA)."""
+    if num_splits is not None:
+        w = triton.cdiv(m, max(1, min(int(num_splits), MAX_PARTS)))
+    else:
+        w = triton.cdiv(units * m, sm_count)
+        if w >= m:
+            whole = triton.cdiv(w, m) * m
+            if whole * 10 <= w * 11:
+                w = whole
+    # the parts of a unit: at most cdiv(m - 1, w) + 1 <= MAX_PARTS
+    return max(w, triton.cdiv(m - 1, MAX_PARTS - 1), 1)
+
+
+def max_parts(m: int, w: int) -> int:
+    """The most CTAs one unit's tiles can fall into; 1 when no unit is ever split."""
+    return 1 if w % m == 0 else min(triton.cdiv(m - 1, w) + 1, MAX_PARTS)
+
+
 @functools.lru_cache(maxsize=1024)
 def constexprs(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-               has_extra_len: bool, has_sink: bool, split: bool) -> dict:
+               has_extra_len: bool, has_sink: bool) -> dict:
     """The kernel's constexprs and launch options for a config (items of a ``sparse_mla_decode`` plan)."""
     cfg = dict(cfg_items)
     return dict(MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len,
-                HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, SPLIT=split, HEADS=h,
-                **{k: cfg[k] for k in CONFIG_KEYS})
+                HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, HEADS=h, **{k: cfg[k] for k in CONFIG_KEYS})
 
 
-def _matrix_constexprs(arch, split=False):
-    return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
-                HAS_EXTRA_LEN=True, HAS_SINK=True, SPLIT=split, HEADS=64,
+def _matrix_constexprs(arch, small_pages=False):
+    return dict(MAIN_BS=64 if small_pages else 256, EXTRA_BS=2 if small_pages else 64, HAS_EXTRA=True,
+                HAS_MAIN_LEN=True, HAS_EXTRA_LEN=True, HAS_SINK=True, HEADS=128 if small_pages else 64,
                 **{k: v for k, v in default_config().items() if k != "num_warps"})
 
 
@@ -432,8 +692,8 @@ COMPILE_SPECS = [
     dict(name="sparse_mla_decode_ws", fn=_sparse_mla_ws_kernel, pointers=DECODE_POINTERS, floats=("sm_log2",),
          constexprs=_matrix_constexprs, options=lambda arch: dict(num_warps=default_config()["num_warps"]),
          matrix=True, fp8_convert=True, targets=("sm_90a",), wgmma_pipelined=True),
-    dict(name="sparse_mla_decode_ws[split]", fn=_sparse_mla_ws_kernel, pointers=DECODE_POINTERS, floats=("sm_log2",),
-         constexprs=lambda arch: _matrix_constexprs(arch, split=True),
+    dict(name="sparse_mla_decode_ws[h128,bs2]", fn=_sparse_mla_ws_kernel, pointers=DECODE_POINTERS,
+         floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, small_pages=True),
          options=lambda arch: dict(num_warps=default_config()["num_warps"]), matrix=True, fp8_convert=True,
          targets=("sm_90a",), wgmma_pipelined=True),
 ]
