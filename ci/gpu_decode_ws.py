@@ -34,7 +34,7 @@ SMOKE_CASE = (4, 2, 64, 256, 128, 64, 512, "random", "b")
 # (name, config, num_splits): the default first; the others change one thing each
 VARIANTS = [
     ("ws", dict(kernel="ws"), None),
-    ("ws rk16 rs2", dict(kernel="ws", RAW_KEYS=16, RAW_STAGES=2), None),   # 16-key chunks, one in flight
+    ("ws rk8 rs4", dict(kernel="ws", RAW_KEYS=8, RAW_STAGES=4), None),     # 8-key chunks, three in flight
     ("ws noL2", dict(kernel="ws", L2_AHEAD=False), None),                  # no L2 requests a tile ahead
     ("ws 1/cta", dict(kernel="ws"), 1),                                    # one unit per CTA (no persistence)
 ]

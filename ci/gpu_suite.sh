@@ -43,7 +43,7 @@ if want tests; then
   stamp "pytest -m gpu"
   workers=${PYTEST_WORKERS:-4}
   xdist=""; python3 -c "import xdist" 2>/dev/null && [ "$workers" -gt 1 ] && xdist="-n $workers"
-  python3 -m pytest -m gpu -q -p no:cacheprovider $xdist tests 2>&1 | tee "$OUT/pytest_gpu.log" |
+  python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark $xdist tests 2>&1 | tee "$OUT/pytest_gpu.log" |
     grep -vE "^\s*$|^SKIPPED|^[.sxF]+( +\[ *[0-9]+%\])?$" | tail -30
   record tests "${PIPESTATUS[0]}"
 fi
