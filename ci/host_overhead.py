@@ -98,7 +98,7 @@ def check_flash_mla(fn, args):
     ref, ref_lse = flash_mla_with_kvcache_sparse(*cpu[:2], cpu[2], cpu[3], cpu[4], cpu[5], cpu[6], cpu[7], sm)
     res = {}
     for fused in (True, False):
-        cfg = dict(split_combine="kernel" if fused else "launch")
+        cfg = dict(kernel="triton", split_combine="kernel" if fused else "launch")
         for ns in (None, 1, 2, 4, 10):
             for fast in (False, True, True):
                 with _launch.set_fast_launch(fast):
@@ -142,7 +142,7 @@ def gpu_main(a):
     q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
     for fused in (True, False):
         for ns in (None, 1, 2, 3, 4, 6, 10):
-            def call(ns=ns, cfg=dict(split_combine="kernel" if fused else "launch")):  # noqa: E306
+            def call(ns=ns, cfg=dict(kernel="triton", split_combine="kernel" if fused else "launch")):  # noqa: E306
                 return D.sparse_mla_decode(q, kc, idx, lens, sink, ekc, eidx, elens, sm, config=cfg, num_splits=ns)
             with _launch.set_fast_launch(True):
                 row("b=2 decode kernel", f"{'in-kernel' if fused else 'two-launch'} combine, splits {ns or 'auto'}",

@@ -371,7 +371,8 @@ def test_triton_decode_split_combine_in_kernel(gpu):
     +inf where no split saw a key."""
     from dsv4_rocm.triton import _launch
     from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
-    two = dict(split_combine="launch")
+    # the Triton kernel's two merges (the Hopper kernel, the default on sm_90, always merges in a launch)
+    one, two = dict(kernel="triton", split_combine="kernel"), dict(kernel="triton", split_combine="launch")
     for case in ((2, 2, 64, 256, 128, 64, 512), (4, 1, 128, 64, 128, 64, 1024), (1, 1, 64, 256, 128, 2, 512)):
         a = decode_case(*case, gpu, sum(case))
         a["indices"][0, 0] = -1                          # one query with no valid key in the main set
@@ -380,7 +381,7 @@ def test_triton_decode_split_combine_in_kernel(gpu):
             base, base_lse = sparse_mla_decode(*decode_args(a), config=two, num_splits=ns)
             check_out(base, ref, f"two-launch combine {case} splits={ns}", decode_key_amax(a))
             for _ in range(4):
-                out, lse = sparse_mla_decode(*decode_args(a), config=dict(split_combine="kernel"), num_splits=ns)
+                out, lse = sparse_mla_decode(*decode_args(a), config=one, num_splits=ns)
                 assert torch.equal(out, base) and torch.equal(lse, base_lse), (case, ns)
     torch.cuda.synchronize()
     counts = [v for k, v in _launch._SCRATCH.items() if k[0] == "counters"]
@@ -388,17 +389,17 @@ def test_triton_decode_split_combine_in_kernel(gpu):
     dead = decode_case(3, 2, 64, 64, 128, 64, 512, gpu, 5)
     dead["indices"].fill_(-1)
     dead["extra_topk_length"].zero_()
-    for cfg in (dict(split_combine="kernel"), two):
+    for cfg in (one, two):
         out, lse = sparse_mla_decode(*decode_args(dead), config=cfg, num_splits=4)
         assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
     # captured with splits merged in the kernel, replayed on new inputs: every replay equals an eager call
     a = decode_case(2, 2, 64, 256, 128, 64, 512, gpu, 31)
     out = torch.empty(2, 2, 64, 512, dtype=torch.bfloat16, device=gpu)
-    sparse_mla_decode(*decode_args(a), out, num_splits=5)
+    sparse_mla_decode(*decode_args(a), out, config=one, num_splits=5)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        sparse_mla_decode(*decode_args(a), out, num_splits=5)
+        sparse_mla_decode(*decode_args(a), out, config=one, num_splits=5)
     for seed in range(3):
         b2 = decode_case(2, 2, 64, 256, 128, 64, 512, gpu, 40 + seed)
         for k in ("q", "indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length"):
