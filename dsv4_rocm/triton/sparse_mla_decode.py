@@ -491,7 +491,7 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
 
 
 def _matrix_constexprs(arch, split=False):
-    c = default_config(arch, 64)
+    c = default_config(arch, 64, "triton")
     return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
                 SPLIT=split, COMBINE=split, FNUZ=arch == "gfx942",
@@ -500,7 +500,7 @@ def _matrix_constexprs(arch, split=False):
 
 
 def _matrix_options(arch):
-    c = default_config(arch, 64)
+    c = default_config(arch, 64, "triton")
     return dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
