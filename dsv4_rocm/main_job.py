@@ -171,7 +171,8 @@ def main_job(a) -> int:
     print(f"\n{'layer':7s} {'steps':>5s} {'total ms':>9s} {'prefill tok/s':>14s} {'decode ms/step':>15s} "
           f"{'graph ms/step':>14s} {'decode tok/s':>13s}  check vs reference (request 0)")
     for lt, n, tot, ptok, dms, gms, dtok, err, tol in rows:
-        print(f"{lt:7s} {n:5d} {tot:9.1f} {ptok:14.0f} {dms:15.2f} {gms:14.3f} {dtok:13.0f}  "
+        graph = f"{gms:14.3f}" if gms == gms else f"{'- (no GPU)':>14s}"      # NaN: no graph on a CPU
+        print(f"{lt:7s} {n:5d} {tot:9.1f} {ptok:14.0f} {dms:15.2f} {graph} {dtok:13.0f}  "
               f"rel err {err:.1e} <= {tol:.0e} ok")
     print("\ntime per stage over the timed trace (ms, share of the layer):")
     print(f"{'layer':7s} " + " ".join(f"{s:>20s}" for s in STAGES))
