@@ -1,7 +1,27 @@
 """What the sparse MLA decode kernels (sparse_mla_decode.py, sparse_mla_decode_ws.py) share: the device
-function saying which query, heads and key tiles a program handles, and their pointer arguments' types."""
+function saying which query, heads and key tiles a program handles, their pointer arguments' types, and
+the PTX of the integer e4m3 -> bf16 decode."""
 import triton
 import triton.language as tl
+
+
+def e4m3_to_scaled_bf16_ptx(out0: str, out1: str) -> str:
+    """PTX turning four OCP e4m3 bytes (the 32-bit operand $2) into four bf16 values times 2^-120, two a
+    register (``out0``: bytes 0 and 1, ``out1``: bytes 2 and 3), with integer ops only; needs the scratch
+    registers ``.reg .b32 t0, t1``.
+
+    bf16 and e4m3 differ only in exponent bias (127 vs 7) and field widths: sign-extend each byte to 16
+    bits (``prmt`` with the sign-replicate selector), shift left by 4 and keep the sign and the 7 low
+    bits, and the bf16 with those bits is exactly the e4m3 value times 2^-120, subnormals included (the
+    byte 0x7F, e4m3 NaN, reads as 480: the cache never holds it except in a block whose scale byte is
+    0xFF, which turns the scaled product NaN). 2 prmt, 2 shifts, 2 ands for four values, against
+    e4m3 -> f16 -> f32 -> bf16 conversions on the slower conversion pipe."""
+    return ("prmt.b32 t0, $2, 0, 0x9180;\n"
+            "prmt.b32 t1, $2, 0, 0xB3A2;\n"
+            "shl.b32 t0, t0, 4;\n"
+            "shl.b32 t1, t1, 4;\n"
+            f"and.b32 {out0}, t0, 0x87F087F0;\n"
+            f"and.b32 {out1}, t1, 0x87F087F0;\n")
 
 # the pointer arguments of both decode kernels, as the CPU compile matrix types them
 DECODE_POINTERS = dict(q_ptr="*bf16", main_ptr="*u8", main_idx_ptr="*i32", main_len_ptr="*i32", extra_ptr="*u8",

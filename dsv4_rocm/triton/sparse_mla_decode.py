@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_tiles import DECODE_POINTERS, program_tiles
+from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx, program_tiles
 from ._launch import cdiv, counters, device_facts, launch, scratch
 
 try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
@@ -50,28 +50,15 @@ except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Tri
 LOG2E = 1.4426950408889634
 
 
+_E4M3_TO_SCALED_BF16 = tl.constexpr("{\n.reg .b32 t0, t1;\n" + e4m3_to_scaled_bf16_ptx("$0", "$1") + "}")
+
+
 @triton.jit
 def _e4m3_to_scaled_bf16(kb):
-    """OCP e4m3 bytes -> bf16 holding value * 2^-120, with integer ops only (NVIDIA).
-
-    bf16 and e4m3 differ only in exponent bias (127 vs 7) and field widths: sign-extend each byte to 16
-    bits (``prmt`` with the sign-replicate selector), shift left by 4 and keep the sign and the 7 low
-    bits, and the bf16 with those bits is exactly the e4m3 value times 2^-120, subnormals included (the
-    byte 0x7F, e4m3 NaN, reads as 480: the cache never holds it except in a block whose scale byte is
-    0xFF, which turns the product NaN). Four bytes per 32-bit register: 2 prmt, 2 shifts, 2 ands, for
-    four values, against e4m3 -> f16 -> f32 -> bf16 conversions on the slower conversion pipe.
-    """
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1;
-        prmt.b32 t0, $2, 0, 0x9180;
-        prmt.b32 t1, $2, 0, 0xB3A2;
-        shl.b32 t0, t0, 4;
-        shl.b32 t1, t1, 4;
-        and.b32 $0, t0, 0x87F087F0;
-        and.b32 $1, t1, 0x87F087F0;
-        }""",
-        constraints="=r,=r,r", args=[kb], dtype=tl.bfloat16, is_pure=True, pack=4)
+    """OCP e4m3 bytes -> bf16 holding value * 2^-120, with integer ops only (NVIDIA;
+    ``_decode_tiles.e4m3_to_scaled_bf16_ptx`` says how)."""
+    return tl.inline_asm_elementwise(asm=_E4M3_TO_SCALED_BF16, constraints="=r,=r,r", args=[kb], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
 
 
 @triton.jit

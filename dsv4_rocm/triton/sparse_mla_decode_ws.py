@@ -34,7 +34,7 @@ Three partitions, 12 warps:
   one int64, and a bias per key (0, or -inf when absent; an absent key's copies are zero fills). No
   global load and no index arithmetic sit on the chunk loop's path. It dequantizes the oldest chunk with
   integer ops (e4m3 -> bf16 times 2^-120 by byte shuffles, then two exact packed-bf16 multiplies by powers
-  of two, as ``sparse_mla_decode._e4m3_to_scaled_bf16``) into its rows of the tile's K slot: bf16
+  of two, as ``_decode_tiles.e4m3_to_scaled_bf16_ptx``) into its rows of the tile's K slot: bf16
   [BLOCK_N, 512] in the 128-byte-swizzled wgmma layout, in the natural order (NoPE 448, RoPE 64), plus the
   slot's bias row. A dead tile's slot is handed over without being written.
 * consumer 0 (worker, one warpgroup): per live tile S = Q K^T (64 x BLOCK_N, K-dim 512, both operands in
@@ -86,33 +86,25 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._decode_tiles import DECODE_POINTERS
+from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx
 
 MAX_PARTS = 16        # parts of one split unit: the combine kernel's MAX_SPLITS
+
+
+_DEQUANT_E4M3 = gl.constexpr("{\n.reg .b32 t0, t1;\n" + e4m3_to_scaled_bf16_ptx("t0", "t1")
+                             + "mul.rn.bf16x2 t0, t0, $3;\nmul.rn.bf16x2 t1, t1, $3;\n"
+                             + "mul.rn.bf16x2 $0, t0, $7;\nmul.rn.bf16x2 $1, t1, $7;\n}")
 
 
 @gluon.jit
 def _dequant_e4m3(kb, m1, m2):
     """OCP e4m3 bytes times 2^(byte - 127) of their UE8M0 scale byte -> bf16, four values per asm block.
 
-    The e4m3 -> bf16 step is ``sparse_mla_decode._e4m3_to_scaled_bf16`` (value * 2^-120, integer ops
+    The e4m3 -> bf16 step is ``_decode_tiles.e4m3_to_scaled_bf16_ptx`` (value * 2^-120, integer ops
     only); ``m1`` and ``m2`` hold bf16x2 pairs of the two exact power-of-two factors of the scale (one
     per key, the same for the four values), applied with packed bf16 multiplies."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1;
-        prmt.b32 t0, $2, 0, 0x9180;
-        prmt.b32 t1, $2, 0, 0xB3A2;
-        shl.b32 t0, t0, 4;
-        shl.b32 t1, t1, 4;
-        and.b32 t0, t0, 0x87F087F0;
-        and.b32 t1, t1, 0x87F087F0;
-        mul.rn.bf16x2 t0, t0, $3;
-        mul.rn.bf16x2 t1, t1, $3;
-        mul.rn.bf16x2 $0, t0, $7;
-        mul.rn.bf16x2 $1, t1, $7;
-        }""",
-        constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[kb, m1, m2], dtype=gl.bfloat16, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(asm=_DEQUANT_E4M3, constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[kb, m1, m2],
+                                     dtype=gl.bfloat16, is_pure=True, pack=4)
 
 
 @gluon.jit
