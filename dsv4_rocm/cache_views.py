@@ -1,17 +1,17 @@
 """Every view of a paged cache that an engine holds, reduced to one form (docs/conventions.md, "Call forms").
 
-A page holds ``block_size`` records split over two regions (``dsv4_rocm.layout``): the data bytes of
-record ``o`` at ``o * data_bytes``, its scale bytes at ``block_size * data_bytes + o * scale_bytes``.
-Two formats use this split:
+A page holds ``block_size`` records of a record format (``dsv4_rocm.layout.RecordFormat``), page-split
+(the data bytes of record ``o`` at ``o * data_bytes``, its scale bytes at ``block_size * data_bytes +
+o * scale_bytes``) or interleaved (record ``o`` whole at ``o * token_bytes``). For example:
 
-    fp8_ds_mla   584 B a record: 576 data (448 e4m3 NoPE, 64 bf16 RoPE), 8 scale (7 UE8M0 + 1 pad)
-    indexer_k    132 B a record: 128 data (e4m3), 4 scale (one fp32)
+    V40_584        584 B a record: 576 data (448 e4m3 NoPE, 64 bf16 RoPE), 8 scale (7 UE8M0 + 1 pad)
+    INDEXER_K_132  132 B a record: 128 data (e4m3), 4 scale (one fp32)
 
 A cache is accepted as any of these (uint8 bytes, or a float8_e4m3fn view of them):
 
     [nb, bs, R]               vLLM's allocation (R = record bytes); stride(0) is the page stride
     [nb, bs * R]              its ``.view(nb, -1)``, or an unpadded buffer as vLLM's tests allocate
-    [nb, round_up(bs*R, 576)] a padded page, as ``reference.cache.new_cache`` allocates
+    [nb, page_bytes]          a padded page (``layout.page_bytes``), as ``reference.cache.new_cache`` allocates
     [nb, bs, 1, R]            FlashMLA's ``unsqueeze(-2)`` of the 3-D view
 
 The page stride is always ``stride(0)``, whatever the shape says; the first ``bs * R`` bytes of a page are
@@ -20,28 +20,14 @@ the records, and bytes past them (page padding) are never read or written. ``pag
 kernels see. Page strides and the cache's start are multiples of 16 bytes (every allocation an engine
 makes is): the GPU kernels move records 16 bytes at a time.
 """
-from dataclasses import dataclass
-
 import torch
 
 from . import layout as L
 
 ALIGN = 16
 
-
-@dataclass(frozen=True)
-class CacheFormat:
-    name: str
-    data_bytes: int      # bytes of one record in the data region of a page
-    scale_bytes: int     # bytes of one record in the scale region
-
-    @property
-    def record_bytes(self) -> int:
-        return self.data_bytes + self.scale_bytes
-
-
-FP8_DS_MLA = CacheFormat("fp8_ds_mla", L.DATA_BYTES, L.SCALE_BYTES)
-INDEXER_K = CacheFormat("indexer_k", L.INDEXER_DIM, L.INDEXER_TOKEN_BYTES - L.INDEXER_DIM)
+FP8_DS_MLA = L.V40_584
+INDEXER_K = L.INDEXER_K_132
 
 
 def _fail(name, cache, what):
@@ -49,7 +35,7 @@ def _fail(name, cache, what):
                      f"dtype {cache.dtype})")
 
 
-def pages(cache, block_size: int, name: str = "k_cache", fmt: CacheFormat = FP8_DS_MLA) -> torch.Tensor:
+def pages(cache, block_size: int, name: str = "k_cache", fmt: L.RecordFormat = FP8_DS_MLA) -> torch.Tensor:
     """The uint8 ``[nb, block_size * R]`` view (page stride = ``cache.stride(0)``) of any accepted view."""
     if not isinstance(cache, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
@@ -57,16 +43,16 @@ def pages(cache, block_size: int, name: str = "k_cache", fmt: CacheFormat = FP8_
         raise ValueError(f"{name} must have dtype torch.uint8 or torch.float8_e4m3fn, got {cache.dtype}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    rec = fmt.record_bytes
+    rec = fmt.token_bytes
     used = block_size * rec
+    padded = L.page_bytes(block_size, fmt)
     shape, st = cache.shape, cache.stride()
     nd = len(shape)
     nb = shape[0] if nd else 0
     if nd == 2:
-        if shape[1] not in (used, L.round_up(used, L.PAGE_ALIGN)) or st[1] != 1:
-            _fail(name, cache, f"a 2-D {fmt.name} cache must be [nb, {used}] or [nb, "
-                               f"{L.round_up(used, L.PAGE_ALIGN)}] bytes with unit inner stride for block_size "
-                               f"{block_size}")
+        if shape[1] not in (used, padded) or st[1] != 1:
+            _fail(name, cache, f"a 2-D {fmt.name} cache must be [nb, {used}] or [nb, {padded}] bytes with unit "
+                               f"inner stride for block_size {block_size}")
     elif nd == 3 or nd == 4:
         if shape[1] != block_size or shape[-1] != rec or (nd == 4 and shape[2] != 1):
             want = (block_size, rec) if nd == 3 else (block_size, 1, rec)
@@ -88,6 +74,28 @@ def pages(cache, block_size: int, name: str = "k_cache", fmt: CacheFormat = FP8_
     return torch.as_strided(raw, (nb, used), (max(stride, used) if nb <= 1 else stride, 1), offset)
 
 
+def detect_format(cache, block_size: int, name: str = "k_cache", layout: str = "page_split") -> L.RecordFormat:
+    """The KV record format (``layout.KV_FORMATS``, in ``layout``) of a cache view: named by the last
+    dimension of a 3-D / 4-D view (vLLM's and FlashMLA's), or the one format whose pages (unpadded or
+    padded) a 2-D view's rows are; a ValueError naming ``name`` otherwise."""
+    if not isinstance(cache, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.dim() in (3, 4):
+        return L.with_layout(L.format_for_token_bytes(cache.shape[-1], name), layout)
+    if cache.dim() == 2 and isinstance(block_size, int) and block_size > 0:
+        fits = [f for f in (L.with_layout(f, layout) for f in L.KV_FORMATS)
+                if cache.shape[1] in (block_size * f.token_bytes, L.page_bytes(block_size, f))]
+        if len(fits) == 1:
+            return fits[0]
+        if len(fits) > 1:
+            raise ValueError(f"{name}: rows of {cache.shape[1]} B fit the {', '.join(f.name for f in fits)} pages "
+                             f"of {block_size} records; pass the [num_blocks, block_size, bytes_per_token] view")
+    if cache.dim() == 2:
+        raise ValueError(f"{name}: rows of {cache.shape[1]} B are no page of {block_size!r} records of a KV record "
+                         f"format ({', '.join(f.name for f in L.KV_FORMATS)})")
+    raise ValueError(f"{name}: a KV cache must be 2-D, 3-D or 4-D, got shape {tuple(cache.shape)}")
+
+
 def capacity(p: torch.Tensor, block_size: int) -> int:
     """Slots of a ``pages`` view: ``num_blocks * block_size``."""
     return p.shape[0] * block_size
@@ -100,19 +108,18 @@ def flat_bytes(p: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(p, (n,), (1,), p.storage_offset())
 
 
-def record_byte_index(slots: torch.Tensor, block_size: int, page_stride: int, fmt: CacheFormat = FP8_DS_MLA):
+def record_byte_index(slots: torch.Tensor, block_size: int, page_stride: int, fmt: L.RecordFormat = FP8_DS_MLA):
     """Byte offsets (into ``flat_bytes``) of the data and scale bytes of the records at valid ``slots``:
-    (int64 [n, data_bytes], int64 [n, scale_bytes])."""
+    (int64 [n, data_bytes], int64 [n, scale_bytes]), by ``layout.data_offset`` / ``record_scale_offset``."""
     s = slots.long()
     base = (s // block_size) * page_stride
     off = s % block_size
-    data = (base + off * fmt.data_bytes).unsqueeze(1) + torch.arange(fmt.data_bytes, device=s.device)
-    scale = (base + block_size * fmt.data_bytes + off * fmt.scale_bytes).unsqueeze(1) \
+    data = (base + L.data_offset(fmt, off)).unsqueeze(1) + torch.arange(fmt.data_bytes, device=s.device)
+    scale = (base + L.record_scale_offset(fmt, block_size, off)).unsqueeze(1) \
         + torch.arange(fmt.scale_bytes, device=s.device)
     return data, scale
 
 
-def new_pages(num_blocks: int, block_size: int, fmt: CacheFormat = FP8_DS_MLA, device=None, fill: int = 0):
-    """A ``[num_blocks, round_up(bs * R, 576)]`` uint8 cache filled with ``fill``."""
-    pb = L.round_up(block_size * fmt.record_bytes, L.PAGE_ALIGN)
-    return torch.full((num_blocks, pb), fill, dtype=torch.uint8, device=device)
+def new_pages(num_blocks: int, block_size: int, fmt: L.RecordFormat = FP8_DS_MLA, device=None, fill: int = 0):
+    """A ``[num_blocks, layout.page_bytes(bs, fmt)]`` uint8 cache filled with ``fill``."""
+    return torch.full((num_blocks, L.page_bytes(block_size, fmt)), fill, dtype=torch.uint8, device=device)

@@ -1,14 +1,23 @@
-"""fp8_ds_mla paged-cache geometry (docs/cache_format.md#page). Numbers only; no tensors are touched here.
+"""Paged-cache geometry (docs/cache_format.md#page): record formats as values, page and slot arithmetic.
+Numbers only; no tensors are touched here.
 
-Per token, 584 bytes split over two regions of a page:
+A record format (``RecordFormat``) says how one token's 512-dim latent is stored: how many bytes, which
+leading dims are quantized (e4m3 or e2m1) in blocks of how many dims, the scale encoding, what follows as
+bf16, and how a page arranges its records:
 
-    page base + [0, bs*576)              token i data at i*576: 448 e4m3 bytes (NoPE) + 64 bf16 (RoPE)
-    page base + [bs*576, bs*576 + bs*8)  token i scales at bs*576 + i*8: 7 UE8M0 bytes + 1 pad byte (0)
-    padding up to a multiple of 576 B     (FlashMLA reads pages at 576-B alignment)
+    page-split (vLLM, FlashMLA's 2026-09-10 release, V4.0 everywhere)
+        page base + [0, bs*D)              record o's data bytes at o*D   (D = data_bytes)
+        page base + [bs*D, bs*(D + S))     record o's scale bytes at bs*D + o*S   (S = scale_bytes)
+        padding up to a multiple of page_align
+    interleaved (FlashMLA's 2026-09-30 release)
+        page base + o*R                    record o's data bytes, then its scale bytes (R = token_bytes)
 
-The indexer K cache (C4 layers) uses the same idea with 128 fp8 bytes + one fp32 scale per entry.
-A slot id is ``block * block_size + offset``; -1 means "no slot".
+V40_584 is DeepSeek-V4.0's fp8_ds_mla record (448 e4m3 + 64 bf16, 7 UE8M0 per 64 + a pad byte, pages
+padded to 576 B); its numbers are also the module constants below. The indexer K cache (C4 layers) is
+INDEXER_K_132 (128 e4m3 + one fp32 scale). A slot id is ``block * block_size + offset``; -1 means "no
+slot".
 """
+from typing import NamedTuple
 
 HEAD_DIM = 512
 NOPE_DIM = 448
@@ -28,6 +37,78 @@ SWA_BLOCK_SIZE = 64                   # vLLM's DeepseekV4SWACache block
 LOGICAL_BLOCK_TOKENS = 256            # compressed layers: 256 token positions per logical block
 
 
+class RecordFormat(NamedTuple):
+    """One paged-cache record format. A value: hashable, comparable, and passed to the Triton kernels as a
+    single constexpr (their address and dequantization arithmetic is written in these fields)."""
+    name: str
+    token_bytes: int        # bytes of one record (data + scales)
+    data_bytes: int         # its data bytes: quantized dims, then bf16 dims
+    scale_bytes: int        # its scale bytes (scales, then pad bytes written 0)
+    quant_dims: int         # leading dims stored quantized; dims quant_dims .. 511 are bf16
+    elem_bits: int          # 8: e4m3fn bytes; 4: e2m1 nibbles, dim 2i in the low nibble of byte i
+    quant_block: int        # consecutive quantized dims sharing one scale
+    scale: str              # "ue8m0": byte b scales by 2^(b - 127); "e4m3": an e4m3fn value; "fp32"
+    page_align: int         # page-split pages are padded to a multiple of this many bytes
+    interleaved: bool       # False: page-split; True: each record's data then its scales (FlashMLA DS-0930)
+
+    @property
+    def num_scales(self) -> int:
+        return self.quant_dims // self.quant_block
+
+    @property
+    def quant_bytes(self) -> int:
+        return self.quant_dims * self.elem_bits // 8
+
+    @property
+    def layout(self) -> str:
+        return "interleaved" if self.interleaved else "page_split"
+
+
+V40_584 = RecordFormat("V40_584", TOKEN_BYTES, DATA_BYTES, SCALE_BYTES, NOPE_DIM, 8, QUANT_BLOCK, "ue8m0",
+                       PAGE_ALIGN, False)
+INDEXER_K_132 = RecordFormat("INDEXER_K_132", INDEXER_TOKEN_BYTES, INDEXER_DIM, 4, INDEXER_DIM, 8, INDEXER_DIM,
+                             "fp32", PAGE_ALIGN, False)
+KV_FORMATS = (V40_584,)                           # the formats of the attention caches (main and extra)
+
+
+def interleaved(fmt: RecordFormat) -> RecordFormat:
+    """``fmt`` in the per-token interleaved page layout (pages are ``bs * token_bytes``, no padding)."""
+    return fmt._replace(interleaved=True, page_align=fmt.token_bytes)
+
+
+def with_layout(fmt: RecordFormat, layout: str) -> RecordFormat:
+    """``fmt`` in the page layout named "page_split" or "interleaved". Interleaved records must be whole
+    multiples of 16 bytes (the kernels move records 16 bytes at a time): V40_584 is page-split only."""
+    if layout not in ("page_split", "interleaved"):
+        raise ValueError(f"kv_layout must be 'page_split' or 'interleaved', got {layout!r}")
+    if layout == "page_split":
+        return fmt
+    if fmt.token_bytes % 16:
+        raise ValueError(f"kv_layout 'interleaved': {fmt.name} records ({fmt.token_bytes} B) are page-split only")
+    return interleaved(fmt)
+
+
+def format_for_token_bytes(n: int, name: str = "k_cache") -> RecordFormat:
+    """The attention-cache format whose records are ``n`` bytes (page-split), or a ValueError naming ``name``."""
+    for f in KV_FORMATS:
+        if f.token_bytes == n:
+            return f
+    raise ValueError(f"{name}: no KV record format is {n} bytes a token (known: "
+                     f"{', '.join(f'{f.token_bytes} ({f.name})' for f in KV_FORMATS)})")
+
+
+def data_offset(fmt: RecordFormat, off: int) -> int:
+    """Byte offset inside a page of the data bytes of record ``off``."""
+    return off * (fmt.token_bytes if fmt.interleaved else fmt.data_bytes)
+
+
+def record_scale_offset(fmt: RecordFormat, block_size: int, off: int) -> int:
+    """Byte offset inside a page of the scale bytes of record ``off``."""
+    if fmt.interleaved:
+        return off * fmt.token_bytes + fmt.data_bytes
+    return block_size * fmt.data_bytes + off * fmt.scale_bytes
+
+
 def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -37,22 +118,22 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def page_bytes(block_size: int) -> int:
-    """Bytes of one fp8_ds_mla page holding ``block_size`` tokens (37440 for 64, 1728 for 2)."""
+def page_bytes(block_size: int, fmt: RecordFormat = V40_584) -> int:
+    """Bytes of one page holding ``block_size`` records as vLLM allocates it (V40_584: 37440 for 64, 1728
+    for 2); an interleaved page is exactly ``block_size * token_bytes``."""
     _check_block_size(block_size)
-    return round_up(block_size * TOKEN_BYTES, PAGE_ALIGN)
+    return round_up(block_size * fmt.token_bytes, fmt.page_align)
 
 
-def scale_offset(block_size: int) -> int:
-    """Byte offset of the scale region inside a page."""
+def scale_offset(block_size: int, fmt: RecordFormat = V40_584) -> int:
+    """Byte offset of the scale region inside a page-split page."""
     _check_block_size(block_size)
-    return block_size * DATA_BYTES
+    return block_size * fmt.data_bytes
 
 
 def indexer_page_bytes(block_size: int) -> int:
     """Bytes of one indexer-K page: ``[bs x 128 fp8][bs x fp32 scale]``, padded to 576 (8640 for 64)."""
-    _check_block_size(block_size)
-    return round_up(block_size * INDEXER_TOKEN_BYTES, PAGE_ALIGN)
+    return page_bytes(block_size, INDEXER_K_132)
 
 
 def compressed_block_size(ratio: int) -> int:
@@ -77,8 +158,8 @@ def split_slot(slot: int, block_size: int) -> tuple:
     return divmod(slot, block_size)
 
 
-def token_byte_offsets(slot: int, block_size: int) -> tuple:
-    """(data offset, scale offset) of a slot's bytes from the start of the cache."""
+def token_byte_offsets(slot: int, block_size: int, fmt: RecordFormat = V40_584) -> tuple:
+    """(data offset, scale offset) of a slot's bytes from the start of a cache of ``page_bytes`` pages."""
     blk, off = split_slot(slot, block_size)
-    base = blk * page_bytes(block_size)
-    return base + off * DATA_BYTES, base + scale_offset(block_size) + off * SCALE_BYTES
+    base = blk * page_bytes(block_size, fmt)
+    return base + data_offset(fmt, off), base + record_scale_offset(fmt, block_size, off)

@@ -18,17 +18,17 @@ FORMATS = {"fp8_ds_mla": V.FP8_DS_MLA, "indexer_k": V.INDEXER_K}
 def test_every_view_gives_the_page_records_in_place(view, bs, fmt):
     f = FORMATS[fmt]
     nb = 4
-    v, backing = every_cache_view(nb, bs, f.record_bytes, seed=bs)[view]
-    if view.startswith("unpadded") and (bs * f.record_bytes) % V.ALIGN:
+    v, backing = every_cache_view(nb, bs, f.token_bytes, seed=bs)[view]
+    if view.startswith("unpadded") and (bs * f.token_bytes) % V.ALIGN:
         with pytest.raises(ValueError, match="multiple of 16"):     # no engine allocates such pages
             V.pages(v, bs, "k_cache", f)
         return
     p = V.pages(v, bs, "k_cache", f)
-    assert p.dtype == torch.uint8 and p.shape == (nb, bs * f.record_bytes)
+    assert p.dtype == torch.uint8 and p.shape == (nb, bs * f.token_bytes)
     assert p.stride(0) == backing.stride(0) and p.data_ptr() == backing.data_ptr()      # the same memory
-    assert torch.equal(p, page_records(backing, bs, f.record_bytes))
+    assert torch.equal(p, page_records(backing, bs, f.token_bytes))
     flat = V.flat_bytes(p)
-    assert flat.numel() == (nb - 1) * backing.stride(0) + bs * f.record_bytes
+    assert flat.numel() == (nb - 1) * backing.stride(0) + bs * f.token_bytes
 
 
 def test_record_byte_index_matches_layout():
@@ -41,9 +41,9 @@ def test_record_byte_index_matches_layout():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (lambda: torch.zeros(2, 64 * 584 - 8, dtype=torch.uint8), "2-D fp8_ds_mla cache must be"),
-    (lambda: torch.zeros(2, 64, 583, dtype=torch.uint8), "3-D fp8_ds_mla cache must be"),
-    (lambda: torch.zeros(2, 32, 1, 584, dtype=torch.uint8), r"4-D fp8_ds_mla cache must be \[nb, 64, 1, 584\]"),
+    (lambda: torch.zeros(2, 64 * 584 - 8, dtype=torch.uint8), "2-D V40_584 cache must be"),
+    (lambda: torch.zeros(2, 64, 583, dtype=torch.uint8), "3-D V40_584 cache must be"),
+    (lambda: torch.zeros(2, 32, 1, 584, dtype=torch.uint8), r"4-D V40_584 cache must be \[nb, 64, 1, 584\]"),
     (lambda: torch.zeros(2, 64, 584, dtype=torch.int8), "dtype"),
     (lambda: torch.zeros(2, 64, 584).bfloat16(), "dtype"),
     (lambda: torch.zeros(584, dtype=torch.uint8), "2-D, 3-D or 4-D"),

@@ -7,10 +7,16 @@ an index that is negative or past its cache / kv is absent, in the kernels as in
 
 What an implementation registered here receives (the reference, the Triton launchers, any later kernel):
 decode ``(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-extra_topk_length, softmax_scale: float, out=None) -> (out, lse [b, h, s_q])`` and prefill ``(q, kv,
-indices, sm_scale: float, d_v, attn_sink, topk_length, out=None) -> (out, max_logits, lse)``, every tensor
-checked as below, on one device, caches as uint8 or float8_e4m3fn (int8 arrives as uint8), any strides
-but a unit last one; it writes ``out`` when given and copies nothing.
+extra_topk_length, softmax_scale: float, out=None, formats=(main, extra)) -> (out, lse [b, h, s_q])`` and
+prefill ``(q, kv, indices, sm_scale: float, d_v, attn_sink, topk_length, out=None) -> (out, max_logits,
+lse)``, every tensor checked as below, on one device, caches as uint8 or float8_e4m3fn (int8 arrives as
+uint8), any strides but a unit last one; ``formats`` are the caches' record formats
+(``dsv4_rocm.layout.RecordFormat``; extra None without an extra cache), named by the caches' last
+dimension and the ``kv_layout`` of the call; it writes ``out`` when given and copies nothing.
+
+Record formats (as FlashMLA detects them, from the last dimension): 584 (V40_584), 528 (V41_528), 288
+(V41_FP4_288). The pairs (k_cache, extra_k_cache) that exist: the same format twice, or V41_528 with a
+V41_FP4_288 extra cache; an fp4 main cache, or any other pair, is a ValueError naming the argument.
 """
 import numbers
 
@@ -67,36 +73,58 @@ def _check_scale(name, v):
         raise ValueError(f"{name} must be a finite float, got {v!r}")
 
 
-def _check_cache(name, cache, dev):
-    """An fp8_ds_mla cache in FlashMLA's [nb, bs, 1, 584] view or the [nb, bs, 584] one (uint8, int8 or
-    float8_e4m3fn): the block size is shape[1], the page stride stride(0), a multiple of 16 bytes (what
-    FlashMLA's kernels need too; vLLM pads pages to a multiple of 576)."""
+_FORMATS = {(f.token_bytes, "page_split"): f for f in L.KV_FORMATS}
+_FORMATS.update({(f.token_bytes, "interleaved"): L.interleaved(f) for f in L.KV_FORMATS if f.token_bytes % 16 == 0})
+_SIZES = " / ".join(str(f.token_bytes) for f in L.KV_FORMATS)
+
+
+def _check_cache(name, cache, dev, layout):
+    """A KV cache in FlashMLA's [nb, bs, 1, R] view or the [nb, bs, R] one (uint8, int8 or float8_e4m3fn), R
+    the bytes of a record of one of the formats: the block size is shape[1], the page stride stride(0), a
+    multiple of 16 bytes (what FlashMLA's kernels need too; vLLM pads pages to a multiple of 576 or 512).
+    Returns the cache's record format in ``layout``."""
     if not isinstance(cache, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
     if cache.dtype not in _CACHE_DTYPES:
         raise ValueError(f"{name} must have dtype torch.uint8, torch.int8 or torch.float8_e4m3fn, got {cache.dtype}")
     shape = cache.shape
-    if len(shape) not in (3, 4) or shape[-1] != L.TOKEN_BYTES or (len(shape) == 4 and shape[2] != 1):
-        raise _shape_error(name, f"[num_blocks, block_size, 1, {L.TOKEN_BYTES}] (or [num_blocks, block_size, "
-                                 f"{L.TOKEN_BYTES}])", cache)
+    fmt = _FORMATS.get((shape[-1], layout)) if len(shape) in (3, 4) else None
+    if fmt is None or (len(shape) == 4 and shape[2] != 1):
+        if layout not in ("page_split", "interleaved"):
+            raise ValueError(f"kv_layout must be 'page_split' or 'interleaved', got {layout!r}")
+        if len(shape) in (3, 4) and (shape[-1], "page_split") in _FORMATS:
+            L.with_layout(_FORMATS[shape[-1], "page_split"], layout)       # says which format is page-split only
+        raise _shape_error(name, f"[num_blocks, block_size, 1, bytes_per_token] (or [num_blocks, block_size, "
+                                 f"bytes_per_token]) with bytes_per_token {_SIZES}", cache)
     if cache.device != dev:
         raise ValueError(f"{name} is on {cache.device}, q on {dev}")
-    nb, bs = shape[0], shape[1]
+    nb, bs, rec = shape[0], shape[1], fmt.token_bytes
     stride = cache.stride()
     # the common case costs a few comparisons; anything else goes through the full view check, which
     # accepts what it can and names what is wrong otherwise
-    if not (stride[-1] == 1 and (bs <= 1 or stride[1] == L.TOKEN_BYTES)
-            and (nb <= 1 or (stride[0] >= bs * L.TOKEN_BYTES and stride[0] % V.ALIGN == 0))
+    if not (stride[-1] == 1 and (bs <= 1 or stride[1] == rec)
+            and (nb <= 1 or (stride[0] >= bs * rec and stride[0] % V.ALIGN == 0))
             and (cache.storage_offset() * cache.element_size()) % V.ALIGN == 0):
-        V.pages(cache if cache.dtype != torch.int8 else cache.view(torch.uint8), bs, name)
+        V.pages(cache if cache.dtype != torch.int8 else cache.view(torch.uint8), bs, name, fmt)
+    return fmt
 
 
-def _check_set(name, iname, lname, cache, idx, lengths, b, s_q, dev):
+def _check_pair(fmt, efmt):
+    """The (k_cache, extra_k_cache) format pairs FlashMLA has: the same format, or V41_528 + V41_FP4_288."""
+    if fmt.elem_bits == 4:
+        raise ValueError(f"k_cache: a {fmt.name} cache ({fmt.token_bytes} B a token) is only supported as "
+                         "extra_k_cache, beside a V41_528 k_cache")
+    if efmt is not None and efmt.name != fmt.name and not (fmt.name == "V41_528" and efmt.name == "V41_FP4_288"):
+        raise ValueError(f"extra_k_cache: invalid kv format pair, {fmt.name} (k_cache) and {efmt.name} "
+                         "(extra_k_cache); the pairs are the same format twice, or V41_528 with V41_FP4_288")
+
+
+def _check_set(name, iname, lname, cache, idx, lengths, b, s_q, dev, layout):
     if cache is None:
         if idx is not None or lengths is not None:
             raise ValueError(f"{iname} / {lname} are given but {name} is None")
-        return
-    _check_cache(name, cache, dev)
+        return None
+    fmt = _check_cache(name, cache, dev, layout)
     if idx is None:
         raise ValueError(f"{iname} must be given with {name}")
     shape = _tensor(iname, idx, torch.int32, 3, dev)
@@ -104,6 +132,7 @@ def _check_set(name, iname, lname, cache, idx, lengths, b, s_q, dev):
         raise _shape_error(iname, f"[{b}, {s_q}, topk]", idx)
     _unit_last_stride(iname, idx)
     _check_lengths(lname, lengths, b, s_q, shape[2], dev)
+    return fmt
 
 
 def _check_lengths(name, lengths, n, s_q, topk, dev):
@@ -143,28 +172,31 @@ def _bytes(cache):
 
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                      extra_topk_length, softmax_scale: float, out=None):
-    """FlashMLA sparse decode over fp8_ds_mla pages -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q]).
+                      extra_topk_length, softmax_scale: float, out=None, *, kv_layout: str = "page_split"):
+    """FlashMLA sparse decode over paged KV records -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q]).
 
-    q [b, s_q, h, 512] bf16 (h 64 or 128); k_cache / extra_k_cache [nb, bs, 1, 584] (any view of
-    docs/conventions.md with its block size in shape[1]); indices [b, s_q, topk] int32 slot ids, negative
-    or past the cache = absent; topk_length / extra_topk_length [b] or [b, s_q] int32 (only the first
-    ones of a row count); attn_sink [h] fp32 or None. One softmax over both sets; a query with no valid
-    key gets out 0 and lse +inf. ``out`` (bf16 [b, s_q, h, 512], any strides with a unit last one) is
-    written in place and returned. Strided q, indices and lengths are read in place.
+    q [b, s_q, h, 512] bf16 (h 64 or 128); k_cache / extra_k_cache [nb, bs, 1, R] (any view of
+    docs/conventions.md with its block size in shape[1]; R names the record format, see the module
+    docstring; ``kv_layout`` "page_split" (vLLM's pages) or "interleaved" (FlashMLA DS-0930's) says how a
+    page arranges its records); indices [b, s_q, topk] int32 slot ids, negative or past the cache =
+    absent; topk_length / extra_topk_length [b] or [b, s_q] int32 (only the first ones of a row count);
+    attn_sink [h] fp32 or None. One softmax over both sets; a query with no valid key gets out 0 and lse
+    +inf. ``out`` (bf16 [b, s_q, h, 512], any strides with a unit last one) is written in place and
+    returned. Strided q, indices and lengths are read in place.
     """
     b, s_q, h, _ = _check_q(q, 4, "[b, s_q, h, 512]")
     dev = q.device
     if k_cache is None:
         raise ValueError("k_cache is required")
-    _check_set("k_cache", "indices", "topk_length", k_cache, indices, topk_length, b, s_q, dev)
-    _check_set("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length", extra_k_cache,
-               extra_indices_in_kvcache, extra_topk_length, b, s_q, dev)
+    fmt = _check_set("k_cache", "indices", "topk_length", k_cache, indices, topk_length, b, s_q, dev, kv_layout)
+    efmt = _check_set("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length", extra_k_cache,
+                      extra_indices_in_kvcache, extra_topk_length, b, s_q, dev, kv_layout)
+    _check_pair(fmt, efmt)
     _check_sink(attn_sink, h, dev)
     _check_scale("softmax_scale", softmax_scale)
     _check_out(out, (b, s_q, h, L.HEAD_DIM), dev)
     return _run("sparse_mla_decode", dev, q, _bytes(k_cache), indices, topk_length, attn_sink, _bytes(extra_k_cache),
-                extra_indices_in_kvcache, extra_topk_length, float(softmax_scale), out)
+                extra_indices_in_kvcache, extra_topk_length, float(softmax_scale), out, formats=(fmt, efmt))
 
 
 def sparse_mla_prefill(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None, out=None):

@@ -8,7 +8,7 @@ sink = +inf gives out = 0.
 """
 import torch
 
-from ..cache_views import pages as as_pages
+from .. import cache_views as V
 from .cache import decode_k_records, gather_k_records
 
 _QUERY_CHUNK = 64
@@ -63,10 +63,12 @@ def _into(out, res):
     return out
 
 
-def _paged_set(cache, indices, lengths, b, s_q):
-    """Gather the dequantized K rows of one index set: returns (K [b*s_q, topk, 512], valid)."""
+def _paged_set(cache, indices, lengths, b, s_q, fmt=None):
+    """Gather the dequantized K rows of one index set: returns (K [b*s_q, topk, 512], valid). ``fmt``: the
+    cache's record format (default: named by its last dimension, page-split)."""
     bs = cache.shape[1]
-    pages = as_pages(cache, bs)
+    fmt = fmt or V.detect_format(cache, bs)
+    pages = V.pages(cache, bs, "k_cache", fmt)
     idx = indices.reshape(b * s_q, indices.shape[-1]).long()
     valid = (idx >= 0) & (idx < pages.shape[0] * bs)
     if lengths is not None:
@@ -74,19 +76,22 @@ def _paged_set(cache, indices, lengths, b, s_q):
         ln = ln.unsqueeze(1).expand(b, s_q) if ln.dim() == 1 else ln
         valid &= torch.arange(idx.shape[1], device=idx.device).unsqueeze(0) < ln.reshape(-1, 1)
     safe = torch.where(valid, idx, torch.full_like(idx, -1)).reshape(-1)
-    K = decode_k_records(gather_k_records(pages, safe, bs)).reshape(b * s_q, idx.shape[1], 512)
+    K = decode_k_records(gather_k_records(pages, safe, bs, fmt), fmt).reshape(b * s_q, idx.shape[1], 512)
     return K, valid
 
 
 def flash_mla_with_kvcache_sparse(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
-                                  extra_indices_in_kvcache, extra_topk_length, softmax_scale: float, out=None):
-    """FlashMLA sparse decode semantics over fp8_ds_mla pages: one softmax over the main set
-    (indices into k_cache) and the optional extra set; -> (out bf16 [b, s_q, h, 512], lse [b, h, s_q]);
-    ``out``, when given, receives the output and is returned. Lengths are [b] or [b, s_q]."""
+                                  extra_indices_in_kvcache, extra_topk_length, softmax_scale: float, out=None,
+                                  formats=None):
+    """FlashMLA sparse decode semantics over paged KV records: one softmax over the main set (indices into
+    k_cache) and the optional extra set; -> (out bf16 [b, s_q, h, 512], lse [b, h, s_q]); ``out``, when
+    given, receives the output and is returned. Lengths are [b] or [b, s_q]. ``formats``: the record
+    formats (main, extra) of the caches (default: named by their last dimension, page-split)."""
     b, s_q, h, d = q.shape
-    K, valid = _paged_set(k_cache, indices, topk_length, b, s_q)
+    fmt, efmt = formats or (None, None)
+    K, valid = _paged_set(k_cache, indices, topk_length, b, s_q, fmt)
     if extra_k_cache is not None:
-        K2, v2 = _paged_set(extra_k_cache, extra_indices_in_kvcache, extra_topk_length, b, s_q)
+        K2, v2 = _paged_set(extra_k_cache, extra_indices_in_kvcache, extra_topk_length, b, s_q, efmt)
         K, valid = torch.cat([K, K2], 1), torch.cat([valid, v2], 1)
     qf = q.reshape(b * s_q, h, d)
     res, lse, _ = attend(qf, K, valid, softmax_scale, attn_sink)

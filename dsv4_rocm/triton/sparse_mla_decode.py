@@ -1,20 +1,24 @@
-"""Sparse MLA attention straight from fp8_ds_mla pages (decode, and prefill without a workspace).
+"""Sparse MLA attention straight from paged KV records (decode, and prefill without a workspace).
 
 Math, per query token t and head h, over the valid keys of two index sets (the
 sliding window in ``k_cache`` and the compressed entries in ``extra_k_cache``), K = V:
 
     l_i = sm * <q_h, K_i>      lse = ln sum_i exp(l_i)      out = softmax(l) @ K * sigmoid(lse - sink_h)
 
-Memory layout read (see ``dsv4_rocm.layout``): key slot s lives in page s // bs at offset o = s % bs;
-its 448 NoPE bytes (e4m3, OCP) at ``page*stride + o*576``, its 64 bf16 RoPE values right after them,
-and its 7 UE8M0 scale bytes at ``page*stride + bs*576 + o*8``. The kernel loads the NoPE bytes of a
-tile of BLOCK_N keys as [BLOCK_N, 8, 64] (one UE8M0 scale per 64-value chunk), scales them exactly
-(power of two) into bf16 and puts the 64 RoPE values in the 8th chunk, which gives the key rows in
-their natural 512-wide order: one MMA for the scores, one for P.V. Online softmax in base 2; P is
-rounded to bf16 for the P.V MMA (as FlashMLA does).
+Memory layout read: each set's record format (``dsv4_rocm.layout.RecordFormat``) is a constexpr of the
+kernel (MAIN_FMT, EXTRA_FMT); key slot s lives in page s // bs at offset o = s % bs, its data and scale
+bytes where ``layout.data_offset`` / ``record_scale_offset`` put them (page-split or interleaved). For
+V40_584: 448 NoPE bytes (e4m3, OCP) at ``page*stride + o*576``, 64 bf16 RoPE values right after them, 7
+UE8M0 scale bytes at ``page*stride + bs*576 + o*8``. The kernel loads a tile of BLOCK_N keys as
+[BLOCK_N, 512 / quant_block, quant_block] (one scale per chunk: [BN, 8, 64] for V40_584, whose 8th chunk
+is the bf16 RoPE dims; [BN, 16, 32] for V41_528; [BN, 32, 8] bytes of e2m1 pairs for V41_FP4_288),
+dequantizes it exactly into bf16 (a power-of-two scale, or an e2m1 value times an e4m3 scale), which
+gives the key rows in their natural 512-wide order: one MMA for the scores, one for P.V. Online softmax
+in base 2; P is rounded to bf16 for the P.V MMA (as FlashMLA does). When the two sets hold different
+formats (V41_528 + V41_FP4_288) each set has its own loop.
 
 On gfx942 the same bytes are read as fnuz e4m3, whose value is half the OCP value for every byte the
-cache can hold (-0 is never written), so the scale exponent is raised by one.
+cache can hold (-0 is never written), so the scale exponent is raised by one (an e4m3 scale is doubled).
 
 Grid: (tokens x head blocks, splits); token t = b * s_q + s is query s of batch row b, and q, indices,
 lengths and out are addressed through their (b, s, head) strides, so strided views are read and written
@@ -29,7 +33,8 @@ valid key gets out = 0 and lse = +inf.
 On Hopper the launcher can run the warp-specialized Gluon kernel of ``sparse_mla_decode_ws.py`` instead
 (the same arguments but the counters, with its tiles per CTA where this kernel takes the split count;
 same outputs, its split partials merged by ``_combine_kernel``); ``DEFAULT_SM90_KERNEL`` /
-``config=dict(kernel=...)`` pick the kernel.
+``config=dict(kernel=...)`` pick the kernel. That kernel reads V40_584 records only: calls over other
+formats run this file's kernel on Hopper too.
 """
 import functools
 import warnings
@@ -39,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import layout as L
 from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx, program_tiles
 from ._launch import cdiv, counters, device_facts, launch, scratch
 
@@ -62,31 +68,62 @@ def _e4m3_to_scaled_bf16(kb):
 
 
 @triton.jit
-def _tile_addr(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS):
-    """Where the records of one tile are: (byte offsets of their data [BN], their 8 scale bytes as one int64
-    [BN], valid [BN]); invalid ids read nothing."""
+def _tile_addr(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS, FMT: tl.constexpr):
+    """Where the records of one tile are: (byte offsets of their data [BN], their scale bytes as int64 words,
+    valid [BN]); invalid ids read nothing. The scale bytes of a record are aligned 8-byte words (8 B for
+    V40_584: one word [BN]; 16 / 32 B for the V4.1 formats: [BN, 2] / [BN, 4]), loaded with the indices, a
+    tile ahead. Record addresses follow ``dsv4_rocm.layout.data_offset`` / ``record_scale_offset``."""
     inb = n < n_valid
     idx = tl.load(idx_ptr + n, mask=inb, other=-1)
     valid = inb & (idx >= 0) & (idx < capacity)
     idx = tl.where(valid, idx, 0)
     page = (idx // BS).to(tl.int64) * page_stride
     off = (idx % BS).to(tl.int64)
-    # the 8 scale bytes of a record are one aligned 8-byte word: loaded with the indices, a tile ahead
-    scales = tl.load((cache_ptr + page + BS * 576 + off * 8).to(tl.pointer_type(tl.int64)), mask=valid, other=0)
-    return page + off * 576, scales, valid
+    if FMT.interleaved:
+        data = page + off * FMT.token_bytes
+        words = (cache_ptr + data + FMT.data_bytes).to(tl.pointer_type(tl.int64))
+    else:
+        data = page + off * FMT.data_bytes
+        words = (cache_ptr + page + BS * FMT.data_bytes + off * FMT.scale_bytes).to(tl.pointer_type(tl.int64))
+    if FMT.scale_bytes == 8:
+        scales = tl.load(words, mask=valid, other=0)
+    else:
+        w = tl.arange(0, FMT.scale_bytes // 8)
+        scales = tl.load(words[:, None] + w[None, :], mask=valid[:, None], other=0)
+    return data, scales, valid
 
 
 @triton.jit
-def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr):
-    """Gather and dequantize the keys of one tile: K bf16 [BN, 512] in the natural 448 + 64 order."""
-    c8 = tl.arange(0, 8)
-    d64 = tl.arange(0, 64)
-    is_nope = (c8 < 7)[None, :, None]
-    kb = tl.load(cache_ptr + data[:, None, None] + c8[None, :, None] * 64 + d64[None, None, :],
+def _scale_bytes(scal, NS: tl.constexpr):
+    """The NS scale bytes of each record (int32 [BN, NS]) from its scale words (int64 [BN] or [BN, NS // 8])."""
+    c = tl.arange(0, 8)
+    if len(scal.shape) == 1:
+        sb = (scal[:, None] >> (c[None, :] * 8).to(tl.int64)) & 0xFF
+    else:
+        sb = tl.reshape((scal[:, :, None] >> (c[None, None, :] * 8).to(tl.int64)) & 0xFF, (scal.shape[0], NS))
+    return sb.to(tl.int32)
+
+
+@triton.jit
+def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr):
+    """Gather and dequantize the keys of one tile: K bf16 [BN, 512] in the natural dim order. The row is
+    read as NC chunks of quant_block dims: the first QC quantized (e4m3, one UE8M0 scale each), the rest
+    (V40_584: one chunk of 64) bf16; e2m1 records go to ``_fp4_keys``."""
+    if FMT.elem_bits == 4:
+        return _fp4_keys(cache_ptr, data, scal, valid, FNUZ, DEQ_INT, FMT)
+    QB: tl.constexpr = FMT.quant_block
+    NC: tl.constexpr = 512 // QB
+    QC: tl.constexpr = FMT.quant_dims // QB
+    tl.static_assert(512 - FMT.quant_dims == (NC - QC) * QB and NC - QC <= 1)
+    c8 = tl.arange(0, NC)
+    d64 = tl.arange(0, QB)
+    is_nope = (c8 < QC)[None, :, None]
+    kb = tl.load(cache_ptr + data[:, None, None] + c8[None, :, None] * QB + d64[None, None, :],
                  mask=valid[:, None, None] & is_nope, other=0)
-    sb = ((scal[:, None] >> (c8[None, :] * 8).to(tl.int64)) & 0xFF).to(tl.int32)
-    rope_ptr = (cache_ptr + data + 448).to(tl.pointer_type(tl.bfloat16))
-    kr = tl.load(rope_ptr[:, None] + d64[None, :], mask=valid[:, None], other=0.0)
+    sb = _scale_bytes(scal, NC)
+    if QC < NC:
+        rope_ptr = (cache_ptr + data + FMT.quant_dims).to(tl.pointer_type(tl.bfloat16))
+        kr = tl.load(rope_ptr[:, None] + d64[None, :], mask=valid[:, None], other=0.0)
     if DEQ_INT:
         # value * 2^-120 times 2^(byte - 7), as two exact bf16 multiplies: 2^(min(byte, 134) - 7) and
         # 2^(max(byte, 134) - 134) are both representable (bf16 stops at 2^127); a scale byte of 0xFF
@@ -96,15 +133,94 @@ def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.con
         m1 = ((tl.minimum(sbi, 134) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         m2 = tl.where(sbi == 255, 0x7FC0, (tl.maximum(sbi, 134) - 7) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         kq = _e4m3_to_scaled_bf16(kb) * m1[:, :, None] * m2[:, :, None]
-        k3 = tl.where(is_nope, kq, kr[:, None, :])
-        return tl.reshape(k3, (kb.shape[0], 512))
+        if QC < NC:
+            kq = tl.where(is_nope, kq, kr[:, None, :])
+        return tl.reshape(kq, (kb.shape[0], 512))
     scale = ((sb + FNUZ) << 23).to(tl.float32, bitcast=True)
     if FNUZ:
         kf = kb.to(tl.float8e4b8, bitcast=True).to(tl.float32)
     else:
         kf = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    k3 = tl.where(is_nope, kf * scale[:, :, None], kr.to(tl.float32)[:, None, :])
+    k3 = kf * scale[:, :, None]
+    if QC < NC:
+        k3 = tl.where(is_nope, k3, kr.to(tl.float32)[:, None, :])
     return tl.reshape(k3.to(tl.bfloat16), (kb.shape[0], 512))
+
+
+@triton.jit
+def _e4m3_value(b, FNUZ: tl.constexpr):
+    """fp32 value of OCP e4m3fn bytes b (int32), through the same hardware converts as the key bytes: on
+    gfx942 the byte read as fnuz is half the OCP value, and 0x7F / 0xFF (NaN in OCP, finite in fnuz) are
+    made NaN explicitly."""
+    b8 = b.to(tl.uint8)
+    if FNUZ:
+        v = b8.to(tl.float8e4b8, bitcast=True).to(tl.float32) * 2.0
+        return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    return b8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp4_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr):
+    """Keys of a tile of e2m1 records (V41_FP4_288): byte i of the data holds dims 2i (low nibble) and 2i + 1;
+    one e4m3 scale per 16 dims. A code's magnitude (0, .5, 1, 1.5, 2, 3, 4, 6) is looked up by building its
+    bits (exponent field from the code's two high bits, mantissa from the low one), the scale decoded from
+    its byte, and K = value * scale, one exact multiply (2 + 4 significant bits fit bf16); no division."""
+    NS: tl.constexpr = FMT.quant_dims // FMT.quant_block
+    PB: tl.constexpr = FMT.quant_block // 2                 # data bytes of a scale block
+    c = tl.arange(0, NS)
+    j = tl.arange(0, PB)
+    pb = tl.load(cache_ptr + data[:, None, None] + c[None, :, None] * PB + j[None, None, :],
+                 mask=valid[:, None, None], other=0).to(tl.int32)
+    code = tl.interleave(pb & 0xF, pb >> 4)                 # [BN, NS, quant_block], dim 2i from the low nibble
+    mag = code & 7
+    sign = (code & 8) << 12
+    sb = _scale_bytes(scal, NS)
+    if DEQ_INT:
+        # bf16 bits of the magnitude times 2^120 (exponent field + 120), times the scale's bf16 times 2^-120
+        # from the integer e4m3 decode; a NaN scale (0x7F / 0xFF) stays NaN
+        e = tl.where(mag >= 2, (mag >> 1) + 246, tl.where(mag == 1, 246, 0))
+        v = (sign | (e << 7) | tl.where(mag >= 2, (mag & 1) << 6, 0)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        s = _e4m3_to_scaled_bf16(sb.to(tl.uint8))
+        s = tl.where((sb & 0x7F) == 0x7F, float("nan"), s.to(tl.float32)).to(tl.bfloat16)
+        k = v * s[:, :, None]
+    else:
+        e = tl.where(mag >= 2, (mag >> 1) + 126, tl.where(mag == 1, 126, 0))
+        v = ((sign << 16) | (e << 23) | tl.where(mag >= 2, (mag & 1) << 22, 0)).to(tl.float32, bitcast=True)
+        k = (v * _e4m3_value(sb, FNUZ)[:, :, None]).to(tl.bfloat16)
+    return tl.reshape(k, (pb.shape[0], 512))
+
+
+@triton.jit
+def _attend_tile(q, k, valid, acc, m_i, l_i, sm_log2):
+    """One key tile into the online softmax (base 2): scores, row max, rescale, P (bf16) . V."""
+    s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
+    m_blk = tl.max(s, 1)
+    m_new = tl.maximum(m_i, m_blk)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _set_tiles(q, acc, m_i, l_i, sm_log2, cache_ptr, page_stride, capacity, idx_row, count, lo, hi, BS,
+               BLOCK_N: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr):
+    """Key tiles [lo, hi) of one index set (``count`` valid indices) whose records are ``FMT`` (the loop when
+    the two sets' formats differ); the next tile's addresses are loaded while one is attended."""
+    offs_n = tl.arange(0, BLOCK_N)
+    c_data, c_scal, c_valid = _tile_addr(cache_ptr, page_stride, capacity, idx_row, lo * BLOCK_N + offs_n,
+                                         tl.where(lo < hi, count, 0), BS, FMT)
+    for tile in range(lo, hi):
+        n_data, n_scal, n_valid = _tile_addr(cache_ptr, page_stride, capacity, idx_row,
+                                             (tile + 1) * BLOCK_N + offs_n, tl.where(tile + 1 < hi, count, 0),
+                                             BS, FMT)
+        k = _tile_keys(cache_ptr, c_data, c_scal, c_valid, FNUZ, DEQ_INT, FMT)
+        acc, m_i, l_i = _attend_tile(q, k, c_valid, acc, m_i, l_i, sm_log2)
+        c_data, c_scal, c_valid = n_data, n_scal, n_valid
+    return acc, m_i, l_i
 
 
 # arguments that vary with the batch or the lengths' layout are not specialized on (a new value would
@@ -123,7 +239,8 @@ def _sparse_mla_paged_kernel(
         MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr,
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, COMBINE: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr,
-        HEADS: tl.constexpr, MERGE_H: tl.constexpr, THREADS: tl.constexpr):
+        HEADS: tl.constexpr, MERGE_H: tl.constexpr, THREADS: tl.constexpr, MAIN_FMT: tl.constexpr,
+        EXTRA_FMT: tl.constexpr):
     t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = program_tiles(
         main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
         s_q, num_splits, HEADS, BLOCK_H, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT)
@@ -138,39 +255,38 @@ def _sparse_mla_paged_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    # one loop over the tiles of both sets (two loops would hold two register allocations); the indices of
-    # tile + 1 are loaded at the top of tile's iteration, so their latency hides behind its MMAs and the
-    # record loads of a tile depend only on loop-carried values (the pipeliner can issue them early)
-    in_main = lo < tiles_main
-    c_base = tl.where(in_main, main_ptr, extra_ptr)
-    c_data, c_scal, c_valid = _tile_addr(c_base, tl.where(in_main, main_stride, extra_stride),
-                                         tl.where(in_main, main_cap, extra_cap),
-                                         tl.where(in_main, main_idx_row, extra_idx_row),
-                                         tl.where(in_main, lo, lo - tiles_main) * BLOCK_N + offs_n,
-                                         tl.where(in_main, n_main, n_extra), tl.where(in_main, MAIN_BS, EXTRA_BS))
-    for tile in range(lo, hi):
-        nx = tile + 1
-        nx_main = nx < tiles_main
-        n_base = tl.where(nx_main, main_ptr, extra_ptr)
-        n_data, n_scal, n_valid = _tile_addr(n_base, tl.where(nx_main, main_stride, extra_stride),
-                                             tl.where(nx_main, main_cap, extra_cap),
-                                             tl.where(nx_main, main_idx_row, extra_idx_row),
-                                             tl.where(nx_main, nx, nx - tiles_main) * BLOCK_N + offs_n,
-                                             tl.where(nx < hi, tl.where(nx_main, n_main, n_extra), 0),
-                                             tl.where(nx_main, MAIN_BS, EXTRA_BS))
-        k = _tile_keys(c_base, c_data, c_scal, c_valid, FNUZ, DEQ_INT)
-        valid = c_valid
-        s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
-        m_blk = tl.max(s, 1)
-        m_new = tl.maximum(m_i, m_blk)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
-        m_i = m_new
-        c_base, c_data, c_scal, c_valid = n_base, n_data, n_scal, n_valid
+    if EXTRA_FMT == MAIN_FMT:
+        # one loop over the tiles of both sets (two loops would hold two register allocations); the indices
+        # of tile + 1 are loaded at the top of tile's iteration, so their latency hides behind its MMAs and
+        # the record loads of a tile depend only on loop-carried values (the pipeliner can issue them early)
+        in_main = lo < tiles_main
+        c_base = tl.where(in_main, main_ptr, extra_ptr)
+        c_data, c_scal, c_valid = _tile_addr(c_base, tl.where(in_main, main_stride, extra_stride),
+                                             tl.where(in_main, main_cap, extra_cap),
+                                             tl.where(in_main, main_idx_row, extra_idx_row),
+                                             tl.where(in_main, lo, lo - tiles_main) * BLOCK_N + offs_n,
+                                             tl.where(in_main, n_main, n_extra), tl.where(in_main, MAIN_BS, EXTRA_BS),
+                                             MAIN_FMT)
+        for tile in range(lo, hi):
+            nx = tile + 1
+            nx_main = nx < tiles_main
+            n_base = tl.where(nx_main, main_ptr, extra_ptr)
+            n_data, n_scal, n_valid = _tile_addr(n_base, tl.where(nx_main, main_stride, extra_stride),
+                                                 tl.where(nx_main, main_cap, extra_cap),
+                                                 tl.where(nx_main, main_idx_row, extra_idx_row),
+                                                 tl.where(nx_main, nx, nx - tiles_main) * BLOCK_N + offs_n,
+                                                 tl.where(nx < hi, tl.where(nx_main, n_main, n_extra), 0),
+                                                 tl.where(nx_main, MAIN_BS, EXTRA_BS), MAIN_FMT)
+            k = _tile_keys(c_base, c_data, c_scal, c_valid, FNUZ, DEQ_INT, MAIN_FMT)
+            acc, m_i, l_i = _attend_tile(q, k, c_valid, acc, m_i, l_i, sm_log2)
+            c_base, c_data, c_scal, c_valid = n_base, n_data, n_scal, n_valid
+    else:
+        # the sets hold different record formats (a V41_FP4_288 extra cache): a loop over each
+        acc, m_i, l_i = _set_tiles(q, acc, m_i, l_i, sm_log2, main_ptr, main_stride, main_cap, main_idx_row, n_main,
+                                   lo, tl.minimum(hi, tiles_main), MAIN_BS, BLOCK_N, FNUZ, DEQ_INT, MAIN_FMT)
+        acc, m_i, l_i = _set_tiles(q, acc, m_i, l_i, sm_log2, extra_ptr, extra_stride, extra_cap, extra_idx_row,
+                                   n_extra, tl.maximum(lo, tiles_main) - tiles_main, hi - tiles_main, EXTRA_BS,
+                                   BLOCK_N, FNUZ, DEQ_INT, EXTRA_FMT)
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
@@ -341,7 +457,7 @@ class _Variant(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)
 def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = (),
-          num_splits: int = None):
+          num_splits: int = None, v40: bool = True):
     """Launch plan of a call shape: (config items, splits, partials per query, grid, tiles per unit), cached
     per device and shape so a launch pays no device query, no config dict and no split arithmetic.
     ``config_items`` override the default config (sweeps), ``num_splits`` the split count.
@@ -349,12 +465,14 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
     Triton kernel: ``splits`` programs per (token, head block), as many partials. Hopper kernel: a
     persistent grid of CTAs (the SMs shared evenly by the head blocks) taking ``splits`` = W key tiles each
     (``sparse_mla_decode_ws.schedule``), up to ``partials`` of them per unit (1: no unit is split, no
-    combine)."""
+    combine). ``v40``: both caches hold V40_584 records (the Hopper kernel reads no other format)."""
     arch, fnuz, sms, _ = device_facts(device)
     over = dict(config_items)
-    kernel = over.get("kernel") or default_kernel(arch)
+    kernel = over.get("kernel") or (default_kernel(arch) if v40 else "triton")
     if kernel == "ws" and arch != "sm_90":
         raise ValueError(f"config kernel='ws' runs on Hopper (sm_90) only, this device is {arch}")
+    if kernel == "ws" and not v40:
+        raise ValueError("config kernel='ws': the Hopper kernel reads V40_584 records only")
     cfg = dict(default_config(arch, h, kernel), FNUZ=fnuz, warp_size=64 if arch.startswith("gfx") else 32, **over)
     if cfg["split_combine"] not in ("kernel", "launch") or (kernel == "ws" and cfg["split_combine"] != "launch"):
         raise ValueError(f"config split_combine must be 'kernel' or 'launch' ('launch' for kernel 'ws'), got "
@@ -373,7 +491,7 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
 
 @functools.lru_cache(maxsize=4096)
 def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-             has_extra_len: bool, has_sink: bool, split: bool) -> _Variant:
+             has_extra_len: bool, has_sink: bool, split: bool, main_fmt=L.V40_584, extra_fmt=L.V40_584) -> _Variant:
     """The kernels (constexprs and launch options bound) of one variant, built once."""
     cfg = dict(cfg_items)
     if cfg["kernel"] == "ws":
@@ -386,7 +504,8 @@ def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: b
         MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=has_extra_len,
         HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, COMBINE=in_kernel,
         FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h, MERGE_H=min(MERGE_H, cfg["BLOCK_H"]),
-        THREADS=cfg["num_warps"] * cfg["warp_size"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        THREADS=cfg["num_warps"] * cfg["warp_size"], MAIN_FMT=main_fmt, EXTRA_FMT=extra_fmt,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     comb = None
     if split and not in_kernel:
         comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=False,
@@ -401,17 +520,18 @@ def _lengths_strides(lengths):
 
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                      extra_topk_length, softmax_scale: float, out=None, *, config: dict = None,
+                      extra_topk_length, softmax_scale: float, out=None, *, formats=None, config: dict = None,
                       num_splits: int = None, compile_only: bool = False):
-    """FlashMLA sparse decode over fp8_ds_mla pages -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q]).
+    """FlashMLA sparse decode over paged KV records -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q]).
 
     Arguments as ``dsv4_rocm.ops.sparse_mla_decode``, which checks them: q [b, s_q, h, 512] and out (when
-    given, written in place) with a unit last stride and any other strides; caches [nb, bs, (1,) 584] of
-    uint8 / int8 / float8_e4m3fn with stride(1) = 584 and page stride stride(0); indices [b, s_q, topk]
+    given, written in place) with a unit last stride and any other strides; caches [nb, bs, (1,) R] of
+    uint8 / int8 / float8_e4m3fn with stride(1) = R and page stride stride(0); indices [b, s_q, topk]
     int32 with a unit last stride; lengths [b] or [b, s_q] int32, any strides; attn_sink [h] contiguous.
-    Nothing is copied: the kernel takes every stride. ``config`` / ``num_splits`` override the kernel
-    (``kernel="triton"`` or ``"ws"``), the tiles, the split combine and the split count (sweeps, tests);
-    ``compile_only`` compiles the kernels this call needs and runs nothing.
+    ``formats``: the caches' record formats (main, extra or None); default: named by their last dimension,
+    page-split. Nothing is copied: the kernel takes every stride. ``config`` / ``num_splits`` override the
+    kernel (``kernel="triton"`` or ``"ws"``), the tiles, the split combine and the split count (sweeps,
+    tests); ``compile_only`` compiles the kernels this call needs and runs nothing.
     """
     b, s_q, h, _ = q.shape
     T = b * s_q
@@ -419,8 +539,13 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     has_extra = extra_k_cache is not None
     topk = indices.shape[2]
     etopk = extra_indices_in_kvcache.shape[2] if has_extra else 0
+    fmt, efmt = formats if formats is not None else (None, None)
+    if fmt is None:
+        fmt = L.format_for_token_bytes(k_cache.shape[-1])
+    if efmt is None:
+        efmt = L.format_for_token_bytes(extra_k_cache.shape[-1], "extra_k_cache") if has_extra else fmt
     cfg, ns, parts, grid, m = _plan(dev, h, T, topk, etopk, tuple(sorted(config.items())) if config else (),
-                                    num_splits)
+                                    num_splits, fmt == L.V40_584 and efmt == L.V40_584)
     if out is None:
         out = torch.empty((b, s_q, h, 512), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=dev)
@@ -430,7 +555,7 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     has_len, has_elen = topk_length is not None, has_extra and extra_topk_length is not None
     ebs = extra_k_cache.shape[1] if has_extra else 1
     split = parts > 1
-    var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split)
+    var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, fmt, efmt)
     count = indices                     # an int32 placeholder (never read) when nothing is counted
     if split:
         ws = scratch(dev, parts * T * h * 513)
@@ -483,7 +608,8 @@ def _matrix_constexprs(arch, split=False):
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
                 SPLIT=split, COMBINE=split, FNUZ=arch == "gfx942",
                 DEQ_INT=c.get("DEQ_INT", False), HEADS=64, MERGE_H=MERGE_H,
-                THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32))
+                THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32), MAIN_FMT=L.V40_584,
+                EXTRA_FMT=L.V40_584)
 
 
 def _matrix_options(arch):
