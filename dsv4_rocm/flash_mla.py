@@ -1,13 +1,19 @@
 """FlashMLA's Python API over dsv4_rocm's kernels, on every vendor: an engine swaps the import.
 
 Same names, positional order, defaults and returns as ``flash_mla.flash_mla_interface`` for the sparse
-DeepSeek-V4 ("MODEL1", d_qk 512) paths, plus the ``out=`` buffer vLLM's FlashMLA backend passes:
+DeepSeek-V4 and V4.1 (d_qk 512) paths, plus the ``out=`` buffer vLLM's FlashMLA backend passes:
 
 * ``get_mla_metadata(*args, **kwargs) -> (FlashMLASchedMeta, None)``
 * ``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-  num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None, attn_sink=None,
-  extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None, *, out=None)
-  -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q])``: sparse decode over fp8_ds_mla pages.
+  num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=True, indices=None, attn_sink=None,
+  extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None,
+  enable_batch_invariant=False, *, out=None, kv_layout="page_split") -> (out bf16 [b, s_q, h, 512], lse fp32
+  [b, h, s_q])``: sparse decode over paged KV records. As FlashMLA does, the record format is detected
+  from the caches' last dimension: 584 (V40_584, FlashMLA's V4.0 releases), 528 (V41_528) or 288
+  (V41_FP4_288, only as ``extra_k_cache`` beside a 528 ``k_cache``); other pairs are refused by name.
+  ``kv_layout``: "page_split" (vLLM's pages, FlashMLA 2026-09-10) or "interleaved" (FlashMLA 2026-09-30,
+  each record whole). ``enable_batch_invariant`` (FlashMLA 2026-09-30): no split of a query's keys, so
+  the result does not depend on the batch.
 * ``flash_mla_sparse_fwd(q, kv, indices, sm_scale=None, d_v=512, attn_sink=None, topk_length=None, *,
   out=None) -> (out bf16 [s_q, h, 512], max_logits fp32 [s_q, h], lse fp32 [s_q, h])``: sparse prefill.
 * ``warmup(device=None, configs=None)``: compile ahead of time the kernels a model's calls select.
@@ -33,6 +39,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from . import layout as L
 from . import ops
 from . import _checks as C
 
@@ -52,6 +59,7 @@ class SchedConfig(NamedTuple):
     topk: Optional[int]
     extra_page_block_size: Optional[int]
     extra_topk: Optional[int]
+    enable_batch_invariant: bool = False
 
 
 @dataclasses.dataclass
@@ -72,14 +80,14 @@ def _unused_table(name, t):
                          f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
 
 
-def _sched_config(q, k_cache, indices, extra_k_cache, extra_indices, causal, is_fp8_kvcache):
+def _sched_config(q, k_cache, indices, extra_k_cache, extra_indices, causal, is_fp8_kvcache, batch_invariant):
     """The call's SchedConfig, or None when the arguments are not even tensors of the right ranks (the
     op's checks then name the bad one)."""
     try:
         cs = k_cache.shape
         return SchedConfig(*q.shape[:3], cs[1], cs[2] if len(cs) == 4 else 1, causal, is_fp8_kvcache,
                            indices.shape[-1], extra_k_cache.shape[1] if extra_k_cache is not None else None,
-                           extra_indices.shape[-1] if extra_indices is not None else None)
+                           extra_indices.shape[-1] if extra_indices is not None else None, bool(batch_invariant))
     except (AttributeError, IndexError, TypeError):
         return None
 
@@ -87,13 +95,14 @@ def _sched_config(q, k_cache, indices, extra_k_cache, extra_indices, causal, is_
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: Optional[torch.Tensor],
                            cache_seqlens: Optional[torch.Tensor], head_dim_v: int,
                            tile_scheduler_metadata: FlashMLASchedMeta, num_splits: None = None,
-                           softmax_scale: Optional[float] = None, causal: bool = False, is_fp8_kvcache: bool = False,
+                           softmax_scale: Optional[float] = None, causal: bool = False, is_fp8_kvcache: bool = True,
                            indices: Optional[torch.Tensor] = None, attn_sink: Optional[torch.Tensor] = None,
                            extra_k_cache: Optional[torch.Tensor] = None,
                            extra_indices_in_kvcache: Optional[torch.Tensor] = None,
                            topk_length: Optional[torch.Tensor] = None,
-                           extra_topk_length: Optional[torch.Tensor] = None, *,
-                           out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                           extra_topk_length: Optional[torch.Tensor] = None, enable_batch_invariant: bool = False, *,
+                           out: Optional[torch.Tensor] = None,
+                           kv_layout: str = "page_split") -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode (see the module docstring); ``out`` [b, s_q, h, 512] bf16 is written in place."""
     meta = tile_scheduler_metadata
     if not (hasattr(meta, "have_initialized") and hasattr(meta, "config")):
@@ -105,19 +114,23 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     if causal:
         raise ValueError("causal must be False when sparse attention is enabled")
     if not is_fp8_kvcache:
-        raise ValueError("is_fp8_kvcache must be True when sparse attention is enabled (fp8_ds_mla pages)")
+        raise ValueError("is_fp8_kvcache must be True when sparse attention is enabled (quantized KV records)")
+    if not isinstance(enable_batch_invariant, bool):
+        raise ValueError(f"enable_batch_invariant must be a bool, got {enable_batch_invariant!r}")
     if head_dim_v != 512:
         raise ValueError(f"head_dim_v must be 512, got {head_dim_v!r}")
     _unused_table("block_table", block_table)
     _unused_table("cache_seqlens", cache_seqlens)
-    cfg = _sched_config(q, k_cache, indices, extra_k_cache, extra_indices_in_kvcache, causal, is_fp8_kvcache)
+    cfg = _sched_config(q, k_cache, indices, extra_k_cache, extra_indices_in_kvcache, causal, is_fp8_kvcache,
+                        enable_batch_invariant)
     if meta.have_initialized and cfg is not None and meta.config != cfg:
         raise ValueError(f"tile_scheduler_metadata was initialized for {meta.config}, this call is {cfg}: use a "
                          f"new get_mla_metadata() object for another shape")
     if softmax_scale is None:                # FlashMLA's default, d_qk^-0.5
         softmax_scale = (q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else 512) ** -0.5
     res = ops.sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                                extra_topk_length, softmax_scale, out)
+                                extra_topk_length, softmax_scale, out, kv_layout=kv_layout,
+                                batch_invariant=enable_batch_invariant)
     if not meta.have_initialized:           # only a call that passed every check ties the object to its shape
         meta.have_initialized, meta.config = True, cfg
     return res
@@ -144,21 +157,24 @@ class WarmupConfig(NamedTuple):
     lengths: bool                        # topk_length given
     sink: bool = True
     extra_lengths: Optional[bool] = None  # extra_topk_length given; None: as ``lengths``
+    formats: tuple = (L.V40_584, L.V40_584)  # record formats (layout.RecordFormat) of the main and extra caches
 
 
 def model_warmup_configs(heads=(64, 128), block_sizes=(64, 256), extra_block_sizes=(None, 64, 2),
-                         lengths=(True, False), sinks=(True,)):
+                         lengths=(True, False), sinks=(True,), formats=((L.V40_584, L.V40_584),)):
     """Every combination of the given values: by default the shapes DeepSeek-V4's layers call with
-    (window pages of 64 in vLLM, 256 in FlashMLA's tests; compressed pages of 64 (C4) and 2 (C128))."""
-    return [WarmupConfig(*c) for c in itertools.product(heads, block_sizes, extra_block_sizes, lengths, sinks)]
+    (window pages of 64 in vLLM, 256 in FlashMLA's tests; compressed pages of 64 (C4) and 2 (C128));
+    ``formats``: (main, extra) record formats, e.g. ((L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288))
+    for DeepSeek-V4.1's caches."""
+    return [WarmupConfig(h, bs, ebs, ln, sk, None, f) for h, bs, ebs, ln, sk, f in
+            itertools.product(heads, block_sizes, extra_block_sizes, lengths, sinks, formats)]
 
 
 def _warmup_inputs(cfg: WarmupConfig, device):
     from .reference import cache as rc
-    from . import layout as L
 
-    def cache(bs):
-        return rc.flash_mla_view(torch.zeros(2, L.page_bytes(bs), dtype=torch.uint8, device=device), bs)
+    def cache(bs, fmt):
+        return rc.flash_mla_view(torch.zeros(2, L.page_bytes(bs, fmt), dtype=torch.uint8, device=device), bs, fmt)
 
     q = torch.zeros(1, 1, cfg.heads, 512, dtype=torch.bfloat16, device=device)
     idx = torch.zeros(1, 1, 128, dtype=torch.int32, device=device)
@@ -166,8 +182,8 @@ def _warmup_inputs(cfg: WarmupConfig, device):
     sink = torch.zeros(cfg.heads, dtype=torch.float32, device=device) if cfg.sink else None
     extra = cfg.extra_block_size is not None
     extra_lengths = cfg.lengths if cfg.extra_lengths is None else cfg.extra_lengths
-    return (q, cache(cfg.block_size), idx, lens if cfg.lengths else None, sink,
-            cache(cfg.extra_block_size) if extra else None, idx if extra else None,
+    return (q, cache(cfg.block_size, cfg.formats[0]), idx, lens if cfg.lengths else None, sink,
+            cache(cfg.extra_block_size, cfg.formats[1]) if extra else None, idx if extra else None,
             lens if extra and extra_lengths else None, 512 ** -0.5)
 
 
@@ -183,7 +199,8 @@ def warmup(device=None, configs=None, prefill: bool = True, threads: Optional[in
         from .triton.sparse_mla_decode import sparse_mla_decode
         for cfg in (configs if configs is not None else model_warmup_configs()):
             args = _warmup_inputs(cfg, device)
-            jobs += [(sparse_mla_decode, args, dict(num_splits=ns)) for ns in (1, 2)]
+            fmts = (cfg.formats[0], cfg.formats[1] if cfg.extra_block_size is not None else None)
+            jobs += [(sparse_mla_decode, args, dict(num_splits=ns, formats=fmts)) for ns in (1, 2)]
     if prefill and ops.backend_for("sparse_mla_prefill", device) == "triton":
         from .triton.sparse_mla_prefill import sparse_mla_prefill
         q = torch.zeros(1, 64, 512, dtype=torch.bfloat16, device=device)

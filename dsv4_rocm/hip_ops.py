@@ -9,7 +9,11 @@ are not are copied, outputs that are not are written through an aligned buffer a
 import torch
 
 from . import cache_views as V
+from . import layout as L
 from ._build import load
+
+# the record formats' codes in the launch arguments (hip_kernels/include/dsv4/record.h DSV4_FMT_*)
+FORMAT_CODES = {L.V40_584.name: 0, L.V41_528.name: 1, L.V41_FP4_288.name: 2}
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -48,19 +52,26 @@ def _cos_sin(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == (64, 1) else t.contiguous()
 
 
-def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int):
-    load().quantize_and_insert_k_cache(_rows(k), V.pages(k_cache, block_size), _index(slot_mapping), block_size)
+def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int, fmt: L.RecordFormat = L.V40_584):
+    load().quantize_and_insert_k_cache(_rows(k), V.pages(k_cache, block_size, "k_cache", fmt), _index(slot_mapping),
+                                       block_size, FORMAT_CODES[fmt.name], fmt.interleaved)
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
-                                                      padded_heads: int, eps: float, block_size: int, q_out=None):
+                                                      padded_heads: int, eps: float, block_size: int, q_out=None,
+                                                      apply_q_norm: bool = True, apply_q_rope: bool = True,
+                                                      is_q_interleaved: bool = False,
+                                                      fmt: L.RecordFormat = L.V40_584):
     if q_out is None:
         q_out = torch.empty(q.shape[0], padded_heads, q.shape[2], dtype=q.dtype, device=q.device)
-    pages = V.pages(k_cache, block_size)
+    pages = V.pages(k_cache, block_size, "k_cache", fmt)
+    if is_q_interleaved:        # a token's heads are one row: copies keep it one row
+        q = q if q.stride(2) == 1 and (q.shape[1] <= 1 or q.stride(1) == q.shape[2]) and _aligned(q) else q.contiguous()
     q, kv, slot_mapping, positions, cos_sin_cache = (_rows(q), _rows(kv), _index(slot_mapping), _index(positions),
                                                      _cos_sin(cos_sin_cache))
     return _into(q_out, lambda o: load().fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-        q, kv, o, pages, slot_mapping, positions, cos_sin_cache, eps, block_size))
+        q, kv, o, pages, slot_mapping, positions, cos_sin_cache, eps, block_size, FORMAT_CODES[fmt.name],
+        fmt.interleaved, apply_q_norm, apply_q_rope, is_q_interleaved))
 
 
 def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
@@ -81,16 +92,19 @@ def fused_q_kv_rmsnorm(qr, kv, q_weight, kv_weight, eps: float):
     return qr_out, kv_out
 
 
-def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size: int, offset: int):
-    pages = V.pages(k_cache, block_size)
+def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size: int, offset: int,
+                                  fmt: L.RecordFormat = L.V40_584):
+    pages = V.pages(k_cache, block_size, "k_cache", fmt)
     seq_lens, block_table = _index(seq_lens), block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     gather_lens = None if gather_lens is None else _index(gather_lens)
     _into(out, lambda o: load().dequantize_and_gather_k_cache(o, pages, seq_lens, gather_lens, block_table,
-                                                             block_size, offset))
+                                                             block_size, offset, FORMAT_CODES[fmt.name],
+                                                             fmt.interleaved))
 
 
-def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int):
-    pages = V.pages(k_cache, block_size)
+def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int, fmt: L.RecordFormat = L.V40_584):
+    pages = V.pages(k_cache, block_size, "k_cache", fmt)
     if slot_ids.dim() == 1:                      # [N] slots into out [N, 512]: one row of N
         out, slot_ids = out.unsqueeze(0), slot_ids.unsqueeze(0)
-    _into(out, lambda o: load().dequantize_global_slots_k_cache(o, pages, slot_ids, block_size))
+    _into(out, lambda o: load().dequantize_global_slots_k_cache(o, pages, slot_ids, block_size,
+                                                               FORMAT_CODES[fmt.name], fmt.interleaved))

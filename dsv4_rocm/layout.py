@@ -12,10 +12,18 @@ bf16, and how a page arranges its records:
     interleaved (FlashMLA's 2026-09-30 release)
         page base + o*R                    record o's data bytes, then its scale bytes (R = token_bytes)
 
-V40_584 is DeepSeek-V4.0's fp8_ds_mla record (448 e4m3 + 64 bf16, 7 UE8M0 per 64 + a pad byte, pages
-padded to 576 B); its numbers are also the module constants below. The indexer K cache (C4 layers) is
-INDEXER_K_132 (128 e4m3 + one fp32 scale). A slot id is ``block * block_size + offset``; -1 means "no
-slot".
+The KV formats, each page-split as vLLM writes it (``interleaved(fmt)``: the same record in FlashMLA's
+per-token layout):
+
+    V40_584      DeepSeek-V4.0's fp8_ds_mla: 448 e4m3 + 64 bf16 RoPE, 7 UE8M0 per 64 + a pad byte; pages
+                 padded to 576 B. Its numbers are also the module constants below.
+    V41_528      DeepSeek-V4.1: all 512 dims e4m3 (RoPE dims 448..511 included, RoPE applied before the
+                 quantization), 16 UE8M0 per 32; pages padded to 512 B
+    V41_FP4_288  DeepSeek-V4.1's compressed cache option: 512 e2m1 (two a byte), 32 e4m3 scales per 16;
+                 pages padded to 512 B; only as the extra (compressed) cache beside a V41_528 main cache
+
+The indexer K cache (C4 layers) is INDEXER_K_132 (128 e4m3 + one fp32 scale). A slot id is
+``block * block_size + offset``; -1 means "no slot".
 """
 from typing import NamedTuple
 
@@ -68,7 +76,9 @@ V40_584 = RecordFormat("V40_584", TOKEN_BYTES, DATA_BYTES, SCALE_BYTES, NOPE_DIM
                        PAGE_ALIGN, False)
 INDEXER_K_132 = RecordFormat("INDEXER_K_132", INDEXER_TOKEN_BYTES, INDEXER_DIM, 4, INDEXER_DIM, 8, INDEXER_DIM,
                              "fp32", PAGE_ALIGN, False)
-KV_FORMATS = (V40_584,)                           # the formats of the attention caches (main and extra)
+V41_528 = RecordFormat("V41_528", 528, 512, 16, HEAD_DIM, 8, 32, "ue8m0", 512, False)
+V41_FP4_288 = RecordFormat("V41_FP4_288", 288, 256, 32, HEAD_DIM, 4, 16, "e4m3", 512, False)
+KV_FORMATS = (V40_584, V41_528, V41_FP4_288)      # the formats of the attention caches (main and extra)
 
 
 def interleaved(fmt: RecordFormat) -> RecordFormat:
@@ -86,6 +96,14 @@ def with_layout(fmt: RecordFormat, layout: str) -> RecordFormat:
     if fmt.token_bytes % 16:
         raise ValueError(f"kv_layout 'interleaved': {fmt.name} records ({fmt.token_bytes} B) are page-split only")
     return interleaved(fmt)
+
+
+def valid_pair(main: RecordFormat, extra: RecordFormat) -> bool:
+    """The (k_cache, extra_k_cache) formats FlashMLA pairs: one format twice, or V41_528 with V41_FP4_288
+    (an e2m1 cache is never the main one)."""
+    if main.elem_bits == 4:
+        return False
+    return extra.name == main.name or (main.name == V41_528.name and extra.name == V41_FP4_288.name)
 
 
 def format_for_token_bytes(n: int, name: str = "k_cache") -> RecordFormat:

@@ -1,6 +1,6 @@
 // dequantize_and_gather_k_cache (vLLM's op): for request b (blockIdx.x) and i < gather_len_b,
 //   out[b, offset + i] = bf16 K of the token at position p = seq_len_b - gather_len_b + i, read from page
-//   block_table[b, p / bs] of the fp8_ds_mla cache (exact: the dequantized values are bf16).
+//   block_table[b, p / bs] of the cache of records a.fmt (exact: the dequantized values are bf16).
 // gather_len_b = gather_lens[b], or seq_lens[b] when gather_lens is NULL. Rows past out's `rows` are not
 // written; a row whose position is negative or whose block-table entry is missing, negative or past the
 // cache is written as zeros. The blocks of one request (gridDim.y of them, 8 row groups each) stride over
@@ -10,6 +10,7 @@
 
 #define ROWS 2
 
+template <class F>
 __global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_gather_block_table_kernel(dsv4_gather_args a) {
   const int b = blockIdx.x;
   const int lane = threadIdx.x % DSV4_GROUP;
@@ -29,12 +30,12 @@ __global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_gather_block_table_kernel(dsv4_gath
       int64_t i = i0 + r, pos = seq - gl + i, page = -1;
       if (i < n && pos >= 0 && pos / a.bs < a.bt_cols) page = dsv4_index(a.block_table, b * a.bt_s0 + pos / a.bs, a.bt64);
       ok[r] = page >= 0 && page < a.num_blocks;
-      dsv4_load_record_lane(cache + (ok[r] ? page : 0) * a.page_stride, ok[r] ? pos % a.bs : 0, a.bs, lane, ok[r],
-                            p[r], sb[r]);
+      dsv4_load_record_lane<F>(cache + (ok[r] ? page : 0) * a.page_stride, ok[r] ? pos % a.bs : 0, a.bs,
+                               a.interleaved, lane, ok[r], p[r], sb[r]);
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
-      if (i0 + r < n) dsv4_store_record_lane(out + (i0 + r) * a.out_s1, p[r], sb[r], lane, ok[r]);
+      if (i0 + r < n) dsv4_store_record_lane<F>(out + (i0 + r) * a.out_s1, p[r], sb[r], lane, ok[r]);
   }
 }
 
@@ -46,7 +47,12 @@ extern "C" int dsv4_dequantize_and_gather_k_cache(const dsv4_gather_args* a, voi
   int64_t need = (a->rows - a->offset + per_block - 1) / per_block;
   int64_t want = (1024 + a->R - 1) / a->R;
   int64_t y = need < want ? need : want;
-  hipLaunchKernelGGL(dsv4_gather_block_table_kernel, dim3((unsigned)a->R, (unsigned)(y > 65535 ? 65535 : y)),
-                     dim3(threads), 0, (hipStream_t)stream, *a);
+  dim3 grid((unsigned)a->R, (unsigned)(y > 65535 ? 65535 : y));
+  if (a->fmt == DSV4_FMT_V41)
+    hipLaunchKernelGGL(dsv4_gather_block_table_kernel<dsv4_v41>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
+  else if (a->fmt == DSV4_FMT_V41_FP4)
+    hipLaunchKernelGGL(dsv4_gather_block_table_kernel<dsv4_v41_fp4>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
+  else
+    hipLaunchKernelGGL(dsv4_gather_block_table_kernel<dsv4_v40>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
   return (int)hipGetLastError();
 }

@@ -10,14 +10,16 @@ from dsv4_rocm import ops
 from dsv4_rocm.reference import compressor as rc
 from dsv4_rocm.reference.rope import build_cos_sin_cache
 
-RECORD = {"main": (576, 8), "fp8": (128, 4), "mxfp4": (64, 4)}     # (token_stride, scale_dim)
-QUANT_BLOCK = {"main": 64, "fp8": 128, "mxfp4": 32}
+# (token_stride, scale_dim): "main" V40_584, "v41" V41_528, "fp4" V41_FP4_288 (head 512), "fp8" / "mxfp4" indexer
+RECORD = {"main": (576, 8), "v41": (512, 16), "fp4": (256, 32), "fp8": (128, 4), "mxfp4": (64, 4)}
+QUANT_BLOCK = {"main": 64, "v41": 32, "fp4": 16, "fp8": 128, "mxfp4": 32}
+HEAD512 = ("main", "v41", "fp4")
 
 
 @dataclass
 class Setup:
     ratio: int
-    target: str                  # "main" | "fp8" | "mxfp4"
+    target: str                  # "main" | "v41" | "fp4" | "fp8" | "mxfp4"
     kv_score: list               # per request fp32 [len, 2 * coff * D] (the projection's output)
     ape: torch.Tensor
     norm_w: torch.Tensor
@@ -29,11 +31,11 @@ class Setup:
 
     @property
     def D(self):
-        return 512 if self.target == "main" else 128
+        return 512 if self.target in HEAD512 else 128
 
     @property
     def bs(self):                # entries per output page
-        return 256 // self.ratio if self.target == "main" else 64
+        return 256 // self.ratio if self.target in HEAD512 else 64
 
     @property
     def record(self):
@@ -60,7 +62,7 @@ def make_setup(ratio, target, lens, device="cpu", seed=0, garbage=True, scale=1.
     """Random requests of the given lengths; pages of different requests interleaved; the output pages
     (and the state cache) start as random bytes / values when ``garbage``."""
     g = torch.Generator().manual_seed(seed)
-    D = 512 if target == "main" else 128
+    D = 512 if target in HEAD512 else 128
     c = rc.coff(ratio)
     kv_score = [(torch.randn(n, 2 * c * D, generator=g) * scale).to(device) for n in lens]
     ape = (torch.randn(ratio, c * D, generator=g) * 0.5).to(device)
@@ -73,7 +75,7 @@ def make_setup(ratio, target, lens, device="cpu", seed=0, garbage=True, scale=1.
     if garbage:
         state.copy_(torch.randn(state.shape, generator=g).to(device))
     state_bt = torch.randperm(ns, generator=g)[:len(lens) * ncols].view(len(lens), ncols).to(torch.int32)
-    bs = 256 // ratio if target == "main" else 64
+    bs = 256 // ratio if target in HEAD512 else 64
     ccols = -(-(max(lens) // ratio + 1) // bs)
     nb = len(lens) * ccols + 2
     ts, sd = RECORD[target]

@@ -8,6 +8,7 @@ float8 (the op accepts either dtype).
 import pytest
 import torch
 
+from dsv4_rocm import layout as L
 from dsv4_rocm import ops  # noqa: F401  (registers torch.ops.dsv4_rocm)
 from dsv4_rocm.reference import cache as rc
 from dsv4_rocm.reference.rope import build_cos_sin_cache
@@ -15,13 +16,14 @@ from helpers import random_k
 
 LIB = torch.ops.dsv4_rocm
 
+GROWN = ("bool apply_q_norm=True, bool kv_mxfp8=False, bool apply_q_rope=True, bool is_q_interleaved=False")
 VLLM_SCHEMAS = {   # torch.ops._C schemas of vLLM (csrc torch_bindings), argument names and order
-    "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert":
+    "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert":       # the 13-argument schema of vLLM's V4.1 code
         "(Tensor q_in, Tensor kv, Tensor(a!) k_cache, Tensor slot_mapping, Tensor position_ids, "
-        "Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size) -> Tensor",
-    "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out":
+        f"Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size, {GROWN}) -> Tensor",
+    "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out":   # its _out form, with the same trailing flags
         "(Tensor q_in, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
-        "Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size) -> ()",
+        f"Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size, {GROWN}) -> ()",
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
         "(Tensor q, Tensor kv, Tensor(a!) q_fp8, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
         "Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, float eps, int cache_block_size) -> ()",
@@ -41,7 +43,11 @@ def cases(device):
     bt = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=d)
     full = torch.zeros(4, 16, 512, dtype=torch.uint8, device=d)
     one = torch.tensor([0.5], device=d)
+    v41 = torch.zeros(3, 64, 528, dtype=torch.uint8, device=d)
     return {
+        "quantize_and_insert_k_cache[528]": (k, v41.view(3, -1), slots, 64, True, False, 528),
+        "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert[528, interleaved q]":
+            (q, k, v41.view(3, -1), slots, pos, cs, 8, 1e-6, 64, False, True, False, True),
         "quantize_and_insert_k_cache": (k, cache.view(3, -1), slots),
         "dequantize_and_gather_k_cache": (torch.zeros(2, 80, 512, device=d).bfloat16(), cache,
                                           torch.tensor([70, 6], device=d), torch.tensor([66, 6], device=d), bt, 64, 3),
@@ -66,7 +72,7 @@ def test_vllm_schemas():
 
 @pytest.mark.parametrize("name", sorted(cases("cpu")))
 def test_opcheck_cpu(name):
-    res = torch.library.opcheck(getattr(LIB, name).default, cases("cpu")[name])
+    res = torch.library.opcheck(getattr(LIB, name.split("[")[0]).default, cases("cpu")[name])
     print(name, res)
     assert set(res.values()) == {"SUCCESS"}
 
@@ -74,7 +80,7 @@ def test_opcheck_cpu(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(cases("cpu")))
 def test_opcheck_gpu(name, gpu):
-    res = torch.library.opcheck(getattr(LIB, name).default, cases(gpu)[name])
+    res = torch.library.opcheck(getattr(LIB, name.split("[")[0]).default, cases(gpu)[name])
     print(name, res)
     assert set(res.values()) == {"SUCCESS"}
 
@@ -89,14 +95,21 @@ def test_opcheck_hip_launchers(gpu):
     k, cache, slots = c["quantize_and_insert_k_cache"]
     pages = V.pages(cache, 64)
     q, _, _, _, pos, cs, _, _, _ = c["fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"]
+    _, v41, *_ = c["quantize_and_insert_k_cache[528]"]
+    v41_pages = V.pages(v41, 64, "k_cache", L.V41_528)
     checks = [
-        (hip.quantize_and_insert_k_cache, (k, pages, slots, 64)),
+        (hip.quantize_and_insert_k_cache, (k, pages, slots, 64, 0, False)),
+        (hip.quantize_and_insert_k_cache, (k, v41_pages, slots, 64, 1, False)),
         (hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
-         (q, k, torch.empty(8, 8, 512, device=gpu).bfloat16(), pages, slots.int(), pos, cs, 1e-6, 64)),
+         (q, k, torch.empty(8, 8, 512, device=gpu).bfloat16(), pages, slots.int(), pos, cs, 1e-6, 64, 0, False,
+          True, True, False)),
+        (hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
+         (q, k, torch.empty(8, 8, 512, device=gpu).bfloat16(), v41_pages, slots.int(), pos, cs, 1e-6, 64, 1, False,
+          False, False, True)),
         (hip.dequantize_and_gather_k_cache, (c["dequantize_and_gather_k_cache"][0], pages,
-                                             *c["dequantize_and_gather_k_cache"][2:])),
+                                             *c["dequantize_and_gather_k_cache"][2:], 0, False)),
         (hip.dequantize_global_slots_k_cache, (c["dequantize_global_slots_k_cache"][0], pages,
-                                               *c["dequantize_global_slots_k_cache"][2:])),
+                                               *c["dequantize_global_slots_k_cache"][2:], 0, False)),
         (hip.fused_q_kv_rmsnorm, (*c["fused_q_kv_rmsnorm"][:4], torch.empty(8, 1024, device=gpu).bfloat16(),
                                   torch.empty(8, 512, device=gpu).bfloat16(), 1e-6)),
     ]

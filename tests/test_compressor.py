@@ -7,17 +7,19 @@ import textwrap
 import pytest
 import torch
 
+from dsv4_rocm import layout as L
 from dsv4_rocm import ops
 from dsv4_rocm.reference import cache as rcache
 from dsv4_rocm.reference import compressor as rc
 from dsv4_rocm.reference.norm import rmsnorm
-from dsv4_rocm.reference.quant import mxfp4_quantize, quantize_blocks
+from dsv4_rocm.reference.quant import exponent_to_ue8m0, mxfp4_quantize, nvfp4_quantize, quantize_blocks
 from dsv4_rocm.reference.rope import rope_fwd
 from compressor_batches import (compress_kwargs, make_setup, read_entry, run_schedule, run_step, step_inputs,
                                 written_mask)
 from helpers import run_interpreted
 
-TARGETS = [(4, "main"), (128, "main"), (4, "fp8"), (4, "mxfp4")]
+TARGETS = [(4, "main"), (128, "main"), (4, "fp8"), (4, "mxfp4"), (4, "v41"), (128, "v41"), (4, "fp4"), (128, "fp4")]
+V41_FORMATS = {"v41": L.V41_528, "fp4": L.V41_FP4_288}
 
 
 # ---- the exact fp32 primitives ----------------------------------------------------------------------
@@ -78,6 +80,13 @@ def _hand_entry(S, b, j):
     sc_w, kv_w = torch.stack(rows_sc), torch.stack(rows_kv)
     yh = rc.rms_normalize(rc.pool(sc_w, kv_w), S.norm_w.cpu(), 1e-6)
     yh64 = rmsnorm((torch.softmax(sc_w.double(), 0) * kv_w.double()).sum(0), S.norm_w.double().cpu(), 1e-6)
+    if S.target in V41_FORMATS:          # all 512 dims of the bf16 latent rotated in fp32, no second rounding
+        x = rope_fwd(yh.bfloat16().float().unsqueeze(0), torch.tensor([j * r]), S.cos_sin.cpu())
+        if S.target == "fp4":
+            q, s = nvfp4_quantize(x, 16)
+            return (q[0], s[0]), yh, yh64
+        q, e = quantize_blocks(x, 32, 1e-4)
+        return (q[0], exponent_to_ue8m0(e)[0]), yh, yh64
     roped = rope_fwd(yh.unsqueeze(0), torch.tensor([j * r]), S.cos_sin.cpu())[0]
     if S.target == "main":
         rec = rcache.encode_k_records(torch.cat([yh[:448], roped[448:]]).bfloat16().unsqueeze(0))[0]
@@ -187,6 +196,10 @@ def test_non_finite_window_poisons_the_entry(ratio, target):
     if target == "main":
         assert (data[:448] == 0x7F).all() and (scale[:7] == 0xFF).all() and scale[7] == 0
         assert (data[448:].view(torch.int16) == rc.BF16_NAN).all()
+    elif target == "v41":                               # the norm's NaN poisons every block of the entry
+        assert (data == 0x7F).all() and (scale == 0xFF).all()
+    elif target == "fp4":
+        assert (data == 0).all() and (scale == 0x7F).all()
     elif target == "fp8":
         assert (data == 0x7F).all() and scale.view(torch.int32).item() == rc.F32_NAN
     else:
@@ -211,7 +224,7 @@ def test_call_forms_are_vllms():
         positional = [n for n, p in params.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
         assert positional == VLLM_COMPRESS
         assert [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY] == ["store_full_kv", "store_full_fp8",
-                                                                              "fp8_scale"]
+                                                                              "fp8_scale", "kv_layout"]
 
 
 def _bad_calls(S, kv, score, pos, req, sslots, kslots):

@@ -7,7 +7,8 @@ an index that is negative or past its cache / kv is absent, in the kernels as in
 
 What an implementation registered here receives (the reference, the Triton launchers, any later kernel):
 decode ``(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-extra_topk_length, softmax_scale: float, out=None, formats=(main, extra)) -> (out, lse [b, h, s_q])`` and
+extra_topk_length, softmax_scale: float, out=None, formats=(main, extra), num_splits=None) -> (out, lse
+[b, h, s_q])`` (``num_splits`` 1: no query's keys split over programs) and
 prefill ``(q, kv, indices, sm_scale: float, d_v, attn_sink, topk_length, out=None) -> (out, max_logits,
 lse)``, every tensor checked as below, on one device, caches as uint8 or float8_e4m3fn (int8 arrives as
 uint8), any strides but a unit last one; ``formats`` are the caches' record formats
@@ -110,11 +111,11 @@ def _check_cache(name, cache, dev, layout):
 
 
 def _check_pair(fmt, efmt):
-    """The (k_cache, extra_k_cache) format pairs FlashMLA has: the same format, or V41_528 + V41_FP4_288."""
+    """The (k_cache, extra_k_cache) format pairs FlashMLA has (``layout.valid_pair``)."""
     if fmt.elem_bits == 4:
         raise ValueError(f"k_cache: a {fmt.name} cache ({fmt.token_bytes} B a token) is only supported as "
                          "extra_k_cache, beside a V41_528 k_cache")
-    if efmt is not None and efmt.name != fmt.name and not (fmt.name == "V41_528" and efmt.name == "V41_FP4_288"):
+    if efmt is not None and not L.valid_pair(fmt, efmt):
         raise ValueError(f"extra_k_cache: invalid kv format pair, {fmt.name} (k_cache) and {efmt.name} "
                          "(extra_k_cache); the pairs are the same format twice, or V41_528 with V41_FP4_288")
 
@@ -172,7 +173,8 @@ def _bytes(cache):
 
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                      extra_topk_length, softmax_scale: float, out=None, *, kv_layout: str = "page_split"):
+                      extra_topk_length, softmax_scale: float, out=None, *, kv_layout: str = "page_split",
+                      batch_invariant: bool = False):
     """FlashMLA sparse decode over paged KV records -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q]).
 
     q [b, s_q, h, 512] bf16 (h 64 or 128); k_cache / extra_k_cache [nb, bs, 1, R] (any view of
@@ -182,7 +184,8 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     absent; topk_length / extra_topk_length [b] or [b, s_q] int32 (only the first ones of a row count);
     attn_sink [h] fp32 or None. One softmax over both sets; a query with no valid key gets out 0 and lse
     +inf. ``out`` (bf16 [b, s_q, h, 512], any strides with a unit last one) is written in place and
-    returned. Strided q, indices and lengths are read in place.
+    returned. Strided q, indices and lengths are read in place. ``batch_invariant``: no query's keys are
+    split over programs (the result of a query does not depend on the rest of the batch).
     """
     b, s_q, h, _ = _check_q(q, 4, "[b, s_q, h, 512]")
     dev = q.device
@@ -196,7 +199,8 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     _check_scale("softmax_scale", softmax_scale)
     _check_out(out, (b, s_q, h, L.HEAD_DIM), dev)
     return _run("sparse_mla_decode", dev, q, _bytes(k_cache), indices, topk_length, attn_sink, _bytes(extra_k_cache),
-                extra_indices_in_kvcache, extra_topk_length, float(softmax_scale), out, formats=(fmt, efmt))
+                extra_indices_in_kvcache, extra_topk_length, float(softmax_scale), out, formats=(fmt, efmt),
+                **({"num_splits": 1} if batch_invariant else {}))
 
 
 def sparse_mla_prefill(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None, out=None):

@@ -1,4 +1,9 @@
-"""The fp8_ds_mla cache ops in vLLM's call forms: write K records, read them back as bf16.
+"""The KV cache ops in vLLM's call forms: write K records, read them back as bf16.
+
+Record formats (``dsv4_rocm.layout``): the writer takes vLLM's ``bytes_per_token`` (584: V40_584, 528:
+V41_528); the readers name the format by the cache's last dimension, as vLLM's do (584, 528, or 288:
+V41_FP4_288), or for a 2-D page view by the one format its rows fit. Every op takes ``kv_layout``
+("page_split", vLLM's pages and the default; "interleaved", FlashMLA DS-0930's) as a keyword.
 
 Caches are accepted in every view vLLM holds (``dsv4_rocm.cache_views``); index tensors are int32 or
 int64. Bad input is a ValueError naming the argument before anything is written (docs/conventions.md).
@@ -35,21 +40,43 @@ def encoding_flags(is_ue8m0=True, use_fnuz=False):
                          "included); FNUZ-encoded caches are not written or read (docs/conventions.md)")
 
 
+WRITER_FORMATS = {f.token_bytes: f for f in (L.V40_584, L.V41_528)}
+
+
+def _writer_format(bytes_per_token, k_cache, kv_layout):
+    """The record format vLLM's ``bytes_per_token`` names (584 or 528), checked against the cache's view."""
+    if isinstance(bytes_per_token, bool) or bytes_per_token not in WRITER_FORMATS:
+        raise ValueError(f"bytes_per_token must be 584 (V40_584) or 528 (V41_528), got {bytes_per_token!r} (the "
+                         "288 B V41_FP4_288 records are written by compress_norm_rope_store)")
+    fmt = L.with_layout(WRITER_FORMATS[bytes_per_token], kv_layout)
+    if isinstance(k_cache, torch.Tensor) and k_cache.dim() in (3, 4) and k_cache.shape[-1] != bytes_per_token:
+        raise ValueError(f"k_cache: records of {k_cache.shape[-1]} B, but bytes_per_token is {bytes_per_token}")
+    return fmt
+
+
+def cache_format(k_cache, block_size, kv_layout="page_split"):
+    """The record format of a cache the readers are given (``cache_views.detect_format``)."""
+    return V.detect_format(k_cache, block_size, "k_cache", kv_layout)
+
+
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int = 64, is_ue8m0: bool = True,
-                                use_fnuz: bool = False) -> None:
-    """k bf16 [T, 512] (RoPE applied) -> UE8M0 fp8_ds_mla records at slot_mapping[:n] (n =
-    len(slot_mapping) <= T; vLLM passes fewer slots than rows under DP padding). A slot < 0 is padding."""
+                                use_fnuz: bool = False, bytes_per_token: int = 584, *,
+                                kv_layout: str = "page_split") -> None:
+    """k bf16 [T, 512] (RoPE applied) -> UE8M0 records of ``bytes_per_token`` (584: V40_584, 528: V41_528) at
+    slot_mapping[:n] (n = len(slot_mapping) <= T; vLLM passes fewer slots than rows under DP padding). A
+    slot < 0 is padding."""
     C.tensor("k", k, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM))
     encoding_flags(is_ue8m0, use_fnuz)
     C.positive_int("block_size", block_size)
-    pages = V.pages(k_cache, block_size, "k_cache")
+    fmt = _writer_format(bytes_per_token, k_cache, kv_layout)
+    pages = V.pages(k_cache, block_size, "k_cache", fmt)
     C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1)
     if slot_mapping.shape[0] > k.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
     C.same_device(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
     C.slots_inside("slot_mapping", slot_mapping, V.capacity(pages, block_size),
                    f"({pages.shape[0]} pages x {block_size})")
-    _run("quantize_and_insert_k_cache", k.device, k, k_cache, slot_mapping, block_size)
+    _run("quantize_and_insert_k_cache", k.device, k, k_cache, slot_mapping, block_size, fmt=fmt)
 
 
 def _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_size, offset):
@@ -73,7 +100,7 @@ def _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size: int, offset: int,
-                                  use_fnuz: bool = False) -> None:
+                                  use_fnuz: bool = False, *, kv_layout: str = "page_split") -> None:
     """vLLM's op: for request b and i < gather_lens[b] (seq_lens[b] when gather_lens is None),
     ``out[b, offset + i]`` = bf16 K of request b's token at position ``seq_lens[b] - gather_lens[b] + i``,
     read through ``block_table[b]`` (exact: the dequantized values are bf16). Other rows of out are not
@@ -88,14 +115,16 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     C.positive_int("block_size", block_size)
     if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= out.shape[1]:
         raise ValueError(f"offset must be an int in [0, {out.shape[1]}] (rows of out), got {offset!r}")
-    pages = V.pages(k_cache, block_size, "k_cache")
+    fmt = cache_format(k_cache, block_size, kv_layout)
+    pages = V.pages(k_cache, block_size, "k_cache", fmt)
     C.same_device(out=out, k_cache=k_cache, seq_lens=seq_lens, gather_lens=gather_lens, block_table=block_table)
     _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_size, offset)
     _run("dequantize_and_gather_k_cache", out.device, out, k_cache, seq_lens, gather_lens, block_table, block_size,
-         offset)
+         offset, fmt=fmt)
 
 
-def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int) -> None:
+def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int, *,
+                                    kv_layout: str = "page_split") -> None:
     """``out[n, k]`` = bf16 K at cache slot ``slot_ids[n, k]`` (exact); a slot < 0 gives a zero row.
     out bf16 [N, K, 512] (any strides with a unit last one, as vLLM's column slices of a workspace),
     slot_ids int32/int64 [N, K]; also [N, 512] with [N]."""
@@ -104,8 +133,9 @@ def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int) -> 
         raise ValueError(f"slot_ids must be 1-D or 2-D, got shape {tuple(slot_ids.shape)}")
     C.tensor("out", out, dtype=torch.bfloat16, shape=(*slot_ids.shape, L.HEAD_DIM))
     C.positive_int("block_size", block_size)
-    pages = V.pages(k_cache, block_size, "k_cache")
+    fmt = cache_format(k_cache, block_size, kv_layout)
+    pages = V.pages(k_cache, block_size, "k_cache", fmt)
     C.same_device(out=out, k_cache=k_cache, slot_ids=slot_ids)
     C.slots_inside("slot_ids", slot_ids, V.capacity(pages, block_size), f"({pages.shape[0]} pages x {block_size})")
-    _run("dequantize_global_slots_k_cache", out.device, out, k_cache, slot_ids, block_size)
+    _run("dequantize_global_slots_k_cache", out.device, out, k_cache, slot_ids, block_size, fmt=fmt)
 

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import _checks as C
+from .. import layout as L
 from ..reference import compressor as _rc
 from ._dispatch import register, run as _run, value_checks
 
@@ -17,8 +18,11 @@ register("save_partial_states", _rc.save_partial_states,
 register("compress_norm_rope_store", _rc.compress_norm_rope_store,
          triton="dsv4_rocm.triton.compress_norm_rope_store:compress_norm_rope_store")
 
-# (head_dim, use_fp4_cache) -> (quant_block, token_stride, scale_dim) of the record the op writes
-_RECORDS = {(512, False): (64, 576, 8), (128, False): (128, 128, 4), (128, True): (32, 64, 4)}
+# (head_dim, use_fp4_cache) -> (quant_block, token_stride, scale_dim) of the indexer records the op writes; a
+# head-512 cache's record format is named by its last dimension (584, 528 or 288): (quant_block, data_bytes,
+# scale_bytes) of that format
+_RECORDS = {(128, False): (128, 128, 4), (128, True): (32, 64, 4)}
+MAIN_FORMATS = {f.token_bytes: f for f in L.KV_FORMATS}
 
 
 def compressor_kv_score(x, fused_wkv_wgate):
@@ -104,10 +108,12 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
                              block_size, state_width, cos_sin_cache, kv_cache, k_cache_metadata, pdl_kwargs, head_dim,
                              rope_head_dim, compress_ratio, overlap, use_fp4_cache, rms_norm_weight, rms_norm_eps,
                              quant_block, token_stride, scale_dim, *, store_full_kv=False, store_full_fp8=False,
-                             fp8_scale=None) -> None:
-    """vLLM's fused compress -> RMSNorm -> RoPE -> UE8M0 quant -> cache insert (fp8_ds_mla record for
-    head_dim 512, indexer K FP8 or MXFP4 for 128), for the boundary tokens among the first num_actual;
-    ``slot_mapping`` is the state cache's, ``k_cache_metadata.slot_mapping`` the output cache's."""
+                             fp8_scale=None, kv_layout: str = "page_split") -> None:
+    """vLLM's fused compress -> RMSNorm -> RoPE -> quant -> cache insert, for the boundary tokens among the
+    first num_actual: for head_dim 512 a record of the format kv_cache's last dimension names (584:
+    V40_584, 528: V41_528, 288: V41_FP4_288; ``kv_layout`` "page_split" or "interleaved"), for 128 indexer
+    K FP8 or MXFP4. ``slot_mapping`` is the state cache's, ``k_cache_metadata.slot_mapping`` the output
+    cache's."""
     if store_full_kv or store_full_fp8 or fp8_scale is not None:
         raise ValueError("store_full_kv / store_full_fp8 / fp8_scale: only the fp8_ds_mla paged layout is supported")
     _ratio(compress_ratio)
@@ -115,12 +121,23 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
         raise ValueError(f"overlap must be {compress_ratio == 4} for compress_ratio {compress_ratio}")
     if rope_head_dim != 64:
         raise ValueError(f"rope_head_dim must be 64, got {rope_head_dim!r}")
-    rec = _RECORDS.get((head_dim, bool(use_fp4_cache)))
+    fmt = L.V40_584
+    if head_dim == 512 and not use_fp4_cache:
+        width = kv_cache.shape[-1] if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() in (3, 4) else None
+        if width not in MAIN_FORMATS:
+            raise ValueError(f"kv_cache records must be 584, 528 or 288 bytes for head_dim 512 (a [num_blocks, "
+                             f"block_size, R] view; R names the record format), got "
+                             f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)}")
+        fmt = L.with_layout(MAIN_FORMATS[width], kv_layout)
+        rec = (fmt.quant_block, fmt.data_bytes, fmt.scale_bytes)
+    else:
+        rec = _RECORDS.get((head_dim, bool(use_fp4_cache)))
     if rec is None:
         raise ValueError(f"head_dim / use_fp4_cache: {head_dim!r} / {use_fp4_cache!r} is not one of 512 (main, no "
                          "fp4) or 128 (indexer)")
     if (quant_block, token_stride, scale_dim) != rec:
-        raise ValueError(f"quant_block, token_stride, scale_dim must be {rec} for head_dim {head_dim}, got "
+        raise ValueError(f"quant_block, token_stride, scale_dim must be {rec} for head_dim {head_dim}"
+                         f"{f' ({fmt.name} records)' if head_dim == 512 else ''}, got "
                          f"{(quant_block, token_stride, scale_dim)}")
     if state_width != _rc.coff(compress_ratio) * head_dim:
         raise ValueError(f"state_width must be coff * head_dim = {_rc.coff(compress_ratio) * head_dim}, got "
@@ -152,7 +169,7 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
          slot_mapping, block_table, block_size, state_width, cos_sin_cache, kv_cache,
          SimpleNamespace(slot_mapping=kslots), pdl_kwargs, head_dim,
          rope_head_dim, compress_ratio, overlap, bool(use_fp4_cache), rms_norm_weight, float(rms_norm_eps), quant_block,
-         token_stride, scale_dim)
+         token_stride, scale_dim, fmt=fmt)
 
 
 def _check_values(state_cache, n, t2r, positions, slot_mapping, block_table, block_size, cos_sin_cache, capacity,

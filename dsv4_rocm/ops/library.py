@@ -27,8 +27,8 @@ def _none(*args, **kwargs):
     return None
 
 
-def _quantize_and_insert(k, k_cache, slot_mapping, block_size=64, is_ue8m0=True, use_fnuz=False):
-    _cache.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size, is_ue8m0, use_fnuz)
+def _quantize_and_insert(k, k_cache, slot_mapping, block_size=64, is_ue8m0=True, use_fnuz=False, bytes_per_token=584):
+    _cache.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size, is_ue8m0, use_fnuz, bytes_per_token)
 
 
 def _gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, use_fnuz=False):
@@ -49,20 +49,23 @@ def _rmsnorm_fake(qr, kv, q_weight, kv_weight, eps):
 
 
 def _qnorm_insert(q_in, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, q_head_padded, eps,
-                  cache_block_size):
+                  cache_block_size, apply_q_norm=True, kv_mxfp8=False, apply_q_rope=True, is_q_interleaved=False):
     return _qkv.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q_in, kv, k_cache, slot_mapping, position_ids,
-                                                                  cos_sin_cache, q_head_padded, eps, cache_block_size)
+                                                                  cos_sin_cache, q_head_padded, eps, cache_block_size,
+                                                                  apply_q_norm, kv_mxfp8, apply_q_rope,
+                                                                  is_q_interleaved)
 
 
 def _qnorm_insert_fake(q_in, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, q_head_padded, eps,
-                       cache_block_size):
+                       cache_block_size, apply_q_norm=True, kv_mxfp8=False, apply_q_rope=True, is_q_interleaved=False):
     return q_in.new_empty((q_in.shape[0], q_head_padded, q_in.shape[2]))
 
 
 def _qnorm_insert_out(q_in, kv, q_out, k_cache, slot_mapping, position_ids, cos_sin_cache, q_head_padded, eps,
-                      cache_block_size):
+                      cache_block_size, apply_q_norm=True, kv_mxfp8=False, apply_q_rope=True, is_q_interleaved=False):
     _qkv.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out(q_in, kv, q_out, k_cache, slot_mapping, position_ids,
-                                                               cos_sin_cache, q_head_padded, eps, cache_block_size)
+                                                               cos_sin_cache, q_head_padded, eps, cache_block_size,
+                                                               apply_q_norm, kv_mxfp8, apply_q_rope, is_q_interleaved)
 
 
 def _full_cache(q, kv, q_fp8, k_cache, slot_mapping, position_ids, cos_sin_cache, fp8_scale, q_fp8_scale_inv, eps,
@@ -74,7 +77,7 @@ def _full_cache(q, kv, q_fp8, k_cache, slot_mapping, position_ids, cos_sin_cache
 SCHEMAS = {
     "quantize_and_insert_k_cache":
         ("quantize_and_insert_k_cache(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, int block_size=64, "
-         "bool is_ue8m0=True, bool use_fnuz=False) -> ()", _quantize_and_insert, _none),
+         "bool is_ue8m0=True, bool use_fnuz=False, int bytes_per_token=584) -> ()", _quantize_and_insert, _none),
     "dequantize_and_gather_k_cache":
         ("dequantize_and_gather_k_cache(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, "
          "Tensor block_table, int block_size, int offset, bool use_fnuz=False) -> ()", _gather, _none),
@@ -87,11 +90,13 @@ SCHEMAS = {
     "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert":
         ("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(Tensor q_in, Tensor kv, Tensor(a!) k_cache, "
          "Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, int q_head_padded, float eps, "
-         "int cache_block_size) -> Tensor", _qnorm_insert, _qnorm_insert_fake),
+         "int cache_block_size, bool apply_q_norm=True, bool kv_mxfp8=False, bool apply_q_rope=True, "
+         "bool is_q_interleaved=False) -> Tensor", _qnorm_insert, _qnorm_insert_fake),
     "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out":
         ("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out(Tensor q_in, Tensor kv, Tensor(a!) q_out, "
          "Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, int q_head_padded, "
-         "float eps, int cache_block_size) -> ()", _qnorm_insert_out, _none),
+         "float eps, int cache_block_size, bool apply_q_norm=True, bool kv_mxfp8=False, bool apply_q_rope=True, "
+         "bool is_q_interleaved=False) -> ()", _qnorm_insert_out, _none),
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
         ("fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(Tensor q, Tensor kv, Tensor(a!) q_fp8, "
          "Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, Tensor fp8_scale, "

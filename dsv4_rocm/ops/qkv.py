@@ -1,5 +1,5 @@
 """The Q/KV ops in vLLM's call forms: the q_lora / kv norms, and the fused q norm + RoPE with kv RoPE +
-quant + cache insert (fp8_ds_mla pages, or FlashInfer's full-width per-tensor fp8 cache).
+quant + cache insert (V40_584 or V41_528 pages, or FlashInfer's full-width per-tensor fp8 cache).
 
 cos_sin_cache is fp32 or bf16 [max_pos, 64]; positions and slots are int32 or int64; caches come in
 every view vLLM holds (``dsv4_rocm.cache_views``). Bad input is a ValueError naming the argument before
@@ -49,39 +49,67 @@ def _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps):
     C.finite_float("eps", eps, minimum=0.0)
 
 
-def _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size, q_out):
+def _flag(name, v):
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {v!r}")
+
+
+def _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size, q_out,
+                  apply_q_norm, kv_mxfp8, apply_q_rope, is_q_interleaved, kv_layout):
     _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps)
-    if not isinstance(padded_heads, int) or isinstance(padded_heads, bool) or padded_heads < max(q.shape[1], 1):
-        raise ValueError(f"padded_heads must be an int >= the {q.shape[1]} heads of q, got {padded_heads!r}")
+    for name, v in (("apply_q_norm", apply_q_norm), ("kv_mxfp8", kv_mxfp8), ("apply_q_rope", apply_q_rope),
+                    ("is_q_interleaved", is_q_interleaved)):
+        _flag(name, v)
+    if not isinstance(padded_heads, int) or isinstance(padded_heads, bool) or not (
+            padded_heads == 0 or padded_heads >= max(q.shape[1], 1)):
+        raise ValueError(f"padded_heads must be 0 (no q output) or an int >= the {q.shape[1]} heads of q, got "
+                         f"{padded_heads!r}")
+    if is_q_interleaved and (q.stride(2) != 1 or (q.shape[1] > 1 and q.stride(1) != L.HEAD_DIM)):
+        raise ValueError(f"q: the chunk-interleaved layout needs each token's heads as one contiguous row "
+                         f"(strides (*, 512, 1)), got strides {q.stride()}")
     C.positive_int("block_size", block_size)
-    pages = V.pages(k_cache, block_size, "k_cache")
+    fmt = L.with_layout(L.V41_528 if kv_mxfp8 else L.V40_584, kv_layout)
+    pages = V.pages(k_cache, block_size, "k_cache", fmt)
     if q_out is not None:
         C.tensor("q_out", q_out, dtype=torch.bfloat16, shape=(q.shape[0], padded_heads, L.HEAD_DIM))
+        if is_q_interleaved and (q_out.stride(2) != 1 or (padded_heads > 1 and q_out.stride(1) != L.HEAD_DIM)):
+            raise ValueError(f"q_out: the chunk-interleaved layout needs each token's heads as one contiguous row, "
+                             f"got strides {q_out.stride()}")
     C.same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,
                   cos_sin_cache=cos_sin_cache, q_out=q_out)
     C.slots_inside("slot_mapping", slot_mapping, V.capacity(pages, block_size),
                    f"({pages.shape[0]} pages x {block_size})")
     return _run("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", q.device, q, kv, k_cache, slot_mapping,
-                positions, cos_sin_cache, padded_heads, eps, block_size, q_out)
+                positions, cos_sin_cache, padded_heads, eps, block_size, q_out, apply_q_norm=apply_q_norm,
+                apply_q_rope=apply_q_rope, is_q_interleaved=is_q_interleaved, fmt=fmt)
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
-                                                      padded_heads: int, eps: float, block_size: int):
-    """vLLM's torch.ops._C op: returns q_padded bf16 [T, padded_heads, 512] (per-head weightless RMSNorm,
-    RoPE on dims 448..511; heads past H are zero) and writes the first len(slot_mapping) tokens' kv
-    (RoPE, bf16, UE8M0 fp8_ds_mla record) at slot_mapping into k_cache (vLLM passes ``cache.view(nb, -1)``).
+                                                      padded_heads: int, eps: float, block_size: int,
+                                                      apply_q_norm: bool = True, kv_mxfp8: bool = False,
+                                                      apply_q_rope: bool = True, is_q_interleaved: bool = False, *,
+                                                      kv_layout: str = "page_split"):
+    """vLLM's torch.ops._C op (its 13-argument schema): returns q_padded bf16 [T, padded_heads, 512]
+    (per-head weightless RMSNorm unless ``apply_q_norm`` is False, RoPE on dims 448..511 unless
+    ``apply_q_rope`` is False, one bf16 rounding; heads past H are zero; ``is_q_interleaved``: q and the
+    result in the 16-dim chunk-interleaved layout of reference.qkv; ``padded_heads`` 0: no q work, an
+    empty result) and writes the first len(slot_mapping) tokens' kv (RoPE, bf16, then a UE8M0 record:
+    V40_584, or V41_528 with ``kv_mxfp8``) at slot_mapping into k_cache (vLLM passes ``cache.view(nb, -1)``).
     A slot < 0 is padding."""
     return _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size,
-                         None)
+                         None, apply_q_norm, kv_mxfp8, apply_q_rope, is_q_interleaved, kv_layout)
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out(q, kv, q_out, k_cache, slot_mapping, positions,
                                                           cos_sin_cache, padded_heads: int, eps: float,
-                                                          block_size: int):
+                                                          block_size: int, apply_q_norm: bool = True,
+                                                          kv_mxfp8: bool = False, apply_q_rope: bool = True,
+                                                          is_q_interleaved: bool = False, *,
+                                                          kv_layout: str = "page_split"):
     """The same with a caller-provided q_out [T, padded_heads, 512] (written in place and returned), so a
     captured graph keeps its address."""
     return _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size,
-                         q_out)
+                         q_out, apply_q_norm, kv_mxfp8, apply_q_rope, is_q_interleaved, kv_layout)
 
 
 def _scalar(name, t):

@@ -82,11 +82,12 @@ def _paged_set(cache, indices, lengths, b, s_q, fmt=None):
 
 def flash_mla_with_kvcache_sparse(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
                                   extra_indices_in_kvcache, extra_topk_length, softmax_scale: float, out=None,
-                                  formats=None):
+                                  formats=None, num_splits=None):
     """FlashMLA sparse decode semantics over paged KV records: one softmax over the main set (indices into
     k_cache) and the optional extra set; -> (out bf16 [b, s_q, h, 512], lse [b, h, s_q]); ``out``, when
     given, receives the output and is returned. Lengths are [b] or [b, s_q]. ``formats``: the record
-    formats (main, extra) of the caches (default: named by their last dimension, page-split)."""
+    formats (main, extra) of the caches (default: named by their last dimension, page-split); ``num_splits``
+    is accepted for the kernels' call form (the reference never splits)."""
     b, s_q, h, d = q.shape
     fmt, efmt = formats or (None, None)
     K, valid = _paged_set(k_cache, indices, topk_length, b, s_q, fmt)

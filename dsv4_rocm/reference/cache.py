@@ -16,7 +16,8 @@ import torch
 
 from .. import cache_views as V
 from .. import layout as L
-from .quant import (dequantize_blocks, exponent_to_ue8m0, quantize_blocks, ue8m0_to_exponent)
+from .quant import (dequantize_blocks, exponent_to_ue8m0, nvfp4_dequantize, nvfp4_quantize, quantize_blocks,
+                    ue8m0_to_exponent)
 
 KV_EPS = 1e-4
 
@@ -55,6 +56,8 @@ def quantize_dims(x: torch.Tensor, fmt: L.RecordFormat):
     if fmt.elem_bits == 8 and fmt.scale == "ue8m0":
         q, e = quantize_blocks(x, fmt.quant_block, KV_EPS)
         return q, exponent_to_ue8m0(e)
+    if fmt.elem_bits == 4 and fmt.scale == "e4m3":
+        return nvfp4_quantize(x, fmt.quant_block)
     raise ValueError(f"{fmt.name}: no quantizer for {fmt.elem_bits}-bit values with {fmt.scale} scales")
 
 
@@ -62,6 +65,8 @@ def dequantize_dims(data: torch.Tensor, scales: torch.Tensor, fmt: L.RecordForma
     """Inverse of ``quantize_dims``: fp32 [N, quant_dims] (exact: every product is a bf16 value)."""
     if fmt.elem_bits == 8 and fmt.scale == "ue8m0":
         return dequantize_blocks(data, ue8m0_to_exponent(scales), fmt.quant_block)
+    if fmt.elem_bits == 4 and fmt.scale == "e4m3":
+        return nvfp4_dequantize(data, scales, fmt.quant_block)
     raise ValueError(f"{fmt.name}: no dequantizer for {fmt.elem_bits}-bit values with {fmt.scale} scales")
 
 

@@ -14,12 +14,17 @@ through its block table (so a window that began in an earlier chunk or decode st
     C128: 128 rows, all D floats
     y    = sum_u softmax_u(score)[u, c] * kv[u, c]
     yh   = RMSNorm(y; w, eps)                       fp32, no bf16 rounding first
-    main (D = 512):   fp8_ds_mla record: NoPE = UE8M0 fp8 of bf(yh)[:448] in blocks of 64 (eps 1e-4),
-                      RoPE = bf(RoPE(yh, j * r))[448:]
+    main (D = 512):   a record of the format the cache's last dimension names (584 / 528 / 288):
+                      V40_584: NoPE = UE8M0 fp8 of bf(yh)[:448] in blocks of 64 (eps 1e-4),
+                               RoPE = bf(RoPE(yh, j * r))[448:]
+                      V41_528 / V41_FP4_288: all 512 dims of x = RoPE(bf(yh), j * r) (the bf16 latent rotated
+                               in fp32, no second rounding), UE8M0 fp8 per 32 or e2m1 + e4m3 per 16
+                               (reference.cache.encode_values)
     indexer (D = 128): z = bf(RoPE(yh, j * r)); one 128-block UE8M0 fp8 + fp32 scale 2^e, or (use_fp4)
                       MXFP4: 4 blocks of 32 E2M1 nibbles (low nibble = even index) + 4 UE8M0 bytes
 The record goes to ``k_cache_metadata.slot_mapping[t]`` of ``kv_cache`` ([nb, bs, record bytes]; data
-region ``[bs x token_stride]`` then scale region ``[bs x scale_dim]`` per page, page stride = stride(0)).
+region ``[bs x token_stride]`` then scale region ``[bs x scale_dim]`` per page, or interleaved records for
+an interleaved V4.1 format; page stride = stride(0)).
 
 Exact fp32 arithmetic, shared with the Triton kernels so that cache bytes match on every device:
     softmax   m = max_u s_u;  e_u = exp_neg(s_u - m);  num = sum_u e_u * kv_u and den = sum_u e_u, each a
@@ -34,6 +39,8 @@ a window row whose block-table entry is negative or out of range is absent (scor
 """
 import torch
 
+from .. import layout as L
+from .cache import encode_values
 from .quant import exponent_to_ue8m0, mxfp4_quantize, quantize_blocks
 from .rope import rope_fwd
 
@@ -184,8 +191,11 @@ def _window_rows(state_cache, block_table, req, pos, ratio, block_size, state_wi
     return torch.where(okx, sc, torch.full_like(sc, float("-inf"))), torch.where(okx, kv, torch.zeros_like(kv))
 
 
-def _records(yh, pos_c, cos_sin_cache, head_dim, use_fp4):
+def _records(yh, pos_c, cos_sin_cache, head_dim, use_fp4, fmt=L.V40_584):
     """(data bytes [n, token_stride], scale bytes [n, scale_dim]) of the entries."""
+    if head_dim == 512 and fmt.quant_dims == 512:
+        rec = encode_values(rope_fwd(yh.to(torch.bfloat16).float(), pos_c, cos_sin_cache), fmt)
+        return rec[:, :fmt.data_bytes], rec[:, fmt.data_bytes:]
     roped = rope_fwd(yh, pos_c, cos_sin_cache)
     if head_dim == 512:
         q, e = quantize_blocks(yh.to(torch.bfloat16).float()[:, :448], 64, KV_EPS)
@@ -203,8 +213,9 @@ def _records(yh, pos_c, cos_sin_cache, head_dim, use_fp4):
 def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, positions, slot_mapping, block_table,
                              block_size, state_width, cos_sin_cache, kv_cache, k_cache_metadata, pdl_kwargs, head_dim,
                              rope_head_dim, compress_ratio, overlap, use_fp4_cache, rms_norm_weight, rms_norm_eps,
-                             quant_block, token_stride, scale_dim) -> None:
-    """Write the compressed entries of the boundary tokens among the first num_actual tokens."""
+                             quant_block, token_stride, scale_dim, fmt: L.RecordFormat = L.V40_584) -> None:
+    """Write the compressed entries of the boundary tokens among the first num_actual tokens (``fmt``: the
+    record format of a head-512 cache)."""
     n = num_actual
     dev = state_cache.device
     kslots = k_cache_metadata.slot_mapping[:n].long()
@@ -219,9 +230,14 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
         return
     sc, kv = _window_rows(state_cache, block_table, req[t], p[t], compress_ratio, block_size, state_width, head_dim)
     yh = rms_normalize(pool(sc, kv), rms_norm_weight, rms_norm_eps)
-    data, scales = _records(yh, (p[t] // compress_ratio) * compress_ratio, cos_sin_cache, head_dim, use_fp4_cache)
+    data, scales = _records(yh, (p[t] // compress_ratio) * compress_ratio, cos_sin_cache, head_dim, use_fp4_cache,
+                            fmt)
     blk, off = (kslots[t] // kbs).unsqueeze(1), (kslots[t] % kbs).unsqueeze(1)
     ar_d = torch.arange(token_stride, device=dev)
     ar_s = torch.arange(scale_dim, device=dev)
-    pages[blk, off * token_stride + ar_d] = data
-    pages[blk, kbs * token_stride + off * scale_dim + ar_s] = scales
+    if head_dim == 512:                       # where the record format puts its data and scale bytes
+        d0, s0 = L.data_offset(fmt, off), L.record_scale_offset(fmt, kbs, off)
+    else:
+        d0, s0 = off * token_stride, kbs * token_stride + off * scale_dim
+    pages[blk, d0 + ar_d] = data
+    pages[blk, s0 + ar_s] = scales

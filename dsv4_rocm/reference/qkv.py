@@ -3,8 +3,12 @@
 Both ops work per token t: every q head gets a weightless RMSNorm over its 512 dims and GPT-J RoPE on
 dims 448..511 (fp32 inside); kv gets the same RoPE. What they store differs:
 
-    fp8_ds_mla op   q -> bf16 [T, padded_heads, 512] (heads past H zero); kv -> bf16 -> 584-byte record
-                    (UE8M0 block quant, ``reference.cache``) at slot_mapping[t]
+    fp8_ds_mla op   q -> bf16 [T, padded_heads, 512] (heads past H zero); kv -> bf16 -> a V40_584 record, or
+                    with ``kv_mxfp8`` a V41_528 one (UE8M0 block quant, ``reference.cache``) at slot_mapping[t].
+                    vLLM's grown schema: ``apply_q_norm`` / ``apply_q_rope`` switch the q norm / RoPE off
+                    (q is then copied, rounded once); ``is_q_interleaved``: q and q_out hold each token's
+                    heads in 16-dim chunks, value (h, d) at (d // 16) * H * 16 + h * 16 + d % 16 of the
+                    token's row (H the tensor's head count); ``padded_heads`` 0 writes no q at all
     full-cache op   q -> e4m3 (q * q_fp8_scale_inv) [T, H, 512]; kv -> e4m3 (kv * (1 / fp8_scale)) row
                     of 512 bytes at k_cache[slot // bs, slot % bs]   (per-tensor scales, no bf16 step)
 
@@ -14,6 +18,7 @@ inserted (the public ops reject such positions where value checks run).
 """
 import torch
 
+from .. import layout as L
 from .cache import quantize_and_insert_k_cache
 from .norm import rmsnorm
 from .quant import FP8_NAN, e4m3_encode
@@ -40,19 +45,44 @@ def _insert_slots(slot_mapping: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return torch.where(ok[:n], slot_mapping, torch.full_like(slot_mapping, -1))
 
 
+def interleave_heads(q: torch.Tensor) -> torch.Tensor:
+    """Head-major [T, H, 512] -> the chunk-interleaved layout (same shape): (h, d) goes to flat position
+    (d // 16) * H * 16 + h * 16 + d % 16 of the token's H * 512 values."""
+    T, H, D = q.shape
+    return q.reshape(T, H, D // 16, 16).transpose(1, 2).reshape(T, H, D)
+
+
+def deinterleave_heads(q: torch.Tensor) -> torch.Tensor:
+    """Inverse of interleave_heads."""
+    T, H, D = q.shape
+    return q.reshape(T, D // 16, H, 16).transpose(1, 2).reshape(T, H, D)
+
+
+def q_transform(q, positions, cos_sin_cache, eps, apply_q_norm=True, apply_q_rope=True):
+    """bf(RoPE?(RMSNorm?(q_h))) per head, fp32 inside, one rounding (an identity when both are off)."""
+    x = rmsnorm(q, None, eps) if apply_q_norm else q.float()
+    return (rope_fwd(x, positions, cos_sin_cache) if apply_q_rope else x).to(torch.bfloat16)
+
+
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
-                                                      padded_heads: int, eps: float, block_size: int, q_out=None):
-    """Writes q_out bf16 [T, padded_heads, 512] (allocated when None) and the fp8_ds_mla cache; returns q_out."""
+                                                      padded_heads: int, eps: float, block_size: int, q_out=None,
+                                                      apply_q_norm=True, apply_q_rope=True, is_q_interleaved=False,
+                                                      fmt: L.RecordFormat = L.V40_584):
+    """Writes q_out bf16 [T, padded_heads, 512] (allocated when None; nothing when padded_heads is 0) and the
+    ``fmt`` cache; returns q_out."""
     T, H, D = q.shape
     if q_out is None:
         q_out = torch.empty(T, padded_heads, D, dtype=torch.bfloat16, device=q.device)
     ok, pos = _valid_positions(positions, cos_sin_cache)
-    qn = q_norm_rope(q, pos, cos_sin_cache, eps)
-    q_out[:, :H] = torch.where(ok.view(T, 1, 1), qn, torch.zeros_like(qn))
-    q_out[:, H:] = 0
+    if padded_heads:
+        qs = deinterleave_heads(q) if is_q_interleaved else q
+        qn = q_transform(qs, pos, cos_sin_cache, eps, apply_q_norm, apply_q_rope)
+        res = torch.zeros(T, padded_heads, D, dtype=torch.bfloat16, device=q.device)
+        res[:, :H] = torch.where(ok.view(T, 1, 1), qn, torch.zeros_like(qn))
+        q_out.copy_(interleave_heads(res) if is_q_interleaved else res)
     n = slot_mapping.shape[0]
     quantize_and_insert_k_cache(kv_rope(kv[:n], pos[:n], cos_sin_cache), k_cache, _insert_slots(slot_mapping, ok),
-                                block_size)
+                                block_size, fmt)
     return q_out
 
 

@@ -14,6 +14,16 @@ and output paths):
 Non-finite input (a block holding NaN or +-inf) is poisoned: scale byte 0xFF (UE8M0 NaN), every fp8
 byte 0x7F (e4m3fn NaN), so dequantization yields NaN for the whole block instead of wrong finite values.
 An MXFP4 block is poisoned the same way: scale byte 0xFF, every nibble 0x7.
+
+NVFP4-style blocks (V41_FP4_288: e2m1 values with one e4m3 scale per 16, docs/math.md#nvfp4):
+
+    sc   = e4m3fn(clamp(amax * fp32(1/6), 2^-9, 448))     RNE (vLLM's writers; FlashMLA's reference divides
+                                                         amax / 6: the same byte for every bf16 amax)
+    code = e2m1(x / sc)        IEEE division, nearest, ties to the even code, saturating at +-6; -0 keeps
+                               its sign (code 0x8), as the hardware converts write it
+    value = e2m1(code) * sc    exact in bf16 (2 + 4 significant bits)
+
+A block holding NaN or +-inf is poisoned: scale byte 0x7F (e4m3fn NaN), every nibble 0.
 """
 import torch
 
@@ -130,3 +140,42 @@ def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     vb = vals.reshape(*vals.shape[:-1], -1, 32)
     return (vb * torch.ldexp(torch.ones_like(vb[..., :1]), ue8m0_to_exponent(scales).float().unsqueeze(-1))
             ).reshape(vals.shape)
+
+
+# ---- NVFP4-style blocks (V41_FP4_288, docs/math.md#nvfp4) ------------------------------------------
+FP4_SCALE_MIN = 2.0 ** -9          # the smallest e4m3 magnitude (subnormal)
+INV6 = torch.tensor(1.0 / 6.0, dtype=torch.float32)   # fp32(1/6): vLLM multiplies amax by it
+
+
+def nvfp4_quantize(x: torch.Tensor, block: int = 16):
+    """x [..., n] (n % block == 0) -> (packed uint8 [..., n/2] (low nibble = even index), e4m3fn scale bytes
+    [..., n/block]); see the module docstring for the rule and the poisoned blocks."""
+    n = x.shape[-1]
+    if n % block or block % 2:
+        raise ValueError(f"NVFP4 needs a multiple of {block} values, got {n}")
+    xb = x.float().reshape(*x.shape[:-1], n // block, block)
+    bad = ~torch.isfinite(xb).all(-1)
+    amax = torch.where(bad, torch.ones_like(xb[..., 0]), xb.abs().amax(-1))
+    sc = (amax * INV6.to(x.device)).clamp(FP4_SCALE_MIN, FP8_MAX).to(torch.float8_e4m3fn)
+    nib = e2m1_encode(xb / sc.float().unsqueeze(-1))
+    nib = torch.where(bad.unsqueeze(-1), torch.zeros_like(nib), nib).reshape(*x.shape[:-1], n)
+    sb = sc.view(torch.uint8)
+    sb = torch.where(bad, torch.full_like(sb, FP8_NAN), sb)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4), sb
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """Inverse of nvfp4_quantize: fp32 [..., 2 * packed.shape[-1]]; a NaN scale byte gives NaN."""
+    lo, hi = packed & 0xF, packed >> 4
+    vals = torch.stack([e2m1_decode(lo), e2m1_decode(hi)], -1).reshape(*packed.shape[:-1], -1)
+    vb = vals.reshape(*vals.shape[:-1], -1, block)
+    return (vb * e4m3_decode(scales).unsqueeze(-1)).reshape(vals.shape)
+
+
+def flashmla_ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's reference scale rule for V4.1 fp8 records (its tests/quant.py): e = ceil(log2(max(amax /
+    448, 1e-4))), which floors the scale at 2^-13, where the writers of vLLM (and this library) floor amax at
+    1e-4 (``ue8m0_exponent(amax, 1e-4)``, scale >= 2^-22). The two agree whenever amax >= 0.0448; kept to
+    state and test the difference (docs/numerics.md#v41-scales)."""
+    a = amax.float() / FP8_MAX
+    return ceil_log2(torch.clamp(a, min=1e-4))

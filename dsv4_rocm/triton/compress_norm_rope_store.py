@@ -34,6 +34,10 @@ page stride = ``kv_cache.stride(0)``):
     TARGET 1, indexer K FP8:     128 e4m3 bytes at p + o * 128; fp32 scale 2^e at p + bs * 128 + o * 4
     TARGET 2, indexer K MXFP4:   64 bytes of E2M1 pairs (low nibble even) at p + o * 64; 4 UE8M0 bytes at
                                  p + bs * 64 + o * 4
+The main target's record format is the constexpr FMT (the cache's last dimension names it): V40_584 as
+above; V41_528 / V41_FP4_288 quantize all 512 dims of RoPE(bf(yh)) (the bf16 latent rotated in fp32, as
+vLLM's V4.1 writers do): 512 e4m3 bytes + 16 UE8M0 bytes, or 256 bytes of e2m1 pairs + 32 e4m3 scales,
+where ``layout.data_offset`` / ``record_scale_offset`` put them.
 fp8 bytes are OCP e4m3fn on every vendor (-0 written 0x00); gfx942 encodes x / 2 with its fnuz convert,
 which gives the same byte for every value the cache can hold.
 """
@@ -43,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import layout as L
 from ..platform import detect
 from ._launch import cdiv, launch
 from .compressor_entries import compressor_entries
@@ -155,12 +160,65 @@ def _store_main(page, off, cache_bs, yh, roped, FNUZ: tl.constexpr):
 
 
 @triton.jit
+def _record_ptrs(page, off, cache_bs, FMT: tl.constexpr):
+    """(data, scales) pointers of record ``off`` of a page (layout.data_offset / record_scale_offset)."""
+    if FMT.interleaved:
+        data = page + off * FMT.token_bytes
+        return data, data + FMT.data_bytes
+    return page + off * FMT.data_bytes, page + cache_bs * FMT.data_bytes + off * FMT.scale_bytes
+
+
+@triton.jit
+def _store_v41_fp8(page, off, cache_bs, x, FNUZ: tl.constexpr, FMT: tl.constexpr):
+    """V41_528 record of fp32 x [512]: UE8M0 fp8 in blocks of 32 (eps 1e-4), 16 scale bytes."""
+    NB: tl.constexpr = 512 // FMT.quant_block
+    q, e, bad = _ue8m0_fp8(tl.reshape(x, (NB, FMT.quant_block)), FNUZ)
+    data, scales = _record_ptrs(page, off, cache_bs, FMT)
+    tl.store(data + tl.arange(0, 512), tl.reshape(q, (512,)))
+    tl.store(scales + tl.arange(0, NB), tl.where(bad, 255, tl.minimum(tl.maximum(e + 127, 0), 255)).to(tl.uint8))
+
+
+@triton.jit
+def _store_v41_fp4(page, off, cache_bs, x, FNUZ: tl.constexpr, FMT: tl.constexpr):
+    """V41_FP4_288 record of fp32 x [512]: per 16 dims sc = e4m3(clamp(amax * fp32(1/6), 2^-9, 448)), codes
+    e2m1(x / sc) (IEEE division), two a byte (low nibble = even dim); a block holding NaN or +-inf gets
+    scale 0x7F (e4m3 NaN) and nibbles 0."""
+    NB: tl.constexpr = 512 // FMT.quant_block
+    z = tl.reshape(x, (NB, FMT.quant_block))
+    bad = tl.max(((z != z) | (tl.abs(z) == float("inf"))).to(tl.int32), axis=1) > 0
+    amax = tl.where(bad, 1.0, tl.max(tl.abs(z), axis=1))
+    sc_in = tl.minimum(tl.maximum(amax * (1.0 / 6.0), 0.001953125), 448.0)
+    sb = _e4m3(sc_in, FNUZ).to(tl.uint8)
+    if FNUZ:
+        sc = sb.to(tl.float8e4b8, bitcast=True).to(tl.float32) * 2.0
+    else:
+        sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    code = tl.where(bad[:, None], 0, _e2m1_codes(tl.math.div_rn(z, sc[:, None])))
+    lo, hi = tl.split(tl.reshape(code, (256, 2)))
+    data, scales = _record_ptrs(page, off, cache_bs, FMT)
+    tl.store(data + tl.arange(0, 256), (lo | (hi << 4)).to(tl.uint8))
+    tl.store(scales + tl.arange(0, NB), tl.where(bad, 0x7F, sb).to(tl.uint8))
+
+
+@triton.jit
 def _store_indexer_fp8(page, off, cache_bs, roped, D: tl.constexpr, FNUZ: tl.constexpr):
     """Indexer K: one UE8M0 fp8 block of bf(roped) and its fp32 scale 2^e (NaN when poisoned)."""
     q, e, bad = _ue8m0_fp8(tl.reshape(roped.to(tl.bfloat16).to(tl.float32), (1, D)), FNUZ)
     tl.store(page + off * D + tl.arange(0, D), tl.reshape(q, (D,)))
     sbits = tl.where(bad, 0x7FC00000, (tl.where(bad, 0, e) + 127) << 23)
     tl.store((page + cache_bs * D + off * 4).to(tl.pointer_type(tl.int32)) + tl.arange(0, 1), sbits)
+
+
+@triton.jit
+def _e2m1_codes(v):
+    """E2M1 codes (int32, sign in bit 3) of fp32 v: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; the code is the
+    count of midpoints below |v| (a tie counts toward the even code, hence > or >= by the parity of the code
+    above the midpoint), saturating at 6; -0 keeps its sign."""
+    a = tl.abs(v)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+    return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
 
 
 @triton.jit
@@ -171,15 +229,7 @@ def _store_indexer_mxfp4(page, off, cache_bs, roped, D: tl.constexpr):
     bad = tl.max(((z != z) | (tl.abs(z) == float("inf"))).to(tl.int32), axis=1) > 0
     amax = tl.maximum(tl.where(bad, 1.0, tl.max(tl.abs(z), axis=1)), 6.0 * 2.0 ** -126)
     e = _ceil_log2(tl.math.div_rn(amax, 6.0))
-    v = z * _pow2(-e)[:, None]
-    a = tl.abs(v)
-    # E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: the code is the count of midpoints below |v| (a tie counts
-    # toward the even code, hence > or >= by the parity of the code above the midpoint)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
-    code = tl.where(bad[:, None], 7, code)
+    code = tl.where(bad[:, None], 7, _e2m1_codes(z * _pow2(-e)[:, None]))
     lo, hi = tl.split(tl.reshape(code, (D // 2, 2)))
     tl.store(page + off * (D // 2) + tl.arange(0, D // 2), (lo | (hi << 4)).to(tl.uint8))
     tl.store(page + cache_bs * (D // 2) + off * (D // 32) + tl.arange(0, D // 32),
@@ -396,13 +446,16 @@ def _pool_stream(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, pos, 
 
 
 @triton.jit
-def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr):
+def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr, ROUND: tl.constexpr = False):
     """(yh, RoPE(yh)) fp32 [D]: RMSNorm of the pooled y (a non-finite sum of squares poisons every value),
-    then GPT-J RoPE of the last 64 dims on the fp32 yh (cs_row_ptr: the cos/sin row of the entry)."""
+    then GPT-J RoPE of the last 64 dims on the fp32 yh, or with ROUND on bf16(yh) (the V4.1 records: the
+    bf16 latent, rotated in fp32) (cs_row_ptr: the cos/sin row of the entry)."""
     var = tl.math.div_rn(_pairwise_sum(y * y), D * 1.0)
     rrms = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     rrms = tl.where(var < float("inf"), rrms, float("nan"))
     yh = (y * rrms) * tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
+    if ROUND:
+        yh = yh.to(tl.bfloat16).to(tl.float32)
     even, odd = tl.split(tl.reshape(yh, (D // 2, 2)))
     ri = tl.arange(0, D // 2) - (D // 2 - 32)
     is_rope = ri >= 0
@@ -415,12 +468,19 @@ def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr):
 
 @triton.jit
 def _finish(y, pos, kslot, w_ptr, eps, cs_ptr, cs_stride, cache_ptr, cache_bs, page_stride, D: tl.constexpr,
-            RATIO: tl.constexpr, TARGET: tl.constexpr, FNUZ: tl.constexpr):
-    """Norm, RoPE (at the entry's first position), quantization and store of one entry's pooled y."""
-    yh, roped = _norm_rope(y, w_ptr, eps, cs_ptr + ((pos // RATIO) * RATIO) * cs_stride, D)
+            RATIO: tl.constexpr, TARGET: tl.constexpr, FNUZ: tl.constexpr, FMT: tl.constexpr):
+    """Norm, RoPE (at the entry's first position), quantization and store of one entry's pooled y (the main
+    target's record format: FMT)."""
+    V41: tl.constexpr = TARGET == 0 and FMT.quant_dims == D
+    yh, roped = _norm_rope(y, w_ptr, eps, cs_ptr + ((pos // RATIO) * RATIO) * cs_stride, D, V41)
     page = cache_ptr + (kslot // cache_bs) * page_stride
     off = kslot % cache_bs
-    if TARGET == 0:
+    if V41:
+        if FMT.elem_bits == 4:
+            _store_v41_fp4(page, off, cache_bs, roped, FNUZ, FMT)
+        else:
+            _store_v41_fp8(page, off, cache_bs, roped, FNUZ, FMT)
+    elif TARGET == 0:
         _store_main(page, off, cache_bs, yh, roped, FNUZ)
     elif TARGET == 1:
         _store_indexer_fp8(page, off, cache_bs, roped, D, FNUZ)
@@ -435,7 +495,8 @@ def _compress_norm_rope_store_kernel(
         page_stride, num_cache_slots, num_tokens, scratch_ptr, list_ptr, count_ptr,
         D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, TARGET: tl.constexpr, FNUZ: tl.constexpr,
         SBS: tl.constexpr, STAGE: tl.constexpr, NSPLIT: tl.constexpr, STREAM: tl.constexpr, ROWS: tl.constexpr,
-        GROUPS: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr, USE_LIST: tl.constexpr):
+        GROUPS: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr, USE_LIST: tl.constexpr,
+        FMT: tl.constexpr):
     """Program i takes tokens i * CHUNK .. i * CHUNK + CHUNK - 1 (USE_LIST: the i-th listed token, CHUNK 1),
     loads their metadata at once and makes their entries one after the other. STAGE 0: whole entries.
     STAGE 1 (grid [programs, NSPLIT]): the pooled y of a slice of D / NSPLIT columns into scratch (row: the
@@ -466,7 +527,7 @@ def _compress_norm_rope_store_kernel(
             if STAGE == 2:
                 y = tl.load(scratch_ptr + srow * D + tl.arange(0, D))
                 _finish(y, pos, kslot, w_ptr, eps, cs_ptr, cs_stride, cache_ptr, cache_bs, page_stride, D,
-                        RATIO, TARGET, FNUZ)
+                        RATIO, TARGET, FNUZ, FMT)
             else:
                 SLICE: tl.constexpr = D // NSPLIT
                 c0 = tl.program_id(1) * SLICE if STAGE == 1 else 0
@@ -482,7 +543,7 @@ def _compress_norm_rope_store_kernel(
                     tl.store(scratch_ptr + srow * D + c0 + tl.arange(0, SLICE), y)
                 else:
                     _finish(y, pos, kslot, w_ptr, eps, cs_ptr, cs_stride, cache_ptr, cache_bs, page_stride,
-                            D, RATIO, TARGET, FNUZ)
+                            D, RATIO, TARGET, FNUZ, FMT)
 
 
 @functools.lru_cache(maxsize=None)
@@ -525,18 +586,22 @@ def default_config(arch: str, head_dim: int, ratio: int) -> dict:
 def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, positions, slot_mapping, block_table,
                              block_size, state_width, cos_sin_cache, kv_cache, k_cache_metadata, pdl_kwargs, head_dim,
                              rope_head_dim, compress_ratio, overlap, use_fp4_cache, rms_norm_weight, rms_norm_eps,
-                             quant_block, token_stride, scale_dim, *, config: dict = None) -> None:
-    """vLLM's call form; arguments checked by ``dsv4_rocm.ops.compress_norm_rope_store``. ``config``
-    overrides keys of ``default_config`` (benchmark sweeps)."""
+                             quant_block, token_stride, scale_dim, *, fmt: L.RecordFormat = L.V40_584,
+                             config: dict = None) -> None:
+    """vLLM's call form; arguments checked by ``dsv4_rocm.ops.compress_norm_rope_store``. ``fmt``: the record
+    format of a head-512 cache (V40_584, V41_528 or V41_FP4_288). ``config`` overrides keys of
+    ``default_config`` (benchmark sweeps)."""
     if num_actual == 0:
         return
     target = MAIN if head_dim == 512 else (INDEXER_MXFP4 if use_fp4_cache else INDEXER_FP8)
+    fmt = fmt if target == MAIN else L.V40_584
     kbs = kv_cache.shape[1]
     num_reqs = block_table.shape[0]
     kslots = k_cache_metadata.slot_mapping
     prefill = num_actual > 2 * num_reqs             # else decode-sized: one program per token
     use_list, chunk, nsplit, stages = _plan(state_cache.device, head_dim, compress_ratio, target, block_size,
-                                            int(overlap), prefill, tuple(sorted(config.items())) if config else ())
+                                            int(overlap), prefill, tuple(sorted(config.items())) if config else (),
+                                            fmt)
     entries = count = slot_mapping
     if use_list:                                    # at most N // r + (one per request) entries
         programs = min(num_actual, num_actual // compress_ratio + num_reqs)
@@ -564,7 +629,7 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
 
 @functools.lru_cache(maxsize=256)
 def _plan(device, head_dim: int, ratio: int, target: int, block_size: int, overlap: int, prefill: bool,
-          config_items: tuple):
+          config_items: tuple, fmt: L.RecordFormat = L.V40_584):
     """(list entries first, tokens per program, column splits, bound kernel of each launch) of a call shape,
     built once: a launch pays no config dict."""
     arch, fnuz = _device_facts(device)
@@ -576,7 +641,7 @@ def _plan(device, head_dim: int, ratio: int, target: int, block_size: int, overl
                 NSPLIT=nsplit, STREAM=cfg["pool"] == "stream", ROWS=cfg["rows"],
                 GROUPS=cfg["groups"], COLS=min(cfg["cols"], head_dim // nsplit),
                 PREFETCH=bool(cfg["prefetch"]), CHUNK=chunk,
-                USE_LIST=use_list, num_stages=1, enable_fp_fusion=False)
+                USE_LIST=use_list, FMT=fmt, num_stages=1, enable_fp_fusion=False)
     k = launch(_compress_norm_rope_store_kernel)
     if nsplit == 1:
         stages = (k.bind(STAGE=0, num_warps=cfg["num_warps"], **meta),)
@@ -586,9 +651,9 @@ def _plan(device, head_dim: int, ratio: int, target: int, block_size: int, overl
     return use_list, chunk, nsplit, stages
 
 
-def _spec(name, d, ratio, target, chunk, stage=None, config=None):
+def _spec(name, d, ratio, target, chunk, stage=None, config=None, fmt=L.V40_584):
     """A compile-matrix entry: a launch of ``default_config`` (updated by ``config``) on each target;
-    stage None = the first launch (0 fused, 1 split pooling)."""
+    stage None = the first launch (0 fused, 1 split pooling); ``fmt`` the main target's record format."""
     def cfg(arch):
         return dict(default_config(arch, d, ratio), **(config or {}))
 
@@ -599,7 +664,7 @@ def _spec(name, d, ratio, target, chunk, stage=None, config=None):
                     NSPLIT=c["nsplit"], STREAM=c["pool"] == "stream", ROWS=c["rows"],
                     GROUPS=c["groups"], COLS=min(c["cols"], d // c["nsplit"]),
                     PREFETCH=c["prefetch"], CHUNK=chunk,
-                    USE_LIST=c["grid"] == "list")
+                    USE_LIST=c["grid"] == "list", FMT=fmt)
 
     def options(arch):
         return dict(num_warps=cfg(arch)["finish_warps" if stage == 2 else "num_warps"], num_stages=1,
@@ -626,4 +691,6 @@ COMPILE_SPECS = [
     _spec("compress_norm_rope_store[c128 main, fused prefill]", 512, 128, MAIN, 8, 0, FUSED),
     _spec("compress_norm_rope_store[c128 main, split pool]", 512, 128, MAIN, 8, 1, SPLIT),
     _spec("compress_norm_rope_store[c128 main, split finish]", 512, 128, MAIN, 8, 2, SPLIT),
+    _spec("compress_norm_rope_store[c4 main V41_528, prefill]", 512, 4, MAIN, 4, fmt=L.V41_528),
+    _spec("compress_norm_rope_store[c4 main V41_FP4_288, prefill]", 512, 4, MAIN, 4, fmt=L.V41_FP4_288),
 ]

@@ -111,6 +111,14 @@ __device__ __forceinline__ float dsv4_sub(float a, float b) {
   return a - b;
 #endif
 }
+// IEEE division (the AMD build passes -fhip-fp32-correctly-rounded-divide-sqrt)
+__device__ __forceinline__ float dsv4_div(float a, float b) {
+#if defined(DSV4_NVIDIA)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
 
 // ---- bf16 as raw bits ---------------------------------------------------------------------------
 __device__ __forceinline__ float dsv4_bf16_to_float(uint16_t h) {
@@ -164,6 +172,23 @@ __device__ __forceinline__ float dsv4_fp8_decode(uint8_t b) {
   if (e == 0) mag = (float)m * 0.001953125f;                       // m * 2^-9
   else mag = __uint_as_float(((e + 120u) << 23) | (m << 20));      // (1 + m/8) * 2^(e-7)
   return (b & 0x80) ? -mag : mag;
+}
+
+// ---- e2m1 (fp4) nibbles ----------------------------------------------------------------------------
+// Nearest e2m1 code of x (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6): the count of midpoints below |x|, a tie
+// going to the even code (> or >= by the parity of the code above the midpoint); saturating at 6; sign
+// in bit 3 (-0 keeps it). NaN gives 0 (a poisoned block's nibbles are written 0 by the caller anyway).
+__device__ __forceinline__ uint32_t dsv4_e2m1_encode(float x) {
+  float a = dsv4_fabsf(x);
+  uint32_t c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return c | ((__float_as_uint(x) >> 28) & 8u);
+}
+// Value of an e2m1 code (the low 4 bits of c): the magnitude's bits built from the code (exponent from its
+// two high bits, mantissa from the low one), exact.
+__device__ __forceinline__ float dsv4_e2m1_decode(uint32_t c) {
+  uint32_t m = c & 7u;
+  uint32_t bits = m >= 2 ? (((m >> 1) + 126u) << 23) | ((m & 1u) << 22) : (m == 1 ? (126u << 23) : 0u);
+  return __uint_as_float(bits | ((c & 8u) << 28));
 }
 
 // ---- UE8M0 scales -----------------------------------------------------------------------------------

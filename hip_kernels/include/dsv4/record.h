@@ -1,13 +1,47 @@
-// The fp8_ds_mla record writer shared by the cache-writing kernels (docs/cache_format.md#record).
+// The KV record writers and readers shared by the cache kernels (docs/cache_format.md#record).
 //
-// A 512-d vector is held by a group of 32 lanes, 16 consecutive values per lane: lanes 0..27 hold the
-// 448 NoPE dims (4 lanes = one 64-value quant block), lanes 28..31 the 64 RoPE dims. The record goes to
-// page + off*576 (448 e4m3 bytes, then 64 bf16) and page + bs*576 + off*8 (7 UE8M0 bytes, 1 pad byte 0).
+// A 512-d vector is held by a group of 32 lanes, 16 consecutive values per lane. A record format is a
+// compile-time parameter (the structs below, the numbers of dsv4_rocm/layout.py's RecordFormat); a kernel
+// is a template on it and its launcher picks the instance from the format code of its arguments (args.h).
+// The page layout is a runtime flag: page-split (record o's data at o * DATA_BYTES, its scales at
+// bs * DATA_BYTES + o * SCALE_BYTES) or interleaved (record o whole at o * TOKEN_BYTES).
+//   V40_584: lanes 0..27 hold the 448 NoPE dims (4 lanes = one 64-value UE8M0 block), lanes 28..31 the 64
+//            bf16 RoPE dims; 7 UE8M0 bytes and a pad byte 0.
+//   V41_528: every lane 16 e4m3 values (2 lanes = one 32-value UE8M0 block); 16 UE8M0 bytes.
+//   V41_FP4_288: every lane 16 e2m1 values (8 bytes, one e4m3 scale); 32 scale bytes.
 #pragma once
 #include "dsv4/portable.h"
 
 #define DSV4_NOPE_LANES 28
 #define DSV4_KV_EPS 1e-4f
+
+// Format codes of the launch arguments (dsv4_rocm/hip_ops.py FORMAT_CODES).
+#define DSV4_FMT_V40 0
+#define DSV4_FMT_V41 1
+#define DSV4_FMT_V41_FP4 2
+
+template <int CODE, int TOKEN_BYTES_, int DATA_BYTES_, int QUANT_DIMS_, int ELEM_BITS_, int QUANT_BLOCK_>
+struct dsv4_format {
+  static constexpr int CODE_ = CODE;
+  static constexpr int TOKEN_BYTES = TOKEN_BYTES_, DATA_BYTES = DATA_BYTES_, SCALE_BYTES = TOKEN_BYTES_ - DATA_BYTES_;
+  static constexpr int QUANT_DIMS = QUANT_DIMS_, ELEM_BITS = ELEM_BITS_, QUANT_BLOCK = QUANT_BLOCK_;
+  static constexpr int LANES_PER_BLOCK = QUANT_BLOCK_ / 16;      // 4 (V40), 2 (V41), 1 (FP4)
+  static constexpr int QUANT_LANES = QUANT_DIMS_ / 16;           // lanes holding quantized values
+  static constexpr int LANE_BYTES = 16 * ELEM_BITS_ / 8;         // data bytes of a quantized lane
+};
+struct dsv4_v40 : dsv4_format<DSV4_FMT_V40, 584, 576, 448, 8, 64> {};
+struct dsv4_v41 : dsv4_format<DSV4_FMT_V41, 528, 512, 512, 8, 32> {};
+struct dsv4_v41_fp4 : dsv4_format<DSV4_FMT_V41_FP4, 288, 256, 512, 4, 16> {};
+
+// Byte offsets inside a page of record `off`'s data and scale bytes.
+template <class F>
+__device__ __forceinline__ int64_t dsv4_data_off(int64_t off, int interleaved) {
+  return off * (interleaved ? F::TOKEN_BYTES : F::DATA_BYTES);
+}
+template <class F>
+__device__ __forceinline__ int64_t dsv4_scale_off(int64_t off, int bs, int interleaved) {
+  return interleaved ? off * F::TOKEN_BYTES + F::DATA_BYTES : (int64_t)bs * F::DATA_BYTES + off * F::SCALE_BYTES;
+}
 
 __device__ __forceinline__ void dsv4_load_bf16x16(const uint16_t* p, float v[16]) {
   const uint4* p4 = reinterpret_cast<const uint4*>(p);
@@ -68,8 +102,8 @@ __device__ __forceinline__ void dsv4_rmsnorm512(float v[16], float eps) {
 }
 
 // v: bf16-exact values of the whole group's vector (16 per lane). All 32 lanes must call this.
-__device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, uint8_t* page, int64_t off,
-                                                  int bs) {
+__device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lane, uint8_t* page, int64_t off,
+                                                      int bs, int interleaved) {
   float amax = 0.0f;
   int bad = 0;
 #pragma unroll
@@ -79,7 +113,7 @@ __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, u
   }
   amax = dsv4_group_max(amax, 4);          // 4 lanes = one 64-value block
   bad = dsv4_group_or(bad, 4);
-  uint8_t* data = page + off * 576;
+  uint8_t* data = page + dsv4_data_off<dsv4_v40>(off, interleaved);
   int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
   // the 8 scale bytes (7 UE8M0 + pad 0) leave in one 8-byte store from lane 0, not 8 byte stores
   int sbyte = lane < DSV4_NOPE_LANES ? (bad ? 0xff : e + 127) : 0;
@@ -103,47 +137,131 @@ __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, u
       w[j] = word;
     }
     *reinterpret_cast<uint4*>(data + lane * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-    if (lane == 0) *reinterpret_cast<uint2*>(page + (int64_t)bs * 576 + off * 8) = make_uint2(lo, hi & 0x00ffffffu);
+    if (lane == 0)
+      *reinterpret_cast<uint2*>(page + dsv4_scale_off<dsv4_v40>(off, bs, interleaved)) = make_uint2(lo, hi & 0x00ffffffu);
   } else {
     dsv4_store_bf16x16(reinterpret_cast<uint16_t*>(data + 448 + (lane - DSV4_NOPE_LANES) * 32), v);
   }
 }
 
+// V41_528: every lane quantizes its 16 values against the UE8M0 scale of its 32-value block (lanes 2b, 2b+1);
+// the even lane of a block writes its scale byte. A block holding NaN or +-inf: bytes 0x7F, scale 0xFF.
+__device__ __forceinline__ void dsv4_write_record_v41(const float v[16], int lane, uint8_t* page, int64_t off,
+                                                      int bs, int interleaved) {
+  float amax = 0.0f;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    amax = dsv4_fmaxf(amax, dsv4_fabsf(v[i]));
+    bad |= !dsv4_isfinite(v[i]);
+  }
+  amax = dsv4_group_max(amax, 2);
+  bad = dsv4_group_or(bad, 2);
+  int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
+  float inv = dsv4_exp2i(-e);
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      uint8_t q = bad ? (uint8_t)0x7f : dsv4_fp8_encode(dsv4_mul(v[4 * j + b], inv));
+      word |= (uint32_t)q << (8 * b);
+    }
+    w[j] = word;
+  }
+  *reinterpret_cast<uint4*>(page + dsv4_data_off<dsv4_v41>(off, interleaved) + lane * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+  if ((lane & 1) == 0)
+    page[dsv4_scale_off<dsv4_v41>(off, bs, interleaved) + (lane >> 1)] = (uint8_t)(bad ? 0xff : e + 127);
+}
+
+// V41_FP4_288: each lane is one 16-value block: scale sc = e4m3(clamp(amax * fp32(1/6), 2^-9, 448)), codes
+// e2m1(v / sc) (IEEE division), 8 data bytes (dim 2i in the low nibble), one scale byte. A block holding NaN
+// or +-inf: scale 0x7F (e4m3 NaN), nibbles 0.
+__device__ __forceinline__ void dsv4_write_record_fp4(const float v[16], int lane, uint8_t* page, int64_t off,
+                                                      int bs, int interleaved) {
+  float amax = 0.0f;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    amax = dsv4_fmaxf(amax, dsv4_fabsf(v[i]));
+    bad |= !dsv4_isfinite(v[i]);
+  }
+  float sc_in = dsv4_fminf(dsv4_fmaxf(dsv4_mul(amax, 1.0f / 6.0f), 0.001953125f), 448.0f);
+  uint8_t sb = bad ? (uint8_t)0x7f : dsv4_fp8_encode(sc_in);
+  float sc = dsv4_fp8_decode(sb);
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    uint32_t c = bad ? 0u : dsv4_e2m1_encode(dsv4_div(v[i], sc));
+    w[i / 8] |= c << (4 * (i % 8));
+  }
+  *reinterpret_cast<uint2*>(page + dsv4_data_off<dsv4_v41_fp4>(off, interleaved) + lane * 8) = make_uint2(w[0], w[1]);
+  page[dsv4_scale_off<dsv4_v41_fp4>(off, bs, interleaved) + lane] = sb;
+}
+
+// The record of format F at (page, off). All 32 lanes must call this.
+template <class F>
+__device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, uint8_t* page, int64_t off, int bs,
+                                                  int interleaved) {
+  if (F::CODE_ == DSV4_FMT_V40) dsv4_write_record_v40(v, lane, page, off, bs, interleaved);
+  else if (F::CODE_ == DSV4_FMT_V41) dsv4_write_record_v41(v, lane, page, off, bs, interleaved);
+  else dsv4_write_record_fp4(v, lane, page, off, bs, interleaved);
+}
+
 // ---- reading records back -------------------------------------------------------------------------
-// This lane's part of the record at (page, off): lanes 0..27 load 16 fp8 NoPE bytes and their block's
-// UE8M0 byte, lanes 28..31 load 16 bf16 RoPE values (32 bytes). `valid` false: zeros, nothing read.
-__device__ __forceinline__ void dsv4_load_record_lane(const uint8_t* page, int64_t off, int bs, int lane, bool valid,
-                                                      uint4 p[2], uint8_t& sb) {
+// This lane's part of the record of format F at (page, off): V40_584 lanes 0..27 load 16 fp8 bytes and their
+// block's UE8M0 byte, lanes 28..31 16 bf16 RoPE values (32 bytes); V41_528 lanes 16 fp8 bytes and their block's
+// UE8M0 byte; V41_FP4_288 lanes 8 bytes of e2m1 pairs and their e4m3 scale byte. `valid` false: zeros,
+// nothing read.
+template <class F>
+__device__ __forceinline__ void dsv4_load_record_lane(const uint8_t* page, int64_t off, int bs, int interleaved,
+                                                      int lane, bool valid, uint4 p[2], uint8_t& sb) {
   p[0] = p[1] = make_uint4(0, 0, 0, 0);
   sb = 0;
   if (!valid) return;
-  if (lane < DSV4_NOPE_LANES) {
-    p[0] = *reinterpret_cast<const uint4*>(page + off * 576 + lane * 16);
-    sb = page[(int64_t)bs * 576 + off * 8 + (lane >> 2)];
+  const uint8_t* data = page + dsv4_data_off<F>(off, interleaved);
+  const uint8_t* scales = page + dsv4_scale_off<F>(off, bs, interleaved);
+  if (F::ELEM_BITS == 4) {
+    uint2 d = *reinterpret_cast<const uint2*>(data + lane * 8);
+    p[0] = make_uint4(d.x, d.y, 0, 0);
+    sb = scales[lane];
+  } else if (lane < F::QUANT_LANES) {
+    p[0] = *reinterpret_cast<const uint4*>(data + lane * 16);
+    sb = scales[lane / F::LANES_PER_BLOCK];
   } else {
-    const uint4* src = reinterpret_cast<const uint4*>(page + off * 576 + 448 + (lane - DSV4_NOPE_LANES) * 32);
+    const uint4* src = reinterpret_cast<const uint4*>(data + F::QUANT_DIMS + (lane - F::QUANT_LANES) * 32);
     p[0] = src[0];
     p[1] = src[1];
   }
 }
 
 // Store this lane's 16 bf16 values of a row loaded by dsv4_load_record_lane (dst = the row's first value):
-// NoPE lanes dequantize (fp8 * 2^(sb - 127), exact in bf16; sb 0xFF gives NaN), RoPE lanes copy their bf16
-// verbatim; an invalid row is all zeros (its loads were zero).
+// fp8 lanes dequantize (fp8 * 2^(sb - 127), exact in bf16; sb 0xFF gives NaN), e2m1 lanes multiply each
+// code's value by the e4m3 scale (exact; a NaN scale gives NaN), bf16 lanes copy verbatim; an invalid row is
+// all zeros (its loads were zero).
+template <class F>
 __device__ __forceinline__ void dsv4_store_record_lane(uint16_t* dst, const uint4 p[2], uint8_t sb, int lane,
                                                        bool valid) {
   uint4* d4 = reinterpret_cast<uint4*>(dst + lane * 16);
-  if (!valid || lane >= DSV4_NOPE_LANES) {
+  if (!valid || (F::ELEM_BITS == 8 && lane >= F::QUANT_LANES)) {
     d4[0] = p[0];
     d4[1] = p[1];
     return;
   }
-  uint32_t w[4] = {p[0].x, p[0].y, p[0].z, p[0].w};
-  // 2^(sb - 127): sb 0 is the one subnormal scale (2^-127); sb 0xFF is UE8M0 NaN
-  float scale = sb == 0xff ? __uint_as_float(0x7fc00000u) : sb == 0 ? __uint_as_float(1u << 22) : dsv4_exp2i((int)sb - 127);
   float v[16];
+  if (F::ELEM_BITS == 4) {
+    float scale = dsv4_fp8_decode(sb);
+    uint32_t w[2] = {p[0].x, p[0].y};
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(dsv4_fp8_decode((uint8_t)(w[i / 4] >> (8 * (i % 4)))), scale);
+    for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(dsv4_e2m1_decode(w[i / 8] >> (4 * (i % 8))), scale);
+  } else {
+    uint32_t w[4] = {p[0].x, p[0].y, p[0].z, p[0].w};
+    // 2^(sb - 127): sb 0 is the one subnormal scale (2^-127); sb 0xFF is UE8M0 NaN
+    float scale = sb == 0xff ? __uint_as_float(0x7fc00000u) : sb == 0 ? __uint_as_float(1u << 22) : dsv4_exp2i((int)sb - 127);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(dsv4_fp8_decode((uint8_t)(w[i / 4] >> (8 * (i % 4)))), scale);
+  }
   dsv4_store_bf16x16(dst + lane * 16, v);
 }
 
