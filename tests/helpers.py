@@ -17,16 +17,17 @@ def random_k(n, device="cpu", gen=None, scale=1.0):
     return x.to(torch.bfloat16).to(device)
 
 
-def random_paged_cache(num_blocks, block_size, device="cpu", seed=0):
-    """A cache whose every slot holds a valid record of random K, and whose page padding holds random
-    garbage (a reader that touches it shows up). Returns (pages [nb, page_bytes] uint8, K fp32 [nb*bs, 512])."""
+def random_paged_cache(num_blocks, block_size, device="cpu", seed=0, fmt=L.V40_584):
+    """A cache of records ``fmt`` whose every slot holds a valid record of random K, and whose page padding
+    holds random garbage (a reader that touches it shows up). Returns (pages [nb, page_bytes] uint8, K fp32
+    [nb*bs, 512])."""
     g = torch.Generator().manual_seed(seed)
-    pages = torch.randint(0, 256, (num_blocks, L.page_bytes(block_size)), generator=g, dtype=torch.uint8)
+    pages = torch.randint(0, 256, (num_blocks, L.page_bytes(block_size, fmt)), generator=g, dtype=torch.uint8)
     n = num_blocks * block_size
     k = random_k(n, gen=g)
     slots = torch.arange(n)
-    rc.quantize_and_insert_k_cache(k, pages, slots, block_size)
-    return pages.to(device), rc.decode_k_records(rc.encode_k_records(k)).to(device)
+    rc.quantize_and_insert_k_cache(k, pages, slots, block_size, fmt)
+    return pages.to(device), rc.decode_k_records(rc.encode_k_records(k, fmt), fmt).to(device)
 
 
 def random_indices(b, s_q, topk, capacity, lengths_max, device="cpu", seed=0, invalid_frac=0.1):
@@ -59,20 +60,20 @@ def cos_diff(a, b):
     return float(1 - 2 * (a * b).sum() / denom) if denom > 0 else 0.0
 
 
-def every_cache_view(num_blocks, block_size, record=584, seed=0, device="cpu"):
+def every_cache_view(num_blocks, block_size, record=584, seed=0, device="cpu", align=L.PAGE_ALIGN):
     """{name: (view, backing)}: the same random page bytes held as each view of a paged cache an engine
     holds (dsv4_rocm/cache_views.py). ``backing`` is the allocation (page padding included, random too,
     so a write past a page's records shows up). Views:
-      vllm_3d        [nb, bs, R] with pages padded to a multiple of 576 B (vLLM's allocation)
+      vllm_3d        [nb, bs, R] with pages padded to a multiple of ``align`` B (vLLM's allocation)
       vllm_2d        its .view(nb, -1): [nb, bs*R], stride(0) = the padded page
       flashmla_4d    its .unsqueeze(-2): [nb, bs, 1, R]
-      padded_2d      [nb, round_up(bs*R, 576)] (reference.cache.new_cache's allocation)
+      padded_2d      [nb, round_up(bs*R, align)] (reference.cache.new_cache's allocation)
       unpadded_2d    [nb, bs*R] contiguous (vLLM's tests)
       unpadded_3d    [nb, bs, R] contiguous
       fp8_3d         the float8_e4m3fn view of vllm_3d"""
     g = torch.Generator().manual_seed(seed)
     used = block_size * record
-    padded = L.round_up(used, L.PAGE_ALIGN)
+    padded = L.round_up(used, align)
     page = torch.randint(0, 256, (num_blocks, padded), generator=g, dtype=torch.uint8).to(device)
     views = {}
     b = page.clone()

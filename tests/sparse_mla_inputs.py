@@ -9,6 +9,7 @@ difference < 5e-6 of FlashMLA's tests. lse (fp32, order of summation only): abs 
 """
 import torch
 
+from dsv4_rocm import layout as L
 from dsv4_rocm.reference import attention as ra
 from dsv4_rocm.reference import cache as rc
 from helpers import cos_diff, random_indices, random_paged_cache
@@ -18,21 +19,22 @@ INT_MIN, INT_MAX = -2 ** 31, 2 ** 31 - 1
 
 
 def decode_case(b, s_q, h, bs_main, topk, bs_extra, extra_topk, device, seed, sink="random", lens_shape="b",
-                num_blocks=None):
-    """Keyword arguments of a sparse decode call: random caches (every slot a valid record, page padding
-    random), indices with -1 and out-of-range entries, random lengths, a sink with finite and +-inf
-    entries ("random"), or none / all -inf / all +inf."""
-    pages, _ = random_paged_cache(num_blocks or max(2, 4096 // bs_main), bs_main, "cpu", seed)
+                num_blocks=None, formats=(L.V40_584, L.V40_584)):
+    """Keyword arguments of a sparse decode call: random caches of the record ``formats`` (main, extra;
+    every slot a valid record, page padding random), indices with -1 and out-of-range entries, random
+    lengths, a sink with finite and +-inf entries ("random"), or none / all -inf / all +inf."""
+    fmt, efmt = formats
+    pages, _ = random_paged_cache(num_blocks or max(2, 4096 // bs_main), bs_main, "cpu", seed, fmt)
     cap = pages.shape[0] * bs_main
     idx, lens = random_indices(b, s_q, topk, cap, topk, "cpu", seed + 1)
     if lens_shape == "bsq":
         lens = torch.randint(0, topk + 1, (b, s_q), generator=torch.Generator().manual_seed(seed)).int()
-    out = dict(q=None, k_cache=rc.flash_mla_view(pages, bs_main), indices=idx, topk_length=lens,
+    out = dict(q=None, k_cache=rc.flash_mla_view(pages, bs_main, fmt), indices=idx, topk_length=lens,
                extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None)
     if bs_extra:
-        epages, _ = random_paged_cache(num_blocks or max(2, 4096 // bs_extra), bs_extra, "cpu", seed + 2)
+        epages, _ = random_paged_cache(num_blocks or max(2, 4096 // bs_extra), bs_extra, "cpu", seed + 2, efmt)
         eidx, elens = random_indices(b, s_q, extra_topk, epages.shape[0] * bs_extra, extra_topk, "cpu", seed + 3)
-        out.update(extra_k_cache=rc.flash_mla_view(epages, bs_extra), extra_indices_in_kvcache=eidx,
+        out.update(extra_k_cache=rc.flash_mla_view(epages, bs_extra, efmt), extra_indices_in_kvcache=eidx,
                    extra_topk_length=elens)
     g = torch.Generator().manual_seed(seed + 4)
     out["q"] = torch.randn(b, s_q, h, 512, generator=g).to(torch.bfloat16)
@@ -109,13 +111,14 @@ def padded_out(shape, device):
     return back[:shape[0], ..., :shape[-2], :], back
 
 
-def decode_key_amax(a):
+def decode_key_amax(a, formats=(None, None)):
     """max |K| over each query's valid keys of both sets, per dim: [b, s_q, 1, 512]."""
     b, s_q = a["q"].shape[:2]
-    K, valid = ra._paged_set(a["k_cache"], a["indices"], a["topk_length"], b, s_q)
+    K, valid = ra._paged_set(a["k_cache"], a["indices"], a["topk_length"], b, s_q, formats[0])
     amax = (K.abs() * valid.unsqueeze(-1)).amax(1) if K.shape[1] else torch.zeros(b * s_q, 512, device=K.device)
     if a.get("extra_k_cache") is not None:
-        K2, v2 = ra._paged_set(a["extra_k_cache"], a["extra_indices_in_kvcache"], a["extra_topk_length"], b, s_q)
+        K2, v2 = ra._paged_set(a["extra_k_cache"], a["extra_indices_in_kvcache"], a["extra_topk_length"], b, s_q,
+                               formats[1])
         amax = torch.maximum(amax, (K2.abs() * v2.unsqueeze(-1)).amax(1))
     return amax.reshape(b, s_q, 1, 512)
 

@@ -4,25 +4,32 @@ block_size, offset) -> None.
 CPU: the rows written against a hand loop over requests and positions (out poisoned with NaN, so rows the
 op must not write show up), every cache view, vLLM's forms (gather_lens None, keyword offset), vLLM's
 round-trip check, bad input rejected before any write, and a property test over random lengths and block
-tables. GPU: the HIP kernel writes exactly the reference's rows, garbage lengths and tables included.
+tables; the V4.1 records (V41_528, V41_FP4_288, named by the cache's last dimension, page-split or
+interleaved) against the same loop. GPU: the HIP kernel writes exactly the reference's rows, garbage
+lengths and tables included, for every record format and layout.
 """
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from dsv4_rocm import cache_views as V
+from dsv4_rocm import layout as L
 from dsv4_rocm import ops
 from dsv4_rocm.reference import cache as rc
 from helpers import every_cache_view, random_k
 
 VIEWS = sorted(every_cache_view(1, 2))
+FORMATS = [(L.V40_584, "page_split"), (L.V41_528, "page_split"), (L.V41_528, "interleaved"),
+           (L.V41_FP4_288, "page_split"), (L.V41_FP4_288, "interleaved")]
 
 
-def filled_cache(nb, bs, seed=0, device="cpu", view="vllm_3d"):
+def filled_cache(nb, bs, seed=0, device="cpu", view="vllm_3d", fmt=L.V40_584):
     """A cache view whose every slot holds a record of random K; returns (view, bf16 K [nb*bs, 512])."""
-    v, _ = every_cache_view(nb, bs, seed=seed, device=device)[view]
+    align = fmt.page_align if not fmt.interleaved else fmt.token_bytes
+    v, _ = every_cache_view(nb, bs, fmt.token_bytes, seed=seed, device=device, align=align)[view]
     k = random_k(nb * bs, gen=torch.Generator().manual_seed(seed)).to(device)
-    rc.quantize_and_insert_k_cache(k, v, torch.arange(nb * bs, device=device), bs)
-    return v, rc.decode_k_records(rc.encode_k_records(k.cpu())).bfloat16().to(device)
+    rc.quantize_and_insert_k_cache(k, v, torch.arange(nb * bs, device=device), bs, fmt)
+    return v, rc.decode_k_records(rc.encode_k_records(k.cpu(), fmt), fmt).bfloat16().to(device)
 
 
 def hand_gather(out, K, seq_lens, gather_lens, block_table, bs, offset):
@@ -61,6 +68,24 @@ def test_rows_match_a_hand_loop(case, index_dtype):
     want = hand_gather(nan_out(len(seq), M), K, seq_lens, gather_lens, block_table, bs, offset)
     assert torch.equal(out.isnan(), want.isnan())                 # exactly the rows vLLM writes
     assert torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("fmt, layout", FORMATS[1:], ids=[f"{f.name}-{lay}" for f, lay in FORMATS[1:]])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_v41_records_match_the_hand_loop(case, fmt, layout):
+    """The format is the cache's last dimension (as vLLM's op reads it): a [nb, bs, R] view."""
+    seq, gl, bt, bs, offset, M = CASES[case]
+    f = L.with_layout(fmt, layout)
+    v, K = filled_cache(6, bs, seed=case + 7, fmt=f)
+    args = (torch.tensor(seq), None if gl is None else torch.tensor(gl), torch.tensor(bt), bs, offset)
+    out = nan_out(len(seq), M)
+    ops.dequantize_and_gather_k_cache(out, v, *args, kv_layout=layout)
+    want = hand_gather(nan_out(len(seq), M), K, *args)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+    if layout == "page_split" and case == 0:         # the torch op and a 2-D page view name the same format
+        out2 = nan_out(len(seq), M)
+        torch.ops.dsv4_rocm.dequantize_and_gather_k_cache(out2, V.pages(v, bs, "k_cache", f), *args)
+        assert torch.equal(out2.view(torch.int16), out.view(torch.int16))
 
 
 @pytest.mark.parametrize("view", VIEWS)
@@ -201,6 +226,29 @@ def test_gpu_kernel_writes_the_reference_rows(bs, R, max_seq, use_gl, offset, in
     rc.dequantize_and_gather_k_cache(want, *args)
     print(f"bs={bs} R={R} rows={int((~want.isnan()).any(-1).sum())}")
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, layout", FORMATS, ids=[f"{f.name}-{lay}" for f, lay in FORMATS])
+@pytest.mark.parametrize("bs, R, max_seq", [(64, 4, 3000), (5, 7, 400), (256, 2, 9000)])
+def test_gpu_kernel_reads_every_record_format(bs, R, max_seq, fmt, layout, gpu):
+    f = L.with_layout(fmt, layout)
+    g = torch.Generator().manual_seed(R * bs)
+    nb = R * ((max_seq + bs - 1) // bs) + 2
+    v, _ = filled_cache(nb, bs, seed=R + bs, device=gpu, fmt=f)
+    seq = torch.randint(0, max_seq + 1, (R,), generator=g)
+    gl = torch.minimum(seq, torch.randint(0, 700, (R,), generator=g))
+    cols = (max_seq + bs - 1) // bs
+    bt = torch.randperm(nb, generator=g)[:R * cols].view(R, cols).int()
+    M = int(gl.max()) + 5
+    args = (v, seq.to(gpu), gl.to(gpu), bt.to(gpu), bs, 2)
+    out, want = nan_out(R, M, gpu), nan_out(R, M, gpu)
+    _hip()(out, *args, fmt=f)
+    rc.dequantize_and_gather_k_cache(want, *args, fmt=f)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    out2 = nan_out(R, M, gpu)
+    ops.dequantize_and_gather_k_cache(out2, *args, kv_layout=layout)     # the op names the format itself
+    assert torch.equal(out2.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -1,24 +1,28 @@
 """dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size) -> None, as vLLM's FlashMLA backend
 calls it (out a column slice of a [N, topk + window, 512] workspace, slot ids int32 with -1 padding).
 
-CPU: rows against a per-slot decode, strided out, every cache view, padding and bad input. GPU: the HIP
-kernel writes the reference's rows exactly.
+CPU: rows against a per-slot decode, strided out, every cache view, padding and bad input; the V4.1
+records in both page layouts. GPU: the HIP kernel writes the reference's rows exactly, every format.
 """
 import pytest
 import torch
 
+from dsv4_rocm import layout as L
 from dsv4_rocm import ops
 from dsv4_rocm.reference import cache as rc
 from helpers import every_cache_view, random_k
 
 VIEWS = sorted(every_cache_view(1, 2))
+FORMATS = [(L.V40_584, "page_split"), (L.V41_528, "page_split"), (L.V41_528, "interleaved"),
+           (L.V41_FP4_288, "page_split"), (L.V41_FP4_288, "interleaved")]
 
 
-def filled(nb, bs, seed, device="cpu", view="vllm_3d"):
-    v, _ = every_cache_view(nb, bs, seed=seed, device=device)[view]
+def filled(nb, bs, seed, device="cpu", view="vllm_3d", fmt=L.V40_584):
+    align = fmt.page_align if not fmt.interleaved else fmt.token_bytes
+    v, _ = every_cache_view(nb, bs, fmt.token_bytes, seed=seed, device=device, align=align)[view]
     k = random_k(nb * bs, gen=torch.Generator().manual_seed(seed))
-    rc.quantize_and_insert_k_cache(k.to(device), v, torch.arange(nb * bs, device=device), bs)
-    return v, rc.decode_k_records(rc.encode_k_records(k)).bfloat16().to(device)
+    rc.quantize_and_insert_k_cache(k.to(device), v, torch.arange(nb * bs, device=device), bs, fmt)
+    return v, rc.decode_k_records(rc.encode_k_records(k, fmt), fmt).bfloat16().to(device)
 
 
 def expected(K, slot_ids):
@@ -38,6 +42,15 @@ def test_rows_and_padding_in_a_workspace_slice(view):
     ops.dequantize_global_slots_k_cache(work[:, :4], v, ids, 64)              # vLLM's combined_kv[:, :topk]
     assert torch.equal(work[:, :4], expected(K, ids))
     assert work[:, 4:].isnan().all()
+
+
+@pytest.mark.parametrize("fmt, layout", FORMATS[1:], ids=[f"{f.name}-{lay}" for f, lay in FORMATS[1:]])
+def test_v41_records(fmt, layout):
+    v, K = filled(3, 5, seed=4, fmt=L.with_layout(fmt, layout))
+    ids = torch.tensor([[0, 14, -1, 6], [-1, 2, 3, 9]], dtype=torch.int32)
+    out = torch.full((2, 4, 512), float("nan"), dtype=torch.bfloat16)
+    ops.dequantize_global_slots_k_cache(out, v.unsqueeze(-2), ids, 5, kv_layout=layout)
+    assert torch.equal(out, expected(K, ids))
 
 
 def test_one_dimensional_slots_and_the_torch_op():
@@ -86,4 +99,21 @@ def test_gpu_kernel_writes_the_reference_rows(bs, N, K, index_dtype, gpu):
     want = work.clone()
     ops.implementation("dequantize_global_slots_k_cache", "cuda")(work[:, 3:], v, ids, bs)
     rc.dequantize_global_slots_k_cache(want[:, 3:], v, ids, bs)
+    assert torch.equal(work.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, layout", FORMATS, ids=[f"{f.name}-{lay}" for f, lay in FORMATS])
+def test_gpu_kernel_reads_every_record_format(fmt, layout, gpu):
+    f = L.with_layout(fmt, layout)
+    nb, bs, N, K = 40, 7, 33, 600
+    v, _ = filled(nb, bs, seed=9, device=gpu, fmt=f)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-1, nb * bs, (N, K), generator=g)
+    ids[torch.rand(N, K, generator=g) < 0.05] += nb * bs
+    ids = ids.int().to(gpu)
+    work = torch.full((N, K + 3, 512), float("nan"), dtype=torch.bfloat16, device=gpu)
+    want = work.clone()
+    ops.implementation("dequantize_global_slots_k_cache", "cuda")(work[:, 3:], v, ids, bs, fmt=f)
+    rc.dequantize_global_slots_k_cache(want[:, 3:], v, ids, bs, fmt=f)
     assert torch.equal(work.view(torch.int16), want.view(torch.int16))

@@ -1,8 +1,10 @@
 """dsv4_rocm.flash_mla: FlashMLA's API (names, positional order, defaults, returns) plus vLLM's out=
 buffer. On CPU the API logic runs the reference backend: every form FlashMLA accepts gives the same
 result as its plain form, bad input is a ValueError naming the argument and changes nothing. On a GPU the
-same forms run the kernels against the reference. The FlashMLA test suite itself runs through this API in
-ci/flashmla_cases.py (checked here up to the point where it needs a GPU)."""
+same forms run the kernels against the reference. The record format comes from the caches' last dimension
+(584 / 528 / 288), as FlashMLA detects it; pairs FlashMLA has not are refused by name. The FlashMLA test
+suite itself runs through this API in ci/flashmla_cases.py (checked here up to the point where it needs a
+GPU), and its V4.1 release's cases in ci/flashmla_v41_cases.py (a small CPU subset here)."""
 import inspect
 import os
 import subprocess
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from dsv4_rocm import flash_mla
+from dsv4_rocm import layout as L
 from dsv4_rocm.reference import attention as ra
 from sparse_mla_inputs import (SM, check_lonely, check_out, decode_args, decode_case, decode_key_amax, padded_out,
                                prefill_case, prefill_key_amax, strided)
@@ -24,13 +27,14 @@ def call_decode(a, meta=None, **kw):
     meta = meta if meta is not None else flash_mla.get_mla_metadata()[0]
     args = dict(block_table=None, cache_seqlens=None, head_dim_v=512, num_splits=None, softmax_scale=SM,
                 causal=False, is_fp8_kvcache=True)
+    extra = {k: kw.pop(k) for k in list(kw) if k not in args and k != "out"}    # keywords past FlashMLA's
     args.update(kw)
     out = args.pop("out", None)
     return flash_mla.flash_mla_with_kvcache(
         a["q"], a["k_cache"], args["block_table"], args["cache_seqlens"], args["head_dim_v"], meta,
         args["num_splits"], args["softmax_scale"], args["causal"], args["is_fp8_kvcache"], a["indices"],
         a["attn_sink"], a["extra_k_cache"], a["extra_indices_in_kvcache"], a["topk_length"], a["extra_topk_length"],
-        **({"out": out} if out is not None else {}))
+        **({"out": out} if out is not None else {}), **extra)
 
 
 def test_signatures_are_flashmlas():
@@ -226,6 +230,65 @@ def test_bad_decode_input_is_rejected_naming_the_argument_and_writes_nothing():
         assert torch.equal(out, torch.full_like(out, 7.0)), match
 
 
+# ---- DeepSeek-V4.1 records ------------------------------------------------------------------------------
+V41 = [((L.V41_528, L.V41_528), "page_split"), ((L.V41_528, L.V41_FP4_288), "page_split"),
+       ((L.interleaved(L.V41_528), L.interleaved(L.V41_FP4_288)), "interleaved")]
+
+
+@pytest.mark.parametrize("fmts, layout", V41, ids=["v41+v41", "v41+fp4", "v41+fp4 interleaved"])
+def test_v41_records_are_detected_from_the_last_dim(fmts, layout):
+    a = decode_case(3, 2, 64, 5, 40, 3, 24, "cpu", 9, num_blocks=9, formats=fmts)
+    assert a["k_cache"].shape[-1] == 528 and a["extra_k_cache"].shape[-1] == fmts[1].token_bytes
+    kw = {} if layout == "page_split" else dict(kv_layout=layout)
+    out, lse = call_decode(a, **kw)
+    ref, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=fmts)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    if layout == "page_split":       # the same bytes read in the other layout are other keys: the layout matters
+        other = call_decode(a, kv_layout="interleaved")[0]
+        assert not torch.equal(other, out)
+
+
+def test_format_pairs_flashmla_lacks_are_refused_by_name():
+    v40 = decode_case(2, 1, 64, 64, 32, 2, 16, "cpu", 3)
+    v41 = decode_case(2, 1, 64, 5, 32, 3, 16, "cpu", 4, num_blocks=9, formats=(L.V41_528, L.V41_FP4_288))
+    out = torch.full((2, 1, 64, 512), 7.0, dtype=torch.bfloat16)
+    bad = [("k_cache: a V41_FP4_288 cache .* only supported as extra_k_cache",
+            dict(v41, k_cache=v41["extra_k_cache"], indices=v41["extra_indices_in_kvcache"],
+                 topk_length=v41["extra_topk_length"])),
+           ("extra_k_cache: invalid kv format pair, V40_584 .* and V41_FP4_288", dict(v40, **{
+               k: v41[k] for k in ("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length")})),
+           ("extra_k_cache: invalid kv format pair, V41_528 .* and V40_584", dict(v41, **{
+               k: v40[k] for k in ("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length")})),
+           ("k_cache must have shape .* 584 / 528 / 288", dict(v41, k_cache=v41["k_cache"][..., :300]))]
+    for match, a in bad:
+        with pytest.raises(ValueError, match=match):
+            call_decode(a, out=out)
+        assert torch.equal(out, torch.full_like(out, 7.0)), match
+    with pytest.raises(ValueError, match="V40_584 records .* page-split only"):
+        call_decode(v40, kv_layout="interleaved")
+    with pytest.raises(ValueError, match="kv_layout must be"):
+        call_decode(v41, kv_layout="paged")
+
+
+def test_enable_batch_invariant():
+    """FlashMLA's later argument, positional after extra_topk_length: accepted, part of the scheduling
+    object's shape, and the result of each query is that of the query alone."""
+    a = decode_case(3, 2, 64, 64, 32, 2, 16, "cpu", 5)
+    meta = flash_mla.get_mla_metadata()[0]
+    args = (a["q"], a["k_cache"], None, None, 512, meta, None, SM, False, True, a["indices"], a["attn_sink"],
+            a["extra_k_cache"], a["extra_indices_in_kvcache"], a["topk_length"], a["extra_topk_length"])
+    out, lse = flash_mla.flash_mla_with_kvcache(*args, True)
+    assert meta.config.enable_batch_invariant is True
+    with pytest.raises(ValueError, match="tile_scheduler_metadata was initialized"):
+        flash_mla.flash_mla_with_kvcache(*args, False)
+    with pytest.raises(ValueError, match="enable_batch_invariant must be a bool"):
+        flash_mla.flash_mla_with_kvcache(*args[:5], flash_mla.get_mla_metadata()[0], *args[6:], 1)
+    one = {k: (v[1:2] if isinstance(v, torch.Tensor) and k not in ("k_cache", "extra_k_cache", "attn_sink") else v)
+           for k, v in a.items()}
+    o1, l1 = call_decode(one, enable_batch_invariant=True)
+    assert torch.equal(o1[0], out[1]) and torch.equal(l1[0], lse[1])
+
+
 def test_bad_prefill_input_is_rejected_naming_the_argument():
     q, kv, idx, lens, s = prefill_case(3, 64, 16, 20, "cpu", 1)
     bad = [("kv must have shape", dict(kv=kv.repeat(1, 2, 1))), ("d_v", dict(d_v=576)),
@@ -279,6 +342,31 @@ def test_flashmla_case_harness_loads_the_cases():
                         "--every", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     print(r.stdout[-1500:], r.stderr[-1500:])
     assert r.returncode == 0 and "prefill  dsv4_rocm     9 passed    0 failed (of 9)" in r.stdout
+
+
+def _flashmla_v41_checkout():
+    path = os.environ.get("FLASHMLA_V41_DIR") or os.path.join(ROOT, ".peers", "FlashMLA-v41")
+    return path if os.path.isfile(os.path.join(path, "tests", "test-sparse-decode.py")) else None
+
+
+def test_flashmla_v41_cases_through_our_api_on_the_cpu():
+    """FlashMLA's V4.1 decode cases (its quantizer writes interleaved 528 / 288 B records, its reference
+    judges with its tolerances) through dsv4_rocm.flash_mla on the CPU: a spread of the small ones, fp4
+    extra caches, lonely queries and sinks among them; and every case listed."""
+    path = _flashmla_v41_checkout()
+    if path is None:
+        pytest.skip("no FlashMLA V4.1 test folder (FLASHMLA_V41_DIR or .peers/FlashMLA-v41): the harness is optional")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "ci/flashmla_v41_cases.py", "--flashmla", path, "--list"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    print(r.stdout[-1500:], r.stderr[-1500:])
+    assert r.returncode == 0 and "decode: 1534 cases in FlashMLA's file" in r.stdout
+    r = subprocess.run([sys.executable, "ci/flashmla_v41_cases.py", "--flashmla", path, "--device", "cpu",
+                        "--suite", "decode", "--max-work", "3e5", "--every", "9"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    print(r.stdout[-2500:], r.stderr[-2500:])
+    line = [x for x in r.stdout.splitlines() if x.startswith("decode   dsv4_rocm")]
+    assert r.returncode == 0 and line and " 0 failed" in line[0] and "(of 0)" not in line[0]
 
 
 # ---- GPU: the API's forms on the kernels --------------------------------------------------------------

@@ -1,17 +1,21 @@
 """fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert and its _out variant, in vLLM's call form
-``(q, kv, k_cache_2d, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size)``.
+``(q, kv, k_cache_2d, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size, apply_q_norm=True,
+kv_mxfp8=False, apply_q_rope=True, is_q_interleaved=False)`` (the 13-argument schema of vLLM's V4.1 code).
 
 vLLM's own checks, ported: the q path against a float64 RMSNorm + GPT-J RoPE (within one bf16 step: the
 op rounds once from fp32, the oracle here never); the kv path writes the bytes of
 quantize_and_insert_k_cache applied to RoPE'd kv, exactly; DP padding (fewer slots than rows); one call
 doing both. Also: the _out variant, bf16 cos/sin and int32 positions, every cache view, bad input
-rejected before any write, and a property test. GPU: the HIP kernel against the reference (cache bytes
+rejected before any write, and a property test. The grown schema: q norm and q RoPE switched off
+separately (q copied when both are), the chunk-interleaved q layout, padded_heads 0 (KV only), kv_mxfp8
+(V41_528 records, page-split or interleaved). GPU: the HIP kernel against the reference (cache bytes
 exact, q within one bf16 step), poisoned outputs, and a decode step captured in a CUDA/HIP graph.
 """
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from dsv4_rocm import layout as L
 from dsv4_rocm import ops
 from dsv4_rocm.reference import cache as rc
 from dsv4_rocm.reference import qkv as rq
@@ -136,6 +140,98 @@ def test_out_variant_bf16_cos_sin_int32_positions_and_the_torch_ops():
     assert torch.equal(out16, out32) and torch.equal(c16, c32)
 
 
+# ---- the grown schema (vLLM's V4.1 code) ---------------------------------------------------------------
+def chunk_interleaved(q):
+    """[T, H, 512] head-major -> the attention kernel's layout: value (h, d) at (d // 16) * H * 16 + h * 16 + d % 16
+    of the token's row, written out by index."""
+    T, H, D = q.shape
+    out = torch.empty(T, H * D, dtype=q.dtype)
+    h, d = torch.meshgrid(torch.arange(H), torch.arange(D), indexing="ij")
+    out[:, ((d // 16) * H * 16 + h * 16 + d % 16).reshape(-1)] = q.reshape(T, H * D)
+    return out.view(T, H, D)
+
+
+@pytest.mark.parametrize("norm, rope", [(False, True), (True, False), (False, False)])
+def test_q_norm_and_rope_switch_off(norm, rope):
+    T, H = 7, 8
+    q = torch.randn(T, H, 512).bfloat16()
+    pos = torch.randint(0, 4096, (T,))
+    c = torch.zeros(1, 64, 584, dtype=torch.uint8)
+    out = OP(q, torch.zeros(T, 512).bfloat16(), c.view(1, -1), torch.full((T,), -1), pos, CS, 16, 1e-6, 64, norm,
+             False, rope, False)
+    x = q.double()
+    if norm:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = rope64(x, pos, CS) if rope else x
+    if norm or rope:
+        within_one_bf16_step(out[:, :H], want)
+    else:
+        assert torch.equal(out[:, :H], q)                      # neither: the live heads are copied
+    assert not bool(out[:, H:].any())
+
+
+@pytest.mark.parametrize("norm, rope", [(False, False), (True, True)])
+def test_interleaved_q_layout(norm, rope):
+    """vLLM's FlashMLA mega-attention path: q in and q out in the 16-dim chunk-interleaved layout, padded from
+    H to Hp heads; the same values as the head-major call, moved."""
+    T, H, Hp = 5, 8, 64
+    q = torch.randn(T, H, 512).bfloat16()
+    pos, slots = torch.arange(T), torch.tensor([0, 3, -1, 9, 2])
+    a, b = torch.zeros(1, 64, 528, dtype=torch.uint8), torch.zeros(1, 64, 528, dtype=torch.uint8)
+    kv = random_k(T)
+    head_major = OP(q, kv, a.view(1, -1), slots, pos, CS, Hp, 1e-6, 64, norm, True, rope, False)
+    inter = OP(chunk_interleaved(q), kv, b.view(1, -1), slots, pos, CS, Hp, 1e-6, 64, norm, True, rope, True)
+    assert torch.equal(inter, chunk_interleaved(head_major)) and torch.equal(a, b) and bool(a.any())
+
+
+def test_padded_heads_zero_is_kv_only():
+    T = 6
+    q, kv = torch.randn(T, 64, 512).bfloat16(), random_k(T)
+    pos, slots = torch.arange(T), torch.tensor([1, 0, 5, -1, 7, 2])
+    c = torch.zeros(1, 16, 528, dtype=torch.uint8)
+    out = OP(q, kv, c.view(1, -1), slots, pos, CS, 0, 1e-6, 16, False, True, False, True)
+    assert out.shape == (T, 0, 512)
+    want = torch.zeros_like(c)
+    ops.quantize_and_insert_k_cache(rq.kv_rope(kv, pos, CS), want.view(1, -1), slots, 16, bytes_per_token=528)
+    assert torch.equal(c, want) and bool(c.any())
+
+
+@pytest.mark.parametrize("layout", ["page_split", "interleaved"])
+def test_kv_mxfp8_writes_v41_records(layout):
+    """kv_mxfp8: RoPE (fp32), one bf16 rounding, then a V41_528 record: quantize_and_insert_k_cache's bytes
+    with bytes_per_token=528; the record's RoPE dims dequantize to the rotated kv within an fp8 step."""
+    T, bs = 11, 8
+    fmt = L.with_layout(L.V41_528, layout)
+    q, kv = torch.randn(T, 4, 512).bfloat16(), random_k(T)
+    pos = torch.randint(0, 4096, (T,))
+    slots = torch.tensor([3, 9, -1, 0, 20, 21, 5, 6, 7, -1, 1])
+    c = torch.randint(0, 256, (3, L.page_bytes(bs, fmt)), dtype=torch.uint8)
+    want = c.clone()
+    out = OP(q, kv, c, slots, pos, CS, 64, 1e-6, bs, False, True, True, False, kv_layout=layout)
+    ops.quantize_and_insert_k_cache(rq.kv_rope(kv, pos, CS), want, slots, bs, bytes_per_token=528, kv_layout=layout)
+    assert torch.equal(c, want)
+    dec = rc.decode_k_records(rc.gather_k_records(c, slots.clamp_min(0), bs, fmt), fmt)
+    rot = rope64(kv, pos, CS)
+    err = (dec[:, 448:] - rot[:, 448:]).abs() / rot[:, 448:].abs().reshape(T, 2, 32).amax(-1).repeat_interleave(32, 1)
+    assert float(err[slots >= 0].max()) <= 2 ** -4
+    x = q.double()
+    within_one_bf16_step(out[:, :4], rope64(x, pos, CS))         # apply_q_norm False
+
+
+def test_grown_schema_bad_input():
+    q, kv = torch.randn(3, 8, 512).bfloat16(), random_k(3)
+    c = torch.zeros(1, 64, 584, dtype=torch.uint8)
+    args = (q, kv, c.view(1, -1), torch.arange(3), torch.arange(3), CS)
+    for kw, match in ((dict(kv_mxfp8=True), "V41_528 cache"), (dict(apply_q_norm=1), "apply_q_norm must be a bool"),
+                      (dict(is_q_interleaved=True, padded_heads=4), "padded_heads"),):
+        ph = kw.pop("padded_heads", 16)
+        with pytest.raises(ValueError, match=match):
+            OP(*args, ph, 1e-6, 64, **kw)
+    with pytest.raises(ValueError, match="chunk-interleaved layout"):
+        OP(q.transpose(0, 1).contiguous().transpose(0, 1), *args[1:], 16, 1e-6, 64, is_q_interleaved=True)
+    assert not bool(c.any())
+
+
 def test_empty_batch():
     c = torch.zeros(1, 64, 584, dtype=torch.uint8)
     out = OP(torch.zeros(0, 8, 512).bfloat16(), torch.zeros(0, 512).bfloat16(), c.view(1, -1),
@@ -221,6 +317,39 @@ def test_gpu_kernel_against_the_reference(T, H, Hp, n_slots, table, index_dtype,
     assert torch.equal(cache, ref_cache)
     assert torch.equal(q_out[:, H:], torch.zeros_like(q_out[:, H:]))
     within_one_bf16_step(q_out[:, :H], ref[:, :H])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm, rope, inter, layout", [(False, True, False, "page_split"),
+                                                       (False, False, True, "page_split"),
+                                                       (True, True, True, "interleaved"),
+                                                       (False, False, False, "interleaved")])
+@pytest.mark.parametrize("T, H, Hp", [(1, 8, 64), (333, 64, 64), (50, 16, 128), (40, 64, 0)])
+def test_gpu_grown_schema_against_the_reference(T, H, Hp, norm, rope, inter, layout, gpu):
+    g = torch.Generator().manual_seed(T * H + Hp)
+    fmt = L.with_layout(L.V41_528, layout)
+    q = (torch.randn(T, H, 512, generator=g) * 3).bfloat16().to(gpu)
+    kv = random_k(T, gen=g).to(gpu)
+    cs = build_cos_sin_cache(10000.0, 70000, device=gpu)
+    pos = torch.randint(0, 70000, (T,), generator=g).to(gpu)
+    nb = (T + 31) // 32 + 2
+    slots = torch.randperm(nb * 32, generator=g)[:T]
+    slots[torch.rand(T, generator=g) < 0.1] = -1
+    slots = slots.to(gpu)
+    cache = torch.full((nb, L.page_bytes(32, fmt)), 0xAB, dtype=torch.uint8, device=gpu)
+    ref_cache = cache.clone()
+    q_out = torch.full((T, Hp, 512), float("nan"), dtype=torch.bfloat16, device=gpu)
+    _hip()(q, kv, cache, slots, pos, cs, Hp, 1e-6, 32, q_out, apply_q_norm=norm, apply_q_rope=rope,
+           is_q_interleaved=inter, fmt=fmt)
+    ref = rq.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, ref_cache, slots, pos, cs, Hp, 1e-6, 32,
+                                                               apply_q_norm=norm, apply_q_rope=rope,
+                                                               is_q_interleaved=inter, fmt=fmt)
+    assert torch.equal(cache, ref_cache)
+    if Hp:
+        if norm or rope:
+            within_one_bf16_step(q_out, ref)
+        else:
+            assert torch.equal(q_out, ref)
 
 
 @pytest.mark.gpu

@@ -1,10 +1,11 @@
-"""quantize_and_insert_k_cache (vLLM's call form) and the fp8_ds_mla record it writes.
+"""quantize_and_insert_k_cache (vLLM's call form) and the records it writes: V40_584, and V41_528 with
+vLLM's ``bytes_per_token=528``, in vLLM's page-split pages or (``kv_layout="interleaved"``) FlashMLA's.
 
 CPU: the record layout and round trip, every cache view vLLM holds (the same bytes through each),
 vLLM's positional and keyword forms, padding slots, bad input rejected before any write, and a property
 test over random slot mappings with padding and garbage. The expected bytes are placed by hand from
 ``layout.token_byte_offsets`` (independent of the writer's indexing). GPU: the HIP kernel writes the
-reference's bytes exactly, on poisoned caches.
+reference's bytes exactly, on poisoned caches, for both records and both layouts.
 """
 import pytest
 import torch
@@ -110,8 +111,52 @@ def test_empty_batch_writes_nothing():
     assert torch.equal(c, before)
 
 
+def _placed(before, k, slots, bs, fmt):
+    """``before`` (a whole cache, page stride L.page_bytes) with the records of k at the valid slots placed
+    one by one from layout.token_byte_offsets; and the mask of bytes written."""
+    after, written = before.clone(), torch.zeros_like(before, dtype=torch.bool)
+    flat, wflat = after.view(-1), written.view(-1)
+    rec = rc.encode_k_records(k[:len(slots)], fmt)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            d, sc = L.token_byte_offsets(s, bs, fmt)
+            flat[d:d + fmt.data_bytes], flat[sc:sc + fmt.scale_bytes] = rec[t, :fmt.data_bytes], rec[t, fmt.data_bytes:]
+            wflat[d:d + fmt.data_bytes], wflat[sc:sc + fmt.scale_bytes] = True, True
+    return after, written
+
+
+@pytest.mark.parametrize("layout", ["page_split", "interleaved"])
+@pytest.mark.parametrize("bs", [3, 64])
+def test_v41_records_in_vllms_call_forms(bs, layout):
+    fmt = L.with_layout(L.V41_528, layout)
+    nb = 3
+    k = random_k(7)
+    slots = torch.tensor([0, 2 * bs + 1, -1, bs, 1, -4, nb * bs - 1])
+    base = torch.randint(0, 256, (nb, L.page_bytes(bs, fmt)), generator=torch.Generator().manual_seed(bs),
+                         dtype=torch.uint8)
+    want, written = _placed(base, k, slots, bs, fmt)
+    kw = {} if layout == "page_split" else dict(kv_layout=layout)
+    view3 = lambda c: torch.as_strided(c, (nb, bs, 528), (c.stride(0), 528, 1))     # noqa: E731  (vLLM's view)
+    calls = [lambda c: ops.quantize_and_insert_k_cache(k, view3(c), slots, bs, True, False, 528, **kw),
+             lambda c: ops.quantize_and_insert_k_cache(k, c, slots, block_size=bs, bytes_per_token=528, **kw)]
+    if layout == "page_split":
+        calls.append(lambda c: torch.ops.dsv4_rocm.quantize_and_insert_k_cache(k, c, slots, bs, True, False, 528))
+    for call in calls:
+        c = base.clone()
+        call(c)
+        assert torch.equal(c, want)
+    assert int(written.sum()) == 5 * 528
+
+
 K4 = random_k(4)
 BAD = [
+    (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(2), 64, bytes_per_token=288), "bytes_per_token"),
+    (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(2), 64, bytes_per_token=600), "bytes_per_token"),
+    (lambda c: ops.quantize_and_insert_k_cache(K4, c.view(2, -1)[:, :64 * 584].view(2, 64, 584), torch.arange(2),
+                                               64, bytes_per_token=528), "records of 584 B, but bytes_per_token"),
+    (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(2), 64, bytes_per_token=528), "V41_528 cache"),
+    (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(2), 64, kv_layout="interleaved"),
+     "page-split only"),
     (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.tensor([0, 128])), "slot_mapping: slot 128 is outside"),
     (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(5)), "slot_mapping has 5 entries"),
     (lambda c: ops.quantize_and_insert_k_cache(K4.float(), c, torch.arange(2)), "k must have dtype"),
@@ -233,6 +278,29 @@ def test_gpu_non_finite_blocks_poisoned_like_reference(gpu):
     slots = torch.arange(64, device=gpu)
     _hip("quantize_and_insert_k_cache")(k, cache, slots, 64)
     rc.quantize_and_insert_k_cache(k, ref, slots, 64)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["page_split", "interleaved"])
+@pytest.mark.parametrize("bs, n", [(64, 1), (64, 4097), (3, 100), (256, 9000)])
+def test_gpu_v41_kernel_writes_the_reference_bytes(bs, n, layout, gpu):
+    fmt = L.with_layout(L.V41_528, layout)
+    nb = (n + bs - 1) // bs + 3
+    g = torch.Generator().manual_seed(n)
+    k = (torch.randn(n, 512, generator=g) * torch.exp2(torch.randint(-24, 10, (n, 16), generator=g).float())
+         .repeat_interleave(32, 1)).bfloat16()
+    k[::9, :32] = 0.0
+    k[1::11, 32:64] = -0.0
+    k[2::13, 64] = float("nan")
+    k[3::17, 100] = float("-inf")
+    k = k.to(gpu)
+    slots = _slots(n, bs, nb, n, gpu, garbage=True)
+    cache = torch.full((nb, L.page_bytes(bs, fmt)), 0xAB, dtype=torch.uint8, device=gpu)
+    ref = cache.clone()
+    _hip("quantize_and_insert_k_cache")(k, cache, slots, bs, fmt)
+    rc.quantize_and_insert_k_cache(k, ref, slots, bs, fmt)
+    print(f"{fmt.name} {layout} bs={bs} n={n}: differing bytes {int((cache != ref).sum())}")
     assert torch.equal(cache, ref)
 
 

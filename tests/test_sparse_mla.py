@@ -1,7 +1,7 @@
 """Sparse MLA attention: the reference against the formulas on CPU; the Triton kernels (decode straight
 from the fp8 pages, prefill over a bf16 kv) against the reference, under the Triton interpreter on CPU
-(every call form: strides, out buffers, lengths shapes, invalid indices, lonely queries, splits) and on
-a GPU. Tolerances: tests/sparse_mla_inputs.py."""
+(every call form: strides, out buffers, lengths shapes, invalid indices, lonely queries, splits; the V4.1
+record formats and both page layouts) and on a GPU. Tolerances: tests/sparse_mla_inputs.py."""
 import math
 import os
 import random
@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+from dsv4_rocm import layout as L
 from dsv4_rocm import ops
 from dsv4_rocm.reference import attention as ra
 from dsv4_rocm.reference import cache as rc
@@ -205,6 +206,34 @@ _PREFILL_FORMS = textwrap.dedent("""
 """)
 
 
+_DECODE_V41 = textwrap.dedent("""
+    from dsv4_rocm import layout as L
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    CFG = dict(BLOCK_N=16, num_warps=4, num_stages=1, DEQ_INT=False)
+    IL = L.interleaved
+    for fmts in ((L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288), (IL(L.V41_528), IL(L.V41_FP4_288)),
+                 (IL(L.V41_528), IL(L.V41_528))):
+        a = decode_case(2, 2, 64, 5, 40, 3, 24, "cpu", 6, num_blocks=7, formats=fmts)
+        a["indices"][1, 1] = -1                       # query (1, 1): no valid key in either set
+        a["extra_topk_length"][1] = 0
+        ref, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=fmts)
+        amax = decode_key_amax(a, fmts)
+        outs = []
+        for ns in (1, 3):
+            out, lse = sparse_mla_decode(*decode_args(a), formats=fmts, config=CFG, num_splits=ns)
+            check_out(out, ref, f"interpreted decode {fmts[0].name}+{fmts[1].name} {fmts[0].layout} splits={ns}", amax)
+            check_lse(lse, ref_lse)
+            check_lonely(out, lse.transpose(1, 2), (1, 1))
+            outs.append(out)
+        # the main set alone (one format, one loop)
+        m = dict(a, extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None)
+        ref, _ = ra.flash_mla_with_kvcache_sparse(*decode_args(m), formats=(fmts[0], None))
+        out, _ = sparse_mla_decode(*decode_args(m), formats=(fmts[0], None), config=CFG)
+        check_out(out, ref, f"interpreted decode {fmts[0].name} alone", decode_key_amax(m, fmts))
+    print("ok")
+""")
+
+
 def _interpret(script, tmp_path):
     """Run a script under the Triton interpreter in a fresh process (Triton reads kernel sources from files)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,11 +249,18 @@ def test_decode_kernel_call_forms_under_the_interpreter(tmp_path):
     _interpret(_DECODE_FORMS, tmp_path)
 
 
+def test_decode_kernel_v41_formats_under_the_interpreter(tmp_path):
+    """V41_528 main caches with V41_528 or V41_FP4_288 extra caches, page-split and interleaved: the
+    format-parameterized tiles (16 x 32 fp8 chunks, 32 x 16 e2m1 chunks) and the two-loop path of mixed
+    formats against the reference, splits included."""
+    _interpret(_DECODE_V41, tmp_path)
+
+
 def test_prefill_kernel_lonely_queries_and_call_forms_under_the_interpreter(tmp_path):
     _interpret(_PREFILL_FORMS, tmp_path)
 
 
-def test_decode_kernel_choice():
+def test_decode_kernel_choice(monkeypatch):
     """Hopper runs DEFAULT_SM90_KERNEL by default (the warp-specialized kernel only where Triton has Gluon),
     every other target this file's kernel; either is forced with config=dict(kernel=...), and the Hopper
     kernel is refused elsewhere by name."""
@@ -241,6 +277,16 @@ def test_decode_kernel_choice():
         D.default_config("sm_90", 64, "cuda")
     with pytest.raises(ValueError, match="sm_90"):
         D._plan(torch.device("cpu"), 64, 4, 128, 512, (("kernel", "ws"),))
+    # the Hopper kernel reads V40_584 only: V4.1 formats take the Triton kernel, and forcing it is refused
+    # (an H100's device facts, without one)
+    from dsv4_rocm.triton import _launch
+    monkeypatch.setattr(_launch, "_facts", lambda t, i: ("sm_90", False, 132, True))
+    hopper = torch.device("cuda", 0)
+    if D._ws is not None and D.DEFAULT_SM90_KERNEL == "ws":
+        assert dict(D._plan.__wrapped__(hopper, 64, 4, 128, 512)[0])["kernel"] == "ws"
+    assert dict(D._plan.__wrapped__(hopper, 64, 4, 128, 512, v40=False)[0])["kernel"] == "triton"
+    with pytest.raises(ValueError, match="V40_584 records only"):
+        D._plan.__wrapped__(hopper, 64, 4, 128, 512, (("kernel", "ws"),), v40=False)
 
 
 def test_split_plan():
@@ -321,6 +367,37 @@ def test_triton_decode_matches_reference(case, splits, kernel, gpu):
     ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
     out, lse = sparse_mla_decode(*decode_args(a), num_splits=splits, config=cfg)
     check_out(out, ref_out, f"decode {kernel} {case} splits={splits}", decode_key_amax(a))
+    if sink != "+inf":
+        check_lse(lse, ref_lse)
+
+
+V41_CASES = [
+    # b, s_q, h, main bs, topk, extra bs, extra topk, sink, lens shape
+    (4, 2, 64, 64, 128, 64, 512, "random", "b"),
+    (74, 1, 64, 256, 128, 2, 512, "-inf", "b"),
+    (8, 2, 128, 256, 128, 64, 1024, "random", "bsq"),
+    (2, 1, 64, 100, 96, 3, 40, "random", "b"),
+    (4, 3, 128, 576, 2048, 61, 576, "random", "bsq"),
+    (3, 1, 64, 5, 64, 0, 0, "none", "b"),
+]
+V41_FORMATS = [(L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288),
+               (L.interleaved(L.V41_528), L.interleaved(L.V41_FP4_288))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmts", V41_FORMATS, ids=["v41+v41", "v41+fp4", "v41+fp4 interleaved"])
+@pytest.mark.parametrize("case", V41_CASES, ids=[str(c) for c in V41_CASES])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_triton_decode_v41_formats_match_reference(case, splits, fmts, gpu):
+    """The Triton kernel (the V4.1 formats' kernel on every GPU, Hopper included) over V4.1 records."""
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
+    a = decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 31 + b, sink, lshape, formats=fmts)
+    f = (fmts[0], fmts[1] if ebs else None)
+    ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=f)
+    out, lse = sparse_mla_decode(*decode_args(a), num_splits=splits, formats=f)
+    check_out(out, ref_out, f"decode {f[0].name}+{f[1].name if f[1] else '-'} {case} splits={splits}",
+              decode_key_amax(a, f))
     if sink != "+inf":
         check_lse(lse, ref_lse)
 
