@@ -251,7 +251,7 @@ def test_decode_kernel_call_forms_under_the_interpreter(tmp_path):
 
 def test_decode_kernel_v41_formats_under_the_interpreter(tmp_path):
     """V41_528 main caches with V41_528 or V41_FP4_288 extra caches, page-split and interleaved: the
-    format-parameterized tiles (16 x 32 fp8 chunks, 32 x 16 e2m1 chunks) and the two-loop path of mixed
+    format-parameterized tiles (16 x 32 fp8 chunks, 32 scale blocks of 8 e2m1 bytes) and the two-loop path of mixed
     formats against the reference, splits included."""
     _interpret(_DECODE_V41, tmp_path)
 
@@ -287,6 +287,75 @@ def test_decode_kernel_choice(monkeypatch):
     assert dict(D._plan.__wrapped__(hopper, 64, 4, 128, 512, v40=False)[0])["kernel"] == "triton"
     with pytest.raises(ValueError, match="V40_584 records only"):
         D._plan.__wrapped__(hopper, 64, 4, 128, 512, (("kernel", "ws"),), v40=False)
+
+
+def _run_ptx(ptx, regs):
+    """Execute the straight-line integer PTX of the decode kernels' inline asm (prmt in its default mode, with
+    the sign-replicate selector bit; shl / shr / and / or on .b32) over the registers ``regs`` (name -> int)."""
+    def val(x):
+        x = x.strip()
+        return regs[x] if x in regs else int(x, 0)
+    for line in ptx.strip().splitlines():
+        op, rest = line.strip().rstrip(";").split(None, 1)
+        d, *a = [x.strip() for x in rest.split(",")]
+        a = [val(x) for x in a]
+        if op == "prmt.b32":
+            pool = (a[0] | a[1] << 32).to_bytes(8, "little")
+            r = 0
+            for k in range(4):
+                sel = (a[2] >> (4 * k)) & 0xF
+                byte = pool[sel & 7]
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                r |= byte << (8 * k)
+        elif op == "shl.b32":
+            r = a[0] << a[1]
+        elif op == "shr.b32":
+            r = a[0] >> a[1]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
+        else:
+            raise AssertionError(f"unmodelled instruction {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return regs
+
+
+def _bf16s(words):
+    """The bf16 values of 32-bit registers, two each (low half first), as float32."""
+    halves = torch.tensor([(w >> (16 * i)) & 0xFFFF for w in words for i in (0, 1)], dtype=torch.int32)
+    return (halves << 16).view(torch.float32)
+
+
+def test_integer_decode_ptx_follows_the_formats():
+    """The inline PTX of the NVIDIA decode (executed by a model of its five instructions): every e4m3 byte
+    gives its value * 2^-120 (0x7F / 0xFF read as +-480, made NaN by their block's scale), every e2m1 code in
+    every byte position its value * 2^-112 with its sign, -0 included."""
+    from dsv4_rocm.reference import quant
+    from dsv4_rocm.triton._decode_tiles import e2m1_to_scaled_bf16_ptx, e4m3_to_scaled_bf16_ptx
+    e4 = torch.arange(256, dtype=torch.int32)
+    want = e4.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    want = torch.where((e4 & 0x7F) == 0x7F, torch.where(e4 < 128, 480.0, -480.0), want)
+    got = []
+    for w in range(64):
+        x = int.from_bytes(bytes(range(4 * w, 4 * w + 4)), "little")
+        r = _run_ptx(e4m3_to_scaled_bf16_ptx("o0", "o1"), {"$2": x})
+        got.append(_bf16s([r["o0"], r["o1"]]))
+    assert torch.equal(torch.cat(got) * 2.0 ** 120, want)
+    codes = torch.arange(16, dtype=torch.int32)
+    want = quant.e2m1_decode(codes)
+    assert torch.equal(want[8:], -want[:8]) and torch.signbit(want[8])
+    for shift in range(4):             # each code in each byte position, the other bytes random
+        g = torch.Generator().manual_seed(shift)
+        other = torch.randint(0, 16, (16, 4), generator=g)
+        other[:, shift] = codes
+        for row in other.tolist():
+            x = int.from_bytes(bytes(row), "little")
+            r = _run_ptx(e2m1_to_scaled_bf16_ptx("o0", "o1", "x"), {"x": x})
+            got = _bf16s([r["o0"], r["o1"]]) * 2.0 ** 112
+            ref = want[torch.tensor(row)]
+            assert torch.equal(got, ref) and torch.equal(torch.signbit(got), torch.signbit(ref)), (row, got, ref)
 
 
 def test_split_plan():

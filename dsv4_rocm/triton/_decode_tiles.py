@@ -23,6 +23,40 @@ def e4m3_to_scaled_bf16_ptx(out0: str, out1: str) -> str:
             f"and.b32 {out0}, t0, 0x87F087F0;\n"
             f"and.b32 {out1}, t1, 0x87F087F0;\n")
 
+def e2m1_to_scaled_bf16_ptx(out0: str, out1: str, src: str) -> str:
+    """PTX turning four e2m1 codes, one a byte (the 32-bit operand ``src``, each byte 0-15: sign bit 3, then
+    two exponent bits and one mantissa bit), into four bf16 values times 2^-112, two a register (``out0``:
+    bytes 0 and 1, ``out1``: bytes 2 and 3), with integer ops only; needs ``.reg .b32 t0, t1``.
+
+    A code's magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6) has an f16 whose low byte is zero and whose high byte
+    comes from an 8-entry table (0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46): one ``prmt`` with two
+    codes' three magnitude bits as the selectors of bytes 1 and 3 (selector 0 reads the table's 0x00 into
+    bytes 0 and 2) builds two f16. An f16 bit pattern shifted right by 3 is the bf16 of the same value
+    times 2^-112 (exponent bias 15 vs 127, mantissa width 10 vs 7, the 3 bits lost are zero); the shift
+    moves no set bit across the halves because the high half's low byte is zero. Each code's sign goes to
+    bit 15 / 31; -0 stays -0. 7 integer ops for two values besides the shared sign masks."""
+    return ("shl.b32 t0, %(x)s, 4;\n"                       # codes 0, 1: magnitudes to bits 4-6 / 12-14
+            "and.b32 t0, t0, 0x7070;\n"
+            "prmt.b32 t0, 0x3E3C3800, 0x46444240, t0;\n"
+            "shr.b32 t0, t0, 3;\n"
+            "shl.b32 t1, %(x)s, 12;\n"                      # sign of code 0 (bit 3) to bit 15
+            "and.b32 t1, t1, 0x8000;\n"
+            "or.b32 t0, t0, t1;\n"
+            "shl.b32 t1, %(x)s, 20;\n"                      # sign of code 1 (bit 11) to bit 31
+            "and.b32 t1, t1, 0x80000000;\n"
+            "or.b32 %(o0)s, t0, t1;\n"
+            "shr.b32 t0, %(x)s, 12;\n"                      # codes 2, 3: bits 16-18 / 24-26 to 4-6 / 12-14
+            "and.b32 t0, t0, 0x7070;\n"
+            "prmt.b32 t0, 0x3E3C3800, 0x46444240, t0;\n"
+            "shr.b32 t0, t0, 3;\n"
+            "shr.b32 t1, %(x)s, 4;\n"                       # sign of code 2 (bit 19) to bit 15
+            "and.b32 t1, t1, 0x8000;\n"
+            "or.b32 t0, t0, t1;\n"
+            "shl.b32 t1, %(x)s, 4;\n"                       # sign of code 3 (bit 27) to bit 31
+            "and.b32 t1, t1, 0x80000000;\n"
+            "or.b32 %(o1)s, t0, t1;\n") % dict(x=src, o0=out0, o1=out1)
+
+
 # the pointer arguments of both decode kernels, as the CPU compile matrix types them
 DECODE_POINTERS = dict(q_ptr="*bf16", main_ptr="*u8", main_idx_ptr="*i32", main_len_ptr="*i32", extra_ptr="*u8",
                        extra_idx_ptr="*i32", extra_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .. import layout as L
-from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx, program_tiles
+from ._decode_tiles import DECODE_POINTERS, e2m1_to_scaled_bf16_ptx, e4m3_to_scaled_bf16_ptx, program_tiles
 from ._launch import cdiv, counters, device_facts, launch, scratch
 
 try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
@@ -57,6 +57,7 @@ LOG2E = 1.4426950408889634
 
 
 _E4M3_TO_SCALED_BF16 = tl.constexpr("{\n.reg .b32 t0, t1;\n" + e4m3_to_scaled_bf16_ptx("$0", "$1") + "}")
+_E2M1_TO_SCALED_BF16 = tl.constexpr("{\n.reg .b32 t0, t1;\n" + e2m1_to_scaled_bf16_ptx("$0", "$1", "$2") + "}")
 
 
 @triton.jit
@@ -81,10 +82,11 @@ def _tile_addr(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS, FMT: t
     off = (idx % BS).to(tl.int64)
     if FMT.interleaved:
         data = page + off * FMT.token_bytes
-        words = (cache_ptr + data + FMT.data_bytes).to(tl.pointer_type(tl.int64))
+        soff = data + FMT.data_bytes
     else:
         data = page + off * FMT.data_bytes
-        words = (cache_ptr + page + BS * FMT.data_bytes + off * FMT.scale_bytes).to(tl.pointer_type(tl.int64))
+        soff = page + BS * FMT.data_bytes + off * FMT.scale_bytes
+    words = (cache_ptr + soff).to(tl.pointer_type(tl.int64))
     if FMT.scale_bytes == 8:
         scales = tl.load(words, mask=valid, other=0)
     else:
@@ -106,11 +108,19 @@ def _scale_bytes(scal, NS: tl.constexpr):
 
 @triton.jit
 def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr):
-    """Gather and dequantize the keys of one tile: K bf16 [BN, 512] in the natural dim order. The row is
-    read as NC chunks of quant_block dims: the first QC quantized (e4m3, one UE8M0 scale each), the rest
-    (V40_584: one chunk of 64) bf16; e2m1 records go to ``_fp4_keys``."""
+    """Gather and dequantize the keys of one tile: K bf16 [BN, 512] in the natural dim order (e2m1 records:
+    ``_fp4_keys``, e4m3 ones: ``_fp8_keys``)."""
     if FMT.elem_bits == 4:
-        return _fp4_keys(cache_ptr, data, scal, valid, FNUZ, DEQ_INT, FMT)
+        k = _fp4_keys(cache_ptr, data, scal, valid, FNUZ, DEQ_INT, FMT)
+    else:
+        k = _fp8_keys(cache_ptr, data, scal, valid, FNUZ, DEQ_INT, FMT)
+    return k
+
+
+@triton.jit
+def _fp8_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr):
+    """Keys of a tile of e4m3 records. The row is read as NC chunks of quant_block dims: the first QC
+    quantized (e4m3, one UE8M0 scale each), the rest (V40_584: one chunk of 64) bf16."""
     QB: tl.constexpr = FMT.quant_block
     NC: tl.constexpr = 512 // QB
     QC: tl.constexpr = FMT.quant_dims // QB
@@ -162,32 +172,50 @@ def _e4m3_value(b, FNUZ: tl.constexpr):
 @triton.jit
 def _fp4_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr):
     """Keys of a tile of e2m1 records (V41_FP4_288): byte i of the data holds dims 2i (low nibble) and 2i + 1;
-    one e4m3 scale per 16 dims. A code's magnitude (0, .5, 1, 1.5, 2, 3, 4, 6) is looked up by building its
-    bits (exponent field from the code's two high bits, mantissa from the low one), the scale decoded from
-    its byte, and K = value * scale, one exact multiply (2 + 4 significant bits fit bf16); no division."""
+    one e4m3 scale per 16 dims (8 bytes). The tile is read as [BN, 32 scale blocks, 8 bytes], its nibbles
+    interleaved into codes in the natural dim order, K = value * scale: one exact multiply (2 + 4
+    significant bits fit bf16), no division. On NVIDIA (DEQ_INT) a code's value comes from a byte-permute
+    table (``_e2m1_to_scaled_bf16``); elsewhere every e2m1 value is an e4m3 value, so each code becomes its
+    e4m3 byte and goes through the hardware convert the fp8 records use (``_e2m1_value``).
+
+    On sm_90a / sm_100a the nibble interleave (a register join Triton cannot fold into the shared-memory
+    store of the tile) pushes the 64 x 64 tile's loop past 255 registers: ptxas spills loop-invariant wgmma
+    descriptors (the compile matrix reports the bytes; docs/platforms.md)."""
     NS: tl.constexpr = FMT.quant_dims // FMT.quant_block
-    PB: tl.constexpr = FMT.quant_block // 2                 # data bytes of a scale block
+    PB: tl.constexpr = FMT.quant_block // 2
     c = tl.arange(0, NS)
     j = tl.arange(0, PB)
     pb = tl.load(cache_ptr + data[:, None, None] + c[None, :, None] * PB + j[None, None, :],
-                 mask=valid[:, None, None], other=0).to(tl.int32)
-    code = tl.interleave(pb & 0xF, pb >> 4)                 # [BN, NS, quant_block], dim 2i from the low nibble
-    mag = code & 7
-    sign = (code & 8) << 12
-    sb = _scale_bytes(scal, NS)
+                 mask=valid[:, None, None], other=0)
+    s = _e4m3_value(_scale_bytes(scal, NS), FNUZ)            # NaN for a poisoned block (0x7F)
     if DEQ_INT:
-        # bf16 bits of the magnitude times 2^120 (exponent field + 120), times the scale's bf16 times 2^-120
-        # from the integer e4m3 decode; a NaN scale (0x7F / 0xFF) stays NaN
-        e = tl.where(mag >= 2, (mag >> 1) + 246, tl.where(mag == 1, 246, 0))
-        v = (sign | (e << 7) | tl.where(mag >= 2, (mag & 1) << 6, 0)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        s = _e4m3_to_scaled_bf16(sb.to(tl.uint8))
-        s = tl.where((sb & 0x7F) == 0x7F, float("nan"), s.to(tl.float32)).to(tl.bfloat16)
-        k = v * s[:, :, None]
+        s16 = (s * 2.0 ** 112).to(tl.bfloat16)[:, :, None]    # scale <= 448: below 2^121
+        k = _e2m1_to_scaled_bf16(tl.interleave(pb & 0xF, pb >> 4)) * s16   # codes as bytes; value * 2^-112
     else:
-        e = tl.where(mag >= 2, (mag >> 1) + 126, tl.where(mag == 1, 126, 0))
-        v = ((sign << 16) | (e << 23) | tl.where(mag >= 2, (mag & 1) << 22, 0)).to(tl.float32, bitcast=True)
-        k = (v * _e4m3_value(sb, FNUZ)[:, :, None]).to(tl.bfloat16)
-    return tl.reshape(k, (pb.shape[0], 512))
+        k = tl.interleave(_e2m1_value(pb & 0xF, FNUZ) * s[:, :, None], _e2m1_value(pb >> 4, FNUZ) * s[:, :, None])
+    return tl.reshape(k.to(tl.bfloat16), (pb.shape[0], 512))
+
+
+@triton.jit
+def _e2m1_to_scaled_bf16(code):
+    """e2m1 codes (uint8, one a byte) -> bf16 holding value * 2^-112, with integer ops only (NVIDIA;
+    ``_decode_tiles.e2m1_to_scaled_bf16_ptx`` says how)."""
+    return tl.inline_asm_elementwise(asm=_E2M1_TO_SCALED_BF16, constraints="=r,=r,r", args=[code],
+                                     dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _e2m1_value(code, FNUZ: tl.constexpr):
+    """fp32 value of e2m1 codes (4 bits: sign, 2 exponent bits, 1 mantissa bit) through the hardware e4m3
+    convert: magnitude m >= 2 is 2^((m >> 1) - 1) * (1 + (m & 1) / 2), the e4m3 byte with exponent field
+    (m >> 1) + 6 and the low code bit as the mantissa's high bit; m = 1 (0.5) is 0x30. Zero (either sign)
+    becomes the byte 0 (0x80 is NaN to gfx942's fnuz convert, which reads every byte as half its OCP value)."""
+    m = code & 7
+    e4 = tl.where(m >= 2, (((m >> 1) + 6) << 3) | ((m & 1) << 2), 0x30)
+    e4 = tl.where(m == 0, 0, e4 | ((code & 8) << 4)).to(tl.uint8)
+    if FNUZ:
+        return e4.to(tl.float8e4b8, bitcast=True).to(tl.float32) * 2.0
+    return e4.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -602,14 +630,14 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     return out, lse.transpose(1, 2)
 
 
-def _matrix_constexprs(arch, split=False):
+def _matrix_constexprs(arch, split=False, formats=(L.V40_584, L.V40_584)):
     c = default_config(arch, 64, "triton")
     return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
                 SPLIT=split, COMBINE=split, FNUZ=arch == "gfx942",
                 DEQ_INT=c.get("DEQ_INT", False), HEADS=64, MERGE_H=MERGE_H,
-                THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32), MAIN_FMT=L.V40_584,
-                EXTRA_FMT=L.V40_584)
+                THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32), MAIN_FMT=formats[0],
+                EXTRA_FMT=formats[1])
 
 
 def _matrix_options(arch):
@@ -619,6 +647,10 @@ def _matrix_options(arch):
 
 _POINTERS = dict(DECODE_POINTERS, count_ptr="*i32")
 
+# the e2m1 tile's nibble interleave is a register join that Triton does not fold into the tile's shared-memory
+# store; at 255 registers ptxas then spills loop-invariant wgmma descriptors (reloaded from L1 each tile)
+_FP4_SPILLS = "fp4 nibble interleave: ptxas spills loop-invariant wgmma descriptors (docs/platforms.md)"
+
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
     dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
@@ -626,6 +658,13 @@ COMPILE_SPECS = [
     dict(name="sparse_mla_decode[split, combine in kernel]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
          fp8_convert=True),
+    # the V4.1 records: one format in both sets (one loop), and the fp4 extra cache (a loop per set)
+    dict(name="sparse_mla_decode[V41_528]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
+         constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.V41_528, L.V41_528)), options=_matrix_options,
+         matrix=True, fp8_convert=True),
+    dict(name="sparse_mla_decode[V41_528 + V41_FP4_288, split]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
+         floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, True, (L.V41_528, L.V41_FP4_288)),
+         options=_matrix_options, matrix=True, fp8_convert=True, ptxas_spills=_FP4_SPILLS),
     dict(name="sparse_mla_combine", fn=_combine_kernel,
          pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
          floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, BLOCK_H=MERGE_H, PARTS=True),
