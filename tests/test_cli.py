@@ -218,6 +218,54 @@ def test_bench_run_writes_json_and_plot(tmp_path, monkeypatch, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_decode_inputs_and_v41_rows(monkeypatch):
+    """The decode bench's caches hold records of each format at every slot (V4.0 pages byte for byte as
+    records placed by the layout's offsets; every V4.1 pair attends through the public API on a CPU); the
+    V4.1 rows name their shapes and carry the targets: 528 / 584 of the V4.0 time, and 0.6 of a V41_528
+    extra set's cost for the fp4 extra set's (time with it minus time without)."""
+    from dsv4_rocm import flash_mla
+    from dsv4_rocm import layout as L
+    from dsv4_rocm.bench import sparse_mla as B
+    from dsv4_rocm.bench.context import BenchContext
+    from dsv4_rocm.reference import cache as rc
+    c = dict(b=2, s_q=1, h=64, topk=8, bs=64, etopk=16, ebs=2)
+    args, T = B.make_decode_inputs(c, "cpu", pool_tokens=128)
+    g = torch.Generator().manual_seed(0)
+    rec = rc.encode_k_records(torch.randn(128, 512, generator=g).bfloat16())
+    pages = args[1].as_strided((2, L.page_bytes(64)), (args[1].stride(0), 1))
+    for slot in (0, 63, 64, 127):
+        d, sc = L.token_byte_offsets(slot, 64)
+        assert torch.equal(pages.reshape(-1)[d:d + 576], rec[slot, :576])
+        assert torch.equal(pages.reshape(-1)[sc:sc + 8], rec[slot, 576:])
+    for fmts in ((L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288), (L.V41_528, None)):
+        args, T = B.make_decode_inputs(c, "cpu", pool_tokens=128, formats=fmts)
+        assert args[1].shape[-1] == fmts[0].token_bytes
+        out = B.decode_call(flash_mla, args)()[0]
+        assert out.shape == (2, 1, 64, 512) and bool(out.isfinite().all()) and float(out.abs().max()) > 0
+        flop, nbytes = B.count_decode(c, fmts)
+        etopk = 16 if fmts[1] else 0
+        assert nbytes == (8 * 528 + etopk * (fmts[1].token_bytes if fmts[1] else 0) + 64 * 512 * 4) * T
+    times = {584: 1.0, 528: 0.8}
+
+    def fake_time(fn):        # ms by the formats of the call's caches: V4.0 1.0; V41 0.8; main only 0.5; fp4 0.6
+        kc, ekc = fn.args[1], fn.args[12]
+        if ekc is None:
+            return 0.5
+        return 0.6 if ekc.shape[-1] == 288 else times[kc.shape[-1]]
+
+    def fake_call(mod, args):
+        return types.SimpleNamespace(args=(None, args[1]) + (None,) * 10 + (args[5],))
+    monkeypatch.setattr(B, "v41_cases", lambda: [("tiny", c)])
+    monkeypatch.setattr(B, "decode_call", fake_call)
+    ctx = BenchContext(device="cpu")
+    B._v41_rows(ctx, flash_mla, fake_time, pool_tokens=128)
+    rows = {r["case"]: r for r in ctx.rows}
+    assert list(rows) == ["tiny V41_528", "tiny V41_528+FP4", "tiny FP4 extra"]
+    assert rows["tiny V41_528"]["ratio"] == pytest.approx(1.0 * 528 / 584 / 0.8)
+    assert rows["tiny FP4 extra"]["us"] == pytest.approx(100.0)
+    assert rows["tiny FP4 extra"]["ratio"] == pytest.approx(0.6 * 0.3 / 0.1)
+
+
 def test_ci_runs_the_readme_test_command():
     """CI must run what a new user runs: the README's test command, word for word, is .ci/run's command."""
     readme = open(os.path.join(ROOT, "README.md")).read()

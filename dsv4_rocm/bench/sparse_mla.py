@@ -2,8 +2,15 @@
 
 Counting per query token, as FlashMLA's ``count_flop_and_mem_vol_for_decode``:
     FLOP  = 2 * h * N * (512 + 512)           N = keys attended (SWA + compressed)
-    bytes = N * 584 + h * 512 * 2 (q) + h * 512 * 2 (out)
-floor = max(bytes / copy bandwidth, FLOP / bf16 matmul rate), both measured in the same run.
+    bytes = N_main * R_main + N_extra * R_extra + h * 512 * 2 (q) + h * 512 * 2 (out)
+(R: the record bytes of each cache's format, 584 for V4.0) floor = max(bytes / copy bandwidth, FLOP / bf16
+matmul rate), both measured in the same run.
+
+The V4.1 decode rows time three of the V4.0 shapes over V41_528 caches and over a V41_528 main cache with
+a V41_FP4_288 extra cache (vLLM's page-split pages), against the targets in their peer column (ratio >= 1:
+met): a V41_528 decode within 528 / 584 of the V4.0 time of the same shape (re-timed in the same case),
+and the extra entries of a V41_FP4_288 cache (time with the extra set minus time without it) within 0.6 of
+a V41_528 extra cache's.
 
 Every call goes through the public API (``dsv4_rocm.flash_mla``), graph-timed for decode, eager for
 prefill and for small decode batches. When FlashMLA's ``flash_mla`` package is importable it is timed in
@@ -13,6 +20,7 @@ GPU span and Python time per call, and the first call of a fresh process with an
 """
 import torch
 
+from .. import layout as L
 from ..reference import cache as rc
 
 
@@ -30,42 +38,50 @@ def decode_cases():
     return cases
 
 
-def _pool(num_tokens, bs, device, seed):
-    """A cache of ``num_tokens`` slots with valid random records (made in chunks to bound memory)."""
+def v41_cases():
+    """The V4.0 decode shapes the V4.1 rows repeat."""
+    keep = ("flash decode b=128 s_q=1", "flash decode b=64 s_q=2", "pro decode b=64 s_q=2")
+    return [(name, c) for name, c in decode_cases() if name in keep]
+
+
+def _pool(num_tokens, bs, device, seed, fmt=L.V40_584):
+    """A cache of ``num_tokens`` slots of ``fmt`` records of random keys (made in chunks to bound memory)."""
     nb = -(-num_tokens // bs)
-    pages = torch.empty(nb, rc.L.page_bytes(bs), dtype=torch.uint8, device=device)
+    pages = rc.new_cache(nb, bs, device, fmt=fmt)
     g = torch.Generator(device=device).manual_seed(seed)
-    step = max(1, (1 << 16) // bs)
-    for a in range(0, nb, step):
-        e = min(nb, a + step)
-        k = (torch.randn((e - a) * bs, 512, device=device, generator=g)).bfloat16()
-        rec = rc.encode_k_records(k)
-        view = pages[a:e]
-        view[:, :bs * 576] = rec[:, :576].reshape(e - a, bs * 576)
-        view[:, bs * 576:bs * 584] = rec[:, 576:].reshape(e - a, bs * 8)
+    step = max(1, (1 << 16) // bs) * bs
+    for a in range(0, nb * bs, step):
+        slots = torch.arange(a, min(nb * bs, a + step), device=device)
+        k = torch.randn(slots.shape[0], 512, device=device, generator=g).bfloat16()
+        rc.insert_k_records(rc.encode_k_records(k, fmt), pages, slots, bs, fmt)
     return pages
 
 
-def make_decode_inputs(c, device, pool_tokens=1 << 18, seed=0):
+def make_decode_inputs(c, device, pool_tokens=1 << 18, seed=0, formats=(L.V40_584, L.V40_584)):
+    """FlashMLA decode arguments for case ``c`` over caches of ``formats`` (main, extra; extra None: no extra
+    set), and the query token count."""
     g = torch.Generator(device=device).manual_seed(seed)
     T = c["b"] * c["s_q"]
-    main = _pool(pool_tokens, c["bs"], device, seed)
-    extra = _pool(pool_tokens, c["ebs"], device, seed + 1)
+    main = _pool(pool_tokens, c["bs"], device, seed, formats[0])
+    extra = _pool(pool_tokens, c["ebs"], device, seed + 1, formats[1]) if formats[1] is not None else None
     q = torch.randn(c["b"], c["s_q"], c["h"], 512, device=device, generator=g).bfloat16()
     idx = torch.randint(0, pool_tokens, (c["b"], c["s_q"], c["topk"]), device=device, generator=g).int()
     eidx = torch.randint(0, pool_tokens, (c["b"], c["s_q"], c["etopk"]), device=device, generator=g).int()
     lens = torch.full((c["b"],), c["topk"], dtype=torch.int32, device=device)
     elens = torch.full((c["b"],), c["etopk"], dtype=torch.int32, device=device)
     sink = torch.randn(c["h"], device=device, generator=g)
-    return (q, rc.flash_mla_view(main, c["bs"]), idx, lens, sink, rc.flash_mla_view(extra, c["ebs"]), eidx, elens,
-            512 ** -0.5), T
+    if extra is None:
+        return (q, rc.flash_mla_view(main, c["bs"], formats[0]), idx, lens, sink, None, None, None, 512 ** -0.5), T
+    return (q, rc.flash_mla_view(main, c["bs"], formats[0]), idx, lens, sink,
+            rc.flash_mla_view(extra, c["ebs"], formats[1]), eidx, elens, 512 ** -0.5), T
 
 
-def count_decode(c):
+def count_decode(c, formats=(L.V40_584, L.V40_584)):
     T = c["b"] * c["s_q"]
-    n = c["topk"] + c["etopk"]
-    flop = 2 * c["h"] * n * 1024 * T
-    nbytes = (n * 584 + c["h"] * 512 * 4) * T
+    etopk = c["etopk"] if formats[1] is not None else 0
+    flop = 2 * c["h"] * (c["topk"] + etopk) * 1024 * T
+    rec = c["topk"] * formats[0].token_bytes + (etopk * formats[1].token_bytes if etopk else 0)
+    nbytes = (rec + c["h"] * 512 * 4) * T
     return flop, nbytes
 
 
@@ -160,6 +176,29 @@ def first_call(warm: bool) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _v41_rows(ctx, ours, time_graph_ms, pool_tokens=1 << 18):
+    """The V4.1 decode rows of each ``v41_cases`` shape (module docstring): V41_528 against 528 / 584 of the
+    V4.0 time, V41_528 + V41_FP4_288, and the fp4 extra entries' cost against 0.6 of V41_528's."""
+    fp4 = (L.V41_528, L.V41_FP4_288)
+    for name, c in v41_cases():
+        rows = (f"{name} V41_528", f"{name} V41_528+FP4", f"{name} FP4 extra")
+        if not any(ctx.wants(r) for r in rows):
+            continue
+        ms = {}
+        for key, fmts in (("v40", (L.V40_584, L.V40_584)), ("v41", (L.V41_528, L.V41_528)),
+                          ("main", (L.V41_528, None)), ("fp4", fp4)):
+            args, _ = make_decode_inputs(c, ctx.device, pool_tokens, formats=fmts)
+            ms[key] = time_graph_ms(decode_call(ours, args))
+            del args
+        ctx.add(rows[0], "default", ms["v41"], *count_decode(c, (L.V41_528, L.V41_528)), peer="V40 x 528/584",
+                peer_ms=ms["v40"] * 528 / 584)
+        ctx.add(rows[1], "default", ms["fp4"], *count_decode(c, fp4))
+        f_all, b_all = count_decode(c, fp4)
+        f_main, b_main = count_decode(c, (L.V41_528, None))
+        ctx.add(rows[2], "extra set", ms["fp4"] - ms["main"], f_all - f_main, b_all - b_main,
+                peer="0.6 x V41_528 extra", peer_ms=0.6 * (ms["v41"] - ms["main"]))
+
+
 def suite(ctx):
     from .. import flash_mla as ours
     from ..triton.sparse_mla_decode import sparse_mla_decode
@@ -183,6 +222,7 @@ def suite(ctx):
             peer_kw = dict(peer="FlashMLA", peer_ms=time_ms(decode_call(peer, args))) if peer is not None else {}
             ctx.add(name, "eager", time_ms(decode_call(ours, args)), flop, nbytes, **peer_kw)
         del args
+    _v41_rows(ctx, ours, time_graph_ms)
     name = "flash decode b=2 s_q=2 host path"
     if ctx.wants(name):
         # the host path of one eager call: Python time per call, and the GPU span of a call (first kernel
