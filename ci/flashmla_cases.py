@@ -386,12 +386,18 @@ def main(argv=None):
     elif args.timing:
         report["timing"] = time_rows(lib, ours, peer)
         print_rows(report["timing"])
-    print("\n== FlashMLA cases through dsv4_rocm.flash_mla ==")
+    return finish(report, "FlashMLA cases through dsv4_rocm.flash_mla", args.json)
+
+
+def finish(report, heading, json_path=None):
+    """Print each suite's counts under ``heading`` and write ``report`` to ``json_path`` when given; returns
+    the exit status (1 when a case failed)."""
+    print(f"\n== {heading} ==")
     for title, s in report["suites"].items():
         for name, c in s["counts"].items():
             print(f"{title:8s} {name:10s} {c['passed']:4d} passed {c['failed']:4d} failed (of {s['cases']})")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
     return int(any(c["failed"] for s in report["suites"].values() for c in s["counts"].values()))
 

@@ -240,15 +240,7 @@ def main(argv=None):
         for title, sel, runner, tol in picked:
             report["suites"][title] = base.run_suite(title, sel, runner, lib, ref, kk, tol, modules) if sel else \
                 dict(counts={"dsv4_rocm": dict(passed=0, failed=0)}, failures=[], cases=0)
-    print("\n== FlashMLA V4.1 cases through dsv4_rocm.flash_mla ==")
-    for title, s in report["suites"].items():
-        for name, c in s["counts"].items():
-            print(f"{title:8s} {name:10s} {c['passed']:4d} passed {c['failed']:4d} failed (of {s['cases']})")
-    if args.json:
-        import json
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return int(any(c["failed"] for s in report["suites"].values() for c in s["counts"].values()))
+    return base.finish(report, "FlashMLA V4.1 cases through dsv4_rocm.flash_mla", args.json)
 
 
 if __name__ == "__main__":

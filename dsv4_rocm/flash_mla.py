@@ -19,12 +19,15 @@ DeepSeek-V4 and V4.1 (d_qk 512) paths, plus the ``out=`` buffer vLLM's FlashMLA 
 * ``warmup(device=None, configs=None)``: compile ahead of time the kernels a model's calls select.
 
 What is accepted beyond FlashMLA (a superset: every call FlashMLA accepts runs here): caches as uint8,
-int8 or float8_e4m3fn views, also 3-D ``[nb, bs, 584]``; q / indices / lengths / out with any strides
-except the last dimension (read in place, no copies); lengths ``[b]`` or ``[b, s_q]`` of any stride;
+int8 or float8_e4m3fn views, also 3-D ``[nb, bs, R]`` (R = 584, 528 or 288); q / indices / lengths / out
+with any strides except the last dimension (read in place, no copies); lengths ``[b]`` or ``[b, s_q]`` of any stride;
 empty batches, topk 0 and an empty kv (every query lonely: out 0, lse +inf, max_logits -inf);
 ``sm_scale=None`` in prefill (d_qk^-0.5, as decode's default). Indices that are negative or past the
 cache / kv are absent, as in FlashMLA. Arguments are checked structurally on every call (no device sync)
-and a failure is a ValueError naming the argument (docs/conventions.md).
+and a failure is a ValueError naming the argument (docs/conventions.md). V4.1 caches are read in vLLM's
+page-split page layout (what vLLM writes and its FlashMLA fork reads); caches laid out as deepseek-ai/FlashMLA's
+2026-09-30 release reads them need ``kv_layout="interleaved"``: nothing in the bytes tells the two apart
+(docs/cache_format.md#page-layouts).
 
 ``block_table`` and ``cache_seqlens`` are not read in the sparse mode (FlashMLA ignores them too): they
 may be None or integer tensors of any shape; anything else is rejected. The scheduling object keeps

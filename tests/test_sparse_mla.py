@@ -440,15 +440,8 @@ def test_triton_decode_matches_reference(case, splits, kernel, gpu):
         check_lse(lse, ref_lse)
 
 
-V41_CASES = [
-    # b, s_q, h, main bs, topk, extra bs, extra topk, sink, lens shape
-    (4, 2, 64, 64, 128, 64, 512, "random", "b"),
-    (74, 1, 64, 256, 128, 2, 512, "-inf", "b"),
-    (8, 2, 128, 256, 128, 64, 1024, "random", "bsq"),
-    (2, 1, 64, 100, 96, 3, 40, "random", "b"),
-    (4, 3, 128, 576, 2048, 61, 576, "random", "bsq"),
-    (3, 1, 64, 5, 64, 0, 0, "none", "b"),
-]
+# V4.0's shapes, each page size and lengths shape, and a main set alone with 5-record pages
+V41_CASES = [DECODE_CASES[i] for i in (1, 2, 4, 8, 9)] + [(3, 1, 64, 5, 64, 0, 0, "none", "b")]
 V41_FORMATS = [(L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288),
                (L.interleaved(L.V41_528), L.interleaved(L.V41_FP4_288))]
 

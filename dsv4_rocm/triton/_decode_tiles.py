@@ -23,6 +23,7 @@ def e4m3_to_scaled_bf16_ptx(out0: str, out1: str) -> str:
             f"and.b32 {out0}, t0, 0x87F087F0;\n"
             f"and.b32 {out1}, t1, 0x87F087F0;\n")
 
+
 def e2m1_to_scaled_bf16_ptx(out0: str, out1: str, src: str) -> str:
     """PTX turning four e2m1 codes, one a byte (the 32-bit operand ``src``, each byte 0-15: sign bit 3, then
     two exponent bits and one mantissa bit), into four bf16 values times 2^-112, two a register (``out0``:
@@ -34,27 +35,17 @@ def e2m1_to_scaled_bf16_ptx(out0: str, out1: str, src: str) -> str:
     bytes 0 and 2) builds two f16. An f16 bit pattern shifted right by 3 is the bf16 of the same value
     times 2^-112 (exponent bias 15 vs 127, mantissa width 10 vs 7, the 3 bits lost are zero); the shift
     moves no set bit across the halves because the high half's low byte is zero. Each code's sign goes to
-    bit 15 / 31; -0 stays -0. 7 integer ops for two values besides the shared sign masks."""
-    return ("shl.b32 t0, %(x)s, 4;\n"                       # codes 0, 1: magnitudes to bits 4-6 / 12-14
-            "and.b32 t0, t0, 0x7070;\n"
-            "prmt.b32 t0, 0x3E3C3800, 0x46444240, t0;\n"
-            "shr.b32 t0, t0, 3;\n"
-            "shl.b32 t1, %(x)s, 12;\n"                      # sign of code 0 (bit 3) to bit 15
-            "and.b32 t1, t1, 0x8000;\n"
-            "or.b32 t0, t0, t1;\n"
-            "shl.b32 t1, %(x)s, 20;\n"                      # sign of code 1 (bit 11) to bit 31
-            "and.b32 t1, t1, 0x80000000;\n"
-            "or.b32 %(o0)s, t0, t1;\n"
-            "shr.b32 t0, %(x)s, 12;\n"                      # codes 2, 3: bits 16-18 / 24-26 to 4-6 / 12-14
-            "and.b32 t0, t0, 0x7070;\n"
-            "prmt.b32 t0, 0x3E3C3800, 0x46444240, t0;\n"
-            "shr.b32 t0, t0, 3;\n"
-            "shr.b32 t1, %(x)s, 4;\n"                       # sign of code 2 (bit 19) to bit 15
-            "and.b32 t1, t1, 0x8000;\n"
-            "or.b32 t0, t0, t1;\n"
-            "shl.b32 t1, %(x)s, 4;\n"                       # sign of code 3 (bit 27) to bit 31
-            "and.b32 t1, t1, 0x80000000;\n"
-            "or.b32 %(o1)s, t0, t1;\n") % dict(x=src, o0=out0, o1=out1)
+    bit 15 / 31; -0 stays -0. 10 integer ops for two values."""
+    # per register: how its two codes' magnitudes reach selector bits 4-6 / 12-14 (codes 0, 1 at bits 0-2 /
+    # 8-10; codes 2, 3 at 16-18 / 24-26), and their signs (bits 3, 11 / 19, 27) bits 15 and 31
+    halves = ((out0, "shl.b32 t0, {x}, 4", "shl.b32 t1, {x}, 12", "shl.b32 t1, {x}, 20"),
+              (out1, "shr.b32 t0, {x}, 12", "shr.b32 t1, {x}, 4", "shl.b32 t1, {x}, 4"))
+    ptx = ""
+    for out, sel, sign0, sign1 in halves:
+        ptx += (f"{sel};\nand.b32 t0, t0, 0x7070;\nprmt.b32 t0, 0x3E3C3800, 0x46444240, t0;\nshr.b32 t0, t0, 3;\n"
+                f"{sign0};\nand.b32 t1, t1, 0x8000;\nor.b32 t0, t0, t1;\n"
+                f"{sign1};\nand.b32 t1, t1, 0x80000000;\nor.b32 {out}, t0, t1;\n").replace("{x}", src)
+    return ptx
 
 
 # the pointer arguments of both decode kernels, as the CPU compile matrix types them

@@ -101,6 +101,21 @@ __device__ __forceinline__ void dsv4_rmsnorm512(float v[16], float eps) {
   for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(v[i], r);
 }
 
+// This lane's 16 values times inv (a power of two: exact) as e4m3 bytes, four a word; a poisoned block
+// (bad) is 0x7F throughout.
+__device__ __forceinline__ void dsv4_fp8_words16(const float v[16], float inv, int bad, uint32_t w[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      uint8_t q = bad ? (uint8_t)0x7f : dsv4_fp8_encode(dsv4_mul(v[4 * j + b], inv));
+      word |= (uint32_t)q << (8 * b);
+    }
+    w[j] = word;
+  }
+}
+
 // v: bf16-exact values of the whole group's vector (16 per lane). All 32 lanes must call this.
 __device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lane, uint8_t* page, int64_t off,
                                                       int bs, int interleaved) {
@@ -124,18 +139,8 @@ __device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lan
     hi |= (uint32_t)(dsv4_group_shfl_int(sbyte, 16 + 4 * b) & 0xff) << (8 * b);
   }
   if (lane < DSV4_NOPE_LANES) {
-    float inv = dsv4_exp2i(-e);
     uint32_t w[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        uint8_t q = bad ? (uint8_t)0x7f : dsv4_fp8_encode(dsv4_mul(v[4 * j + b], inv));
-        word |= (uint32_t)q << (8 * b);
-      }
-      w[j] = word;
-    }
+    dsv4_fp8_words16(v, dsv4_exp2i(-e), bad, w);
     *reinterpret_cast<uint4*>(data + lane * 16) = make_uint4(w[0], w[1], w[2], w[3]);
     if (lane == 0)
       *reinterpret_cast<uint2*>(page + dsv4_scale_off<dsv4_v40>(off, bs, interleaved)) = make_uint2(lo, hi & 0x00ffffffu);
@@ -158,18 +163,8 @@ __device__ __forceinline__ void dsv4_write_record_v41(const float v[16], int lan
   amax = dsv4_group_max(amax, 2);
   bad = dsv4_group_or(bad, 2);
   int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
-  float inv = dsv4_exp2i(-e);
   uint32_t w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    uint32_t word = 0;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      uint8_t q = bad ? (uint8_t)0x7f : dsv4_fp8_encode(dsv4_mul(v[4 * j + b], inv));
-      word |= (uint32_t)q << (8 * b);
-    }
-    w[j] = word;
-  }
+  dsv4_fp8_words16(v, dsv4_exp2i(-e), bad, w);
   *reinterpret_cast<uint4*>(page + dsv4_data_off<dsv4_v41>(off, interleaved) + lane * 16) = make_uint4(w[0], w[1], w[2], w[3]);
   if ((lane & 1) == 0)
     page[dsv4_scale_off<dsv4_v41>(off, bs, interleaved) + (lane >> 1)] = (uint8_t)(bad ? 0xff : e + 127);
