@@ -88,11 +88,12 @@ def _namespace(lib, kk):
                 RawTestParam=lib.RawTestParamForDecode, **{n: getattr(typing, n) for n in typing.__all__})
 
 
-def decode_cases(path, lib, kk):
-    """FlashMLA's decode list (``gen_testcase()``), as TestParams with the seeds of its own run."""
-    fn = _function(_parse(os.path.join(path, "tests", DECODE_FILE)), "gen_testcase")
-    ns = _namespace(lib, kk)
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), DECODE_FILE, "exec"), ns)
+def decode_cases(path, lib, kk, file=DECODE_FILE, **names):
+    """FlashMLA's decode list (``gen_testcase()`` of ``tests/<file>``, which may use the extra module
+    ``names``), as TestParams with the seeds of its own run."""
+    fn = _function(_parse(os.path.join(path, "tests", file)), "gen_testcase")
+    ns = dict(_namespace(lib, kk), **names)
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), file, "exec"), ns)
     cases = [raw.to_test_param() for raw in ns["gen_testcase"]()]
     for seed, p in enumerate(cases):
         p.seed = seed

@@ -97,17 +97,8 @@ def api(ours, layout):
 
 def decode_cases(path, lib, quant, kk):
     """The decode list (``gen_testcase()``) with the seeds of FlashMLA's own run."""
-    import dataclasses
     import random
-    fn = base._function(base._parse(os.path.join(path, "tests", DECODE_FILE)), "gen_testcase")
-    ns = dict(dataclasses=dataclasses, random=random, torch=torch, kk=kk, lib=lib, quant=quant,
-              RawTestParam=lib.RawTestParamForDecode, TestParam=lib.TestParam,
-              **{n: getattr(typing, n) for n in typing.__all__})
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), DECODE_FILE, "exec"), ns)
-    cases = [raw.to_test_param() for raw in ns["gen_testcase"]()]
-    for seed, p in enumerate(cases):
-        p.seed = seed
-    return cases
+    return base.decode_cases(path, lib, kk, DECODE_FILE, quant=quant, random=random)
 
 
 def prefill_cases(path, lib, kk):

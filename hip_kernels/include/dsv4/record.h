@@ -101,6 +101,17 @@ __device__ __forceinline__ void dsv4_rmsnorm512(float v[16], float eps) {
   for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(v[i], r);
 }
 
+// This lane's 16 values: their largest magnitude and whether any is NaN or +-inf.
+__device__ __forceinline__ void dsv4_amax16(const float v[16], float& amax, int& bad) {
+  amax = 0.0f;
+  bad = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    amax = dsv4_fmaxf(amax, dsv4_fabsf(v[i]));
+    bad |= !dsv4_isfinite(v[i]);
+  }
+}
+
 // This lane's 16 values times inv (a power of two: exact) as e4m3 bytes, four a word; a poisoned block
 // (bad) is 0x7F throughout.
 __device__ __forceinline__ void dsv4_fp8_words16(const float v[16], float inv, int bad, uint32_t w[4]) {
@@ -119,13 +130,9 @@ __device__ __forceinline__ void dsv4_fp8_words16(const float v[16], float inv, i
 // v: bf16-exact values of the whole group's vector (16 per lane). All 32 lanes must call this.
 __device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lane, uint8_t* page, int64_t off,
                                                       int bs, int interleaved) {
-  float amax = 0.0f;
-  int bad = 0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    amax = dsv4_fmaxf(amax, dsv4_fabsf(v[i]));
-    bad |= !dsv4_isfinite(v[i]);
-  }
+  float amax;
+  int bad;
+  dsv4_amax16(v, amax, bad);
   amax = dsv4_group_max(amax, 4);          // 4 lanes = one 64-value block
   bad = dsv4_group_or(bad, 4);
   uint8_t* data = page + dsv4_data_off<dsv4_v40>(off, interleaved);
@@ -153,13 +160,9 @@ __device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lan
 // the even lane of a block writes its scale byte. A block holding NaN or +-inf: bytes 0x7F, scale 0xFF.
 __device__ __forceinline__ void dsv4_write_record_v41(const float v[16], int lane, uint8_t* page, int64_t off,
                                                       int bs, int interleaved) {
-  float amax = 0.0f;
-  int bad = 0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    amax = dsv4_fmaxf(amax, dsv4_fabsf(v[i]));
-    bad |= !dsv4_isfinite(v[i]);
-  }
+  float amax;
+  int bad;
+  dsv4_amax16(v, amax, bad);
   amax = dsv4_group_max(amax, 2);
   bad = dsv4_group_or(bad, 2);
   int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
@@ -175,13 +178,9 @@ __device__ __forceinline__ void dsv4_write_record_v41(const float v[16], int lan
 // or +-inf: scale 0x7F (e4m3 NaN), nibbles 0.
 __device__ __forceinline__ void dsv4_write_record_fp4(const float v[16], int lane, uint8_t* page, int64_t off,
                                                       int bs, int interleaved) {
-  float amax = 0.0f;
-  int bad = 0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    amax = dsv4_fmaxf(amax, dsv4_fabsf(v[i]));
-    bad |= !dsv4_isfinite(v[i]);
-  }
+  float amax;
+  int bad;
+  dsv4_amax16(v, amax, bad);
   float sc_in = dsv4_fminf(dsv4_fmaxf(dsv4_mul(amax, 1.0f / 6.0f), 0.001953125f), 448.0f);
   uint8_t sb = bad ? (uint8_t)0x7f : dsv4_fp8_encode(sc_in);
   float sc = dsv4_fp8_decode(sb);
