@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What a GPU machine runs: environment, the HIP extension build, GPU tests, a memcheck pass, the parity
-# report, the main job, FlashMLA's own cases through our API, the benchmarks; a short summary last.
+# What a GPU machine runs: environment, the install with the HIP extension (the README's GPU command), GPU
+# tests, a memcheck pass, the parity report, the main job, FlashMLA's own cases through our API, the
+# benchmarks; a short summary last.
 #
 # Usage: bash ci/gpu_suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
 #   stages: build tests memcheck parity main flashmla host bench   (default: all, in that order)
@@ -33,10 +34,18 @@ if want flashmla && [ -f "$FLASHMLA_DIR/setup.py" ] && ! fm_built; then
 fi
 
 if want build; then
-  stamp "dsv4_rocm._C"
-  python3 -m dsv4_rocm info
-  python3 -c "from dsv4_rocm._build import load; load()" 2>&1 | tail -5
-  record build "${PIPESTATUS[0]}"
+  # the README's GPU install, as a user types it, for the GPU this machine has; then the extension imports
+  arch=$(python3 -m build_tools.extension --arch-env)
+  stamp "dsv4_rocm._C: $arch pip install --no-deps --no-build-isolation -e . (log: $OUT/install.log)"
+  env "$arch" python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+  rc=$?
+  tail -3 "$OUT/install.log"
+  if [ "$rc" = 0 ]; then
+    python3 -c "import dsv4_rocm._C as c; print('dsv4_rocm._C imported:', c.__file__)"
+    rc=$?
+  fi
+  python3 -m dsv4_rocm info | grep "HIP extension"
+  record build "$rc"
 fi
 
 if want tests; then

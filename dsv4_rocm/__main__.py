@@ -162,7 +162,7 @@ def cmd_bench(a):
     return 0
 
 
-BUILD_AT_INSTALL = "pip install --no-build-isolation -e . with the ROCm or CUDA torch installed first"
+BUILD_AT_INSTALL = "pip install --no-deps --no-build-isolation -e . with the ROCm or CUDA torch installed first"
 
 
 def extension_status():
