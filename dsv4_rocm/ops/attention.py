@@ -135,6 +135,7 @@ def _check_out(out, shape, dev):
         if _tensor("out", out, torch.bfloat16, len(shape), dev) != shape:
             raise _shape_error("out", list(shape), out)
         _unit_last_stride("out", out)
+        C.no_overlap("out", out)
 
 
 def _bytes(cache):

@@ -81,7 +81,7 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     encoding_flags(True, use_fnuz)
     C.tensor("seq_lens", seq_lens, dtype=C.INDEX, dim=1)
     R = seq_lens.shape[0]
-    C.tensor("out", out, dtype=torch.bfloat16, shape=(R, None, L.HEAD_DIM))
+    C.no_overlap("out", C.tensor("out", out, dtype=torch.bfloat16, shape=(R, None, L.HEAD_DIM)))
     if gather_lens is not None:
         C.tensor("gather_lens", gather_lens, dtype=C.INDEX, shape=(R,))
     C.tensor("block_table", block_table, dtype=C.INDEX, shape=(R, None))
@@ -102,7 +102,7 @@ def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int) -> 
     C.tensor("slot_ids", slot_ids, dtype=C.INDEX)
     if slot_ids.dim() not in (1, 2):
         raise ValueError(f"slot_ids must be 1-D or 2-D, got shape {tuple(slot_ids.shape)}")
-    C.tensor("out", out, dtype=torch.bfloat16, shape=(*slot_ids.shape, L.HEAD_DIM))
+    C.no_overlap("out", C.tensor("out", out, dtype=torch.bfloat16, shape=(*slot_ids.shape, L.HEAD_DIM)))
     C.positive_int("block_size", block_size)
     pages = V.pages(k_cache, block_size, "k_cache")
     C.same_device(out=out, k_cache=k_cache, slot_ids=slot_ids)

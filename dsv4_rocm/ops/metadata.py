@@ -28,10 +28,13 @@ def _nonneg_int(name, v):
     return v
 
 
-def _vector(name, t, min_len, dtype=C.INDEX):
+def _vector(name, t, min_len, dtype=C.INDEX, written=False):
+    """A 1-D tensor of at least ``min_len`` entries (``written``: an output, whose entries must not overlap)."""
     C.tensor(name, t, dtype=dtype, dim=1)
     if t.shape[0] < min_len:
         raise ValueError(f"{name} has {t.shape[0]} entries, needs at least {min_len}")
+    if written:
+        C.no_overlap(name, t)
     return _rows(name, t)
 
 
@@ -100,7 +103,7 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     _vector("query_start_loc", query_start_loc, R + 1)
     _vector("seq_lens", seq_lens, R)
     if out is not None:
-        _vector("out", out, num_tokens, dtype=torch.int64)
+        _vector("out", out, num_tokens, dtype=torch.int64, written=True)
     C.same_device(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, out=out)
     _check_batch(query_start_loc, seq_lens, R, num_tokens)
     if value_checks(query_start_loc) and R and num_tokens:
@@ -130,13 +133,13 @@ def compute_swa_indices_and_lens(swa_indices, swa_lens, window_size: int, query_
     C.tensor("swa_indices", swa_indices, dtype=torch.int32)
     if swa_indices.dim() not in (2, 3) or (swa_indices.dim() == 3 and swa_indices.shape[1] != 1):
         raise ValueError(f"swa_indices must be [n, W] or [n, 1, W], got {tuple(swa_indices.shape)}")
-    _rows("swa_indices", swa_indices)
+    _rows("swa_indices", C.no_overlap("swa_indices", swa_indices))
     if swa_indices.shape[-1] != window_size:
         raise ValueError(f"swa_indices has {swa_indices.shape[-1]} columns for window_size {window_size}")
     n = swa_indices.shape[0] if num_tokens is None else _nonneg_int("num_tokens", num_tokens)
     if n > swa_indices.shape[0]:
         raise ValueError(f"num_tokens {n} exceeds the {swa_indices.shape[0]} rows of swa_indices")
-    _vector("swa_lens", swa_lens, n, dtype=torch.int32)
+    _vector("swa_lens", swa_lens, n, dtype=torch.int32, written=True)
     _block_table(block_table)
     R = _vector("seq_lens", seq_lens, 0).shape[0]
     _rows("query_start_loc", C.tensor("query_start_loc", query_start_loc, dtype=C.INDEX, shape=(R + 1,)))
@@ -181,7 +184,7 @@ def compute_prefill_gather_lens(prefill_gather_lens, seq_lens, query_start_loc, 
     _nonneg_int("num_prefills", num_prefills)
     _nonneg_int("num_decodes", num_decodes)
     C.positive_int("window_size", window_size)
-    _vector("prefill_gather_lens", prefill_gather_lens, num_prefills, dtype=torch.int32)
+    _vector("prefill_gather_lens", prefill_gather_lens, num_prefills, dtype=torch.int32, written=True)
     _vector("seq_lens", seq_lens, num_decodes + num_prefills)
     _vector("query_start_loc", query_start_loc, num_decodes + num_prefills + 1)
     C.same_device(prefill_gather_lens=prefill_gather_lens, seq_lens=seq_lens, query_start_loc=query_start_loc)
@@ -206,8 +209,9 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
         if not isinstance(output_buffers, (tuple, list)) or len(output_buffers) != 2:
             raise ValueError("output_buffers must be a pair (global_topk_indices, topk_lens)")
         out, lens = output_buffers
-        _rows("output_buffers[0]", C.tensor("output_buffers[0]", out, dtype=topk_indices.dtype, shape=(T, K)))
-        C.tensor("output_buffers[1]", lens, dtype=torch.int32, shape=(T,))
+        C.no_overlap("output_buffers[0]", _rows("output_buffers[0]", C.tensor(
+            "output_buffers[0]", out, dtype=topk_indices.dtype, shape=(T, K))))
+        C.no_overlap("output_buffers[1]", C.tensor("output_buffers[1]", lens, dtype=torch.int32, shape=(T,)))
     C.same_device(topk_indices=topk_indices, token_to_req_indices=token_to_req_indices, block_table=block_table,
                   is_valid_token=is_valid_token, output_buffers=out, topk_lens=lens)
     if value_checks(topk_indices) and T and K:
@@ -242,7 +246,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     C.tensor("decode_lens_buffer", decode_lens_buffer, dtype=torch.int32, dim=1)
     for name, buf, rows in (("global_decode_buffer", global_decode_buffer, nd), ("prefill_buffer", prefill_buffer, npf),
                             ("decode_lens_buffer", decode_lens_buffer, nd)):
-        C.tensor(name, buf, dtype=torch.int32)
+        C.no_overlap(name, C.tensor(name, buf, dtype=torch.int32))
         if buf.shape[0] < rows:
             raise ValueError(f"{name} has {buf.shape[0]} rows for {rows} tokens")
     for name, buf, rows in (("global_decode_buffer", global_decode_buffer, nd),
@@ -301,13 +305,13 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
         raise ValueError(f"{R} requests x M = {M} workspace rows do not fit int32 indices")
     width = _rm.combined_width(topk, window_size)
     if combined_indices is not None:
-        C.tensor("combined_indices", combined_indices, dtype=torch.int32, dim=2)
+        C.no_overlap("combined_indices", C.tensor("combined_indices", combined_indices, dtype=torch.int32, dim=2))
         _rows("combined_indices", combined_indices)
         if combined_indices.shape[0] < T or combined_indices.shape[1] < width:
             raise ValueError(f"combined_indices must have >= {T} rows of >= {width} columns, got "
                              f"{tuple(combined_indices.shape)}")
     if combined_lens is not None:
-        _vector("combined_lens", combined_lens, T, dtype=torch.int32)
+        _vector("combined_lens", combined_lens, T, dtype=torch.int32, written=True)
     C.same_device(topk_indices=topk_indices, query_start_loc=query_start_loc, seq_lens=seq_lens,
                   gather_lens=gather_lens, combined_indices=combined_indices, combined_lens=combined_lens)
     _check_batch(query_start_loc, seq_lens, R, T, base=True)

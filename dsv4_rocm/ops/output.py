@@ -83,7 +83,7 @@ def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128)) -> None:
         raise ValueError(f"a: r = {r} must be a positive multiple of 128 (the scale block)")
     C.tensor("w", w8, shape=(G, None, r))
     n = w8.shape[1]
-    C.tensor("d", d, dtype=(torch.bfloat16, torch.float32), shape=(T, G, n))
+    C.no_overlap("d", C.tensor("d", d, dtype=(torch.bfloat16, torch.float32), shape=(T, G, n)))
     for name, t in (("a", a8), ("w", w8), ("d", d)):
         if t.stride(2) != 1:
             raise ValueError(f"{name} must have unit stride along its last dim, got strides {t.stride()}")

@@ -56,7 +56,8 @@ def _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded
     C.positive_int("block_size", block_size)
     pages = V.pages(k_cache, block_size, "k_cache")
     if q_out is not None:
-        C.tensor("q_out", q_out, dtype=torch.bfloat16, shape=(q.shape[0], padded_heads, L.HEAD_DIM))
+        C.no_overlap("q_out", C.tensor("q_out", q_out, dtype=torch.bfloat16,
+                                       shape=(q.shape[0], padded_heads, L.HEAD_DIM)))
     C.same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,
                   cos_sin_cache=cos_sin_cache, q_out=q_out)
     C.slots_inside("slot_mapping", slot_mapping, V.capacity(pages, block_size),
@@ -110,7 +111,7 @@ def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, 
         raise ValueError(f"k_cache strides and start must be multiples of 16 bytes, got stride {k_cache.stride()}")
     if q_fp8 is None or q_fp8_scale_inv is None:
         raise ValueError("q_fp8 and q_fp8_scale_inv are required (the fp8 q output and its inverse scale)")
-    C.tensor("q_fp8", q_fp8, dtype=(torch.float8_e4m3fn, torch.uint8), shape=tuple(q.shape))
+    C.no_overlap("q_fp8", C.tensor("q_fp8", q_fp8, dtype=(torch.float8_e4m3fn, torch.uint8), shape=tuple(q.shape)))
     _scalar("fp8_scale", fp8_scale)
     _scalar("q_fp8_scale_inv", q_fp8_scale_inv)
     C.same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,
