@@ -98,10 +98,13 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
 def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int) -> None:
     """``out[n, k]`` = bf16 K at cache slot ``slot_ids[n, k]`` (exact); a slot < 0 gives a zero row.
     out bf16 [N, K, 512] (any strides with a unit last one, as vLLM's column slices of a workspace),
-    slot_ids int32/int64 [N, K]; also [N, 512] with [N]."""
+    slot_ids int32/int64 [N, K], or [N, 1, K] (the FlashMLA index form vLLM's MTP decode passes); also
+    [N, 512] with [N]."""
     C.tensor("slot_ids", slot_ids, dtype=C.INDEX)
+    if slot_ids.dim() == 3 and slot_ids.shape[1] == 1:
+        slot_ids = slot_ids[:, 0]
     if slot_ids.dim() not in (1, 2):
-        raise ValueError(f"slot_ids must be 1-D or 2-D, got shape {tuple(slot_ids.shape)}")
+        raise ValueError(f"slot_ids must be [N], [N, K] or [N, 1, K], got shape {tuple(slot_ids.shape)}")
     C.no_overlap("out", C.tensor("out", out, dtype=torch.bfloat16, shape=(*slot_ids.shape, L.HEAD_DIM)))
     C.positive_int("block_size", block_size)
     pages = V.pages(k_cache, block_size, "k_cache")
