@@ -153,7 +153,7 @@ class DeepseekV4Attention(torch.nn.Module):
         a8, sa = ops.fused_inv_rope_fp8_quant(o, positions, self.cos_sin_cache, G, self.n_local_heads // G)
         z = torch.empty(o.shape[0], G, self.cfg.o_lora_rank, dtype=torch.bfloat16, device=o.device)
         ops.fp8_einsum("bhr,hdr->bhd", (a8, sa), (w.wo_a8.view(torch.float8_e4m3fn), w.wo_a_s), z)
-        return ops.fp8_linear(z.view(o.shape[0], -1), w.wo_b8, w.wo_b_s)
+        return ops.fp8_linear(z.view(o.shape[0], G * self.cfg.o_lora_rank), w.wo_b8, w.wo_b_s)  # 0 rows too
 
     # ---- compressor and indexer --------------------------------------------------------------------------
     def _compress(self, x, w_kv_gate, ape, norm_w, positions, step, state, kv_cache, kslots, dim: int,

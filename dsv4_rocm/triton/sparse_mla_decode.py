@@ -323,7 +323,7 @@ def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) ->
     programs per SM (one CTA fits per SM), at most one split per tile and 16 in all. Measured on the H100
     (BENCHMARKS.md): one wave is best for small grids, and splitting a grid that already fills the GPU
     (to trim its last partial wave) loses to the extra fp32 partial traffic."""
-    if programs >= sm_count or max_tiles <= 1:
+    if programs >= sm_count or max_tiles <= 1 or programs <= 0:      # an empty batch launches nothing
         return 1
     return int(min(max_tiles, max(1, (waves * sm_count) // programs), MAX_SPLITS))
 
