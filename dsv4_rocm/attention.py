@@ -26,6 +26,7 @@ from . import layout as L
 from . import ops
 from .config import AttentionConfig, LayerType
 from .kv_cache import LayerCache
+from .ops.indexer import MAX_NEXT_N
 from .platform import detect
 from .reference.compressor import coff, state_block_size
 from .reference.rope import build_cos_sin_cache
@@ -34,6 +35,7 @@ from .weights import LayerWeights
 
 _CURRENT_STEP: Optional[StepMetadata] = None
 INDEXER_PREFILL_ROWS = 2048     # query rows per prefill logits launch: bounds the [rows, entries] fp32 buffer
+MAX_DECODE_QUERY_LEN = MAX_NEXT_N   # decode rows per request the paged indexer logits take (DeepGEMM's next_n)
 
 
 @contextlib.contextmanager
@@ -97,6 +99,11 @@ class DeepseekV4Attention(torch.nn.Module):
         if positions.shape != (T,) or step.num_tokens != T:
             raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
                              f"cover the {T} tokens of hidden_states")
+        if self.ratio == 4 and step.num_decodes and step.decode_query_len > MAX_DECODE_QUERY_LEN:
+            raise ValueError(f"the step's decode requests have {step.decode_query_len} tokens each; the C4 indexer "
+                             f"takes at most {MAX_DECODE_QUERY_LEN} (1 + speculative tokens)")
+        # the whole step against this layer's caches before the first write: a rejected step writes nothing
+        step.validate(self.cache, built=True)
         self._mark("start")
         qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
         qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
