@@ -16,12 +16,13 @@ CFG = tiny_config()
 I32, I64, BF = torch.int32, torch.int64, torch.bfloat16
 
 
-def empty_step(num_requests=0, ratios=(4, 128)):
+def empty_step(num_requests=0, ratios=(4, 128), device="cpu"):
     """A built step of 0 tokens over ``num_requests`` requests (each of query length 0)."""
-    R = num_requests
-    return StepMetadata(torch.zeros(R + 1, dtype=I32), torch.full((R,), 5, dtype=I32), torch.zeros(0, dtype=I64),
-                        torch.zeros(0, dtype=I64), *(torch.zeros(R, 2, dtype=I32),) * 3, num_decodes=0,
-                        num_decode_tokens=0, max_model_len=512).build(ratios)
+    R, d = num_requests, dict(device=device)
+    return StepMetadata(torch.zeros(R + 1, dtype=I32, **d), torch.full((R,), 5, dtype=I32, **d),
+                        torch.zeros(0, dtype=I64, **d), torch.zeros(0, dtype=I64, **d),
+                        *(torch.zeros(R, 2, dtype=I32, **d),) * 3, num_decodes=0, num_decode_tokens=0,
+                        max_model_len=512).build(ratios)
 
 
 def caches(server):
@@ -29,14 +30,15 @@ def caches(server):
     return [t.clone() for t in (c.swa, c.comp, c.idx, c.comp_state, c.idx_state) if t is not None]
 
 
-def check_layers():
+def check_layers(device="cpu"):
     """Every layer type on empty steps (no request, and requests with nothing to compute): an empty
     [0, hidden] bf16 result, no cache byte changed."""
     for lt in (LayerType.SWA, LayerType.C4, LayerType.C128):
-        s = SyntheticServer(CFG, lt, num_requests=2, max_model_len=512)
+        s = SyntheticServer(CFG, lt, num_requests=2, max_model_len=512, device=str(device))
         before = caches(s)
         for R in (0, 2):
-            y = s.layer(torch.zeros(0, dtype=I64), torch.zeros(0, CFG.hidden_size, dtype=BF), empty_step(R, s.ratios()))
+            y = s.layer(torch.zeros(0, dtype=I64, device=device),
+                        torch.zeros(0, CFG.hidden_size, dtype=BF, device=device), empty_step(R, s.ratios(), device))
             assert y.shape == (0, CFG.hidden_size) and y.dtype == BF, lt
         assert all(torch.equal(a, b) for a, b in zip(before, caches(s))), lt
 
@@ -46,6 +48,13 @@ def test_layer_on_an_empty_step_returns_an_empty_result(backend):
     """It used to raise `cannot reshape tensor of 0 elements into shape [0, -1]` in _o_proj."""
     with ops.use_backend(backend):
         check_layers()
+
+
+@pytest.mark.gpu
+def test_layer_on_an_empty_step_on_the_gpu(gpu):
+    """The GPU default path (HIP and Triton kernels): the same empty result, nothing launched or written."""
+    check_layers(gpu)
+    torch.cuda.synchronize()
 
 
 def empty_op_calls():
