@@ -403,12 +403,13 @@ def run_probes(x):
     else:
         fnuz_ok = ptx_ok = True
     n = x.numel()
+    block = 1024 if gpu else 65536                 # the interpreter runs one program at a time: few, large ones
     out = {}
     for form, name in enumerate(ENCODERS):
         if "fnuz" in name and not fnuz_ok:
             continue
         o = torch.empty(n, dtype=torch.uint8, device=x.device)
-        _encode_probe[(-(-n // 65536),)](x, o, n, FORM=form, BLOCK=65536)
+        _encode_probe[(-(-n // block),)](x, o, n, FORM=form, BLOCK=block)
         out[name] = o.cpu()
     b = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(x.device)
     for form, name in enumerate(DECODERS):
