@@ -347,13 +347,13 @@ DECODERS = ("ocp", "fnuz", "ptx_scaled_bf16")                # FORM 0..2 of _dec
 
 @triton.jit
 def _encode_probe(x_ptr, out_ptr, n, FORM: tl.constexpr, BLOCK: tl.constexpr):
-    """x fp32 -> bytes: FORM 0 encode_ocp, 1 encode_fnuz, 2 / 3 the kernels' _e4m3 with FNUZ False / True."""
+    """x fp32 -> bytes: FORM 0 / 1 encode OCP / fnuz, 2 / 3 the kernels' _e4m3 with FNUZ False / True."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < n, other=0.0)
     if FORM == 0:
-        b = _fp8.encode_ocp(x)
+        b = _fp8.encode(x, False)
     elif FORM == 1:
-        b = _fp8.encode_fnuz(x)
+        b = _fp8.encode(x, True)
     else:
         b = _e4m3(x, FORM == 3).to(tl.uint8)
     tl.store(out_ptr + i, b, mask=i < n)

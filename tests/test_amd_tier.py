@@ -96,8 +96,8 @@ def test_kernel_runs_the_target_branches_against_the_oracle(case, target, tier):
 def test_fp8_model_against_torch(check, tier):
     """Encoders over ~2.1 M fp32 values (every e4m3 value of both formats, the ties between neighbours and
     the floats beside them, subnormals, saturation and overflow edges, +-0, +-inf, NaN, random bit patterns,
-    random values of e4m3's range): encode_ocp equals torch's e4m3fn cast after the kernels' clamp to +-448
-    (NaN -> 0x7F); encode_fnuz equals torch's e4m3fnuz cast (NaN 0x80 past 240's rounding range); the
+    random values of e4m3's range): the OCP encode equals torch's e4m3fn cast after the kernels' clamp to
+    +-448 (NaN -> 0x7F); the fnuz encode equals torch's e4m3fnuz cast (NaN 0x80 past 240's rounding range); the
     kernels' encoder through either route (gfx942: fnuz of x / 2) gives the OCP byte, -0 written 0x00.
     Decoders over all 256 bytes: torch's float8_e4m3fn / float8_e4m3fnuz values bit for bit, and the integer
     e4m3 -> bf16 decode of the NVIDIA decode kernels the e4m3 value times 2^-120."""

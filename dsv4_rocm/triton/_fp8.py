@@ -6,10 +6,10 @@ unit: it encodes x / 2 as fnuz, which is the OCP byte of x, and reads the bytes 
 half the OCP ones; the kernels make up the factor 2 in their own arithmetic (the scale exponent + 1, each
 block's scale product x 4). The helpers are the instructions themselves, nothing more:
 
-    encode_ocp(x)        fp32 -> OCP e4m3fn byte: round to nearest even (subnormals included); beyond +-448
+    encode(x, False)     fp32 -> OCP e4m3fn byte: round to nearest even (subnormals included); beyond +-448
                          and +-inf saturate to +-448 (0x7E / 0xFE); NaN -> 0x7F; -0 -> 0x80. NVIDIA's
                          ``cvt.rn.satfinite.e4m3x2.f32``, which Triton's fp8e4nv cast lowers to there.
-    encode_fnuz(x)       fp32 -> fnuz e4m3 byte (bias 8, largest 240): round to nearest even; a result
+    encode(x, True)      fp32 -> fnuz e4m3 byte (bias 8, largest 240): round to nearest even; a result
                          beyond 240, +-inf and NaN -> 0x80 (the only NaN: gfx942's v_cvt_pk_fp8_f32 does
                          not saturate without its clamp bit, which Triton does not set); every zero -> 0x00.
     decode(b, FNUZ)      byte -> fp32, exact. OCP: 0x7F and 0xFF are NaN, 0x80 is -0. fnuz: 0x80 is NaN,
@@ -95,22 +95,14 @@ def _decode_model(b, FNUZ: tl.constexpr):
 
 
 @triton.jit
-def encode_ocp(x):
-    """OCP e4m3fn bytes (uint8) of fp32 x (module docstring)."""
+def encode(x, FNUZ: tl.constexpr):
+    """e4m3 bytes (uint8) of fp32 x: OCP e4m3fn, or with FNUZ fnuz (module docstring)."""
     if INTERPRETED:
-        b = _encode_model(x, 7, False)
+        b = _encode_model(x, 8 if FNUZ else 7, FNUZ)
+    elif FNUZ:
+        b = x.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
     else:
         b = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return b
-
-
-@triton.jit
-def encode_fnuz(x):
-    """fnuz e4m3 bytes (uint8) of fp32 x (module docstring)."""
-    if INTERPRETED:
-        b = _encode_model(x, 8, True)
-    else:
-        b = x.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
     return b
 
 

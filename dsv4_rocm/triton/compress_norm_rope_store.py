@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._fp8 import encode_fnuz, encode_ocp
+from ._fp8 import encode
 from ._launch import cdiv, device_cache, device_facts, launch
 from .compressor_entries import compressor_entries
 
@@ -120,9 +120,9 @@ def _e4m3(v, FNUZ: tl.constexpr):
     """OCP e4m3fn bytes of fp32 v (|v| <= 448 after the clamp), RNE, -0 written 0x00."""
     v = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v))
     if FNUZ:
-        b = encode_fnuz(v * 0.5)
+        b = encode(v * 0.5, True)
     else:
-        b = encode_ocp(v)
+        b = encode(v, False)
     return tl.where(b == 0x80, 0, b)
 
 
