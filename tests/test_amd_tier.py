@@ -63,7 +63,7 @@ def tier(request):
     wanted = []
     for item in request.session.items:
         spec = getattr(item, "callspec", None)
-        if item.module is sys.modules[__name__] and spec is not None:
+        if getattr(item, "module", None) is sys.modules[__name__] and spec is not None:
             t = spec.params.get("target", MODEL if "check" in spec.params else None)
             if t is not None and t not in wanted:
                 wanted.append(t)
