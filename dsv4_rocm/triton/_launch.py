@@ -17,7 +17,13 @@ direct launch of compiled kernels.
   launch of a variant goes through Triton's own launcher (binder, cache key, compilation); later
   launches call the compiled kernel Triton picked, directly (below).
 
-CPU tensors (the Triton interpreter, ``TRITON_INTERPRET=1``) get arch "cpu", no fnuz and one "SM".
+CPU tensors (the Triton interpreter, ``TRITON_INTERPRET=1``) get arch "cpu", no fnuz and one "SM", except
+inside ``emulate_target(arch)``: there they get the facts of that target (gfx942, gfx950, sm_90, sm_100), so
+every launcher picks the constexprs, tiles and launch options that target's GPU would get, and the
+interpreter runs that target's branches (the AMD execution tier, docs/platforms.md#amd-tier; the fp8
+instructions those branches use run as the bit-exact models of ``_fp8.py``). Launchers that cache per
+device use ``device_cache``, which ``emulate_target`` empties on entry and exit. ``record_launches()`` lists
+the constexprs and launch options of each interpreted launch, for tests that say which branches they ran.
 
 Direct launch. Triton's ``JITFunction.run`` spends tens of microseconds of Python per launch: it
 specializes every argument, builds a cache key from the specialization and the options, checks the
@@ -48,7 +54,9 @@ import weakref
 import torch
 import triton
 
-from ..platform import detect
+from typing import NamedTuple
+
+from ..platform import detect, target
 
 
 def cdiv(a: int, b: int) -> int:
@@ -59,6 +67,14 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (n >= 1), for host ints."""
     return 1 << (n - 1).bit_length()
+
+
+class Emulated(NamedTuple):
+    """What ``device_facts`` gives CPU tensors inside ``emulate_target``."""
+    arch: str
+    fnuz: bool
+    sm_count: int
+    fp8_mma: bool
 
 
 def device_index(device: torch.device) -> int:
@@ -76,10 +92,70 @@ def _facts(device_type: str, index: int):
 
 
 def device_facts(device: torch.device):
-    """(arch, fnuz, sm_count, has fp8 matrix instructions) of ``device``, cached."""
+    """(arch, fnuz, sm_count, has fp8 matrix instructions) of ``device``, cached; CPU tensors get the target of
+    ``emulate_target`` when one is set."""
     if device.type == "cpu":
-        return _facts("cpu", 0)
+        return _EMULATED or _facts("cpu", 0)
     return _facts(device.type, device_index(device))
+
+
+# ---- the emulated target of CPU tensors (the AMD execution tier) ---------------------------------------
+# compute units of the parts each target is sold as (MI300X, MI355X, H100 SXM, B200): split counts follow them
+EMULATED_SM_COUNT = {"gfx942": 304, "gfx950": 256, "sm_90": 132, "sm_100": 148}
+_EMULATED = None            # device_facts of CPU tensors inside emulate_target, else None
+_DEVICE_CACHES = []         # the caches of device_cache, emptied when the emulated target changes
+_RECORD = None              # the list record_launches appends to, else None
+
+
+def device_cache(maxsize=None):
+    """``functools.lru_cache`` for a function of a device (its facts, a launch plan): ``emulate_target``
+    empties it, since what a CPU device launches as changes with the emulated target."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        _DEVICE_CACHES.append(cached)
+        return cached
+    return wrap
+
+
+def _set_emulated(facts):
+    global _EMULATED
+    _EMULATED = facts
+    for c in _DEVICE_CACHES:
+        c.cache_clear()
+
+
+@contextlib.contextmanager
+def emulate_target(arch: str, sm_count: int = None):
+    """Launch kernels on CPU tensors (the Triton interpreter) as ``arch`` would launch them on its GPU: its
+    fp8 reading (gfx942: fnuz), tile configuration, launch options and SM / CU count (``sm_count``
+    overrides ``EMULATED_SM_COUNT``). A test-facing switch of the launch plumbing, not of the math: the
+    kernels run their own code for that target. The interpreter ignores the launch options (num_warps,
+    num_stages, kpack, matrix_instr_nonkdim, waves_per_eu, maxnreg): the compile matrix checks those."""
+    plat = target(arch)
+    prev = _EMULATED
+    _set_emulated(Emulated(plat.arch, plat.fp8_decode == "fnuz_scale_plus_one",
+                           EMULATED_SM_COUNT[arch] if sm_count is None else int(sm_count), plat.has_fp8_mma))
+    try:
+        yield plat
+    finally:
+        _set_emulated(prev)
+
+
+def emulated_target():
+    """The ``Emulated`` facts of ``emulate_target`` in force, or None."""
+    return _EMULATED
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collect (kernel name, constexprs and launch options) of every launch that goes through Triton's own
+    launcher (all of them under the interpreter) inside the block."""
+    global _RECORD
+    prev, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = prev
 
 
 _SCRATCH = {}     # (kind, device type, index, stream) -> tensor
@@ -251,7 +327,7 @@ class Kernel:
 
     def launch(self, grid, *args, **consts):
         if not (_fast and self.supported):
-            return self.fn[grid](*args, **consts)
+            return self._triton_launch(grid, args, consts)
         vkey = (len(args), *consts.items())
         try:
             var = self._variants.get(vkey)
@@ -260,6 +336,12 @@ class Kernel:
         if var is None:
             var = self._new_variant(vkey, args, consts)
         return self._run(var, grid, args, consts)
+
+    def _triton_launch(self, grid, args, consts):
+        """Triton's own launcher (the interpreter's, for CPU tensors), recorded inside ``record_launches``."""
+        if _RECORD is not None:
+            _RECORD.append((self.fn.__name__, dict(consts)))
+        return self.fn[grid](*args, **consts)
 
     def bind(self, **consts) -> "BoundKernel":
         """This kernel with its constexprs and launch options fixed: ``bound[grid](*args)`` skips looking the
@@ -319,7 +401,7 @@ class BoundKernel:
     def launch(self, grid, *args):
         k = self.kernel
         if not (_fast and k.supported):
-            return k.fn[grid](*args, **self.consts)
+            return k._triton_launch(grid, args, self.consts)
         var = self._vars.get(len(args))
         if var is None:           # a variant outlives Kernel.clear (its kernels are emptied): kept for good
             try:

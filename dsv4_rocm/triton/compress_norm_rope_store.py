@@ -37,14 +37,12 @@ page stride = ``kv_cache.stride(0)``):
 fp8 bytes are OCP e4m3fn on every vendor (-0 written 0x00); gfx942 encodes x / 2 with its fnuz convert,
 which gives the same byte for every value the cache can hold.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..platform import detect
-from ._launch import cdiv, launch
+from ._fp8 import encode
+from ._launch import cdiv, device_cache, device_facts, launch
 from .compressor_entries import compressor_entries
 
 MAIN, INDEXER_FP8, INDEXER_MXFP4 = 0, 1, 2
@@ -122,9 +120,9 @@ def _e4m3(v, FNUZ: tl.constexpr):
     """OCP e4m3fn bytes of fp32 v (|v| <= 448 after the clamp), RNE, -0 written 0x00."""
     v = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v))
     if FNUZ:
-        b = (v * 0.5).to(tl.float8e4b8).to(tl.uint8, bitcast=True)
+        b = encode(v * 0.5, True)
     else:
-        b = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        b = encode(v, False)
     return tl.where(b == 0x80, 0, b)
 
 
@@ -485,11 +483,11 @@ def _compress_norm_rope_store_kernel(
                             D, RATIO, TARGET, FNUZ)
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _device_facts(device) -> tuple:
     """(arch, encodes fp8 through the fnuz convert) of a GPU, cached so that a launch pays no query."""
-    arch = detect(device).arch
-    return arch, arch == "gfx942"
+    arch, fnuz, _, _ = device_facts(device)
+    return arch, fnuz
 
 
 def default_config(arch: str, head_dim: int, ratio: int) -> dict:
@@ -562,7 +560,7 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
     stages[1][(programs,)](*args)
 
 
-@functools.lru_cache(maxsize=256)
+@device_cache(maxsize=256)
 def _plan(device, head_dim: int, ratio: int, target: int, block_size: int, overlap: int, prefill: bool,
           config_items: tuple):
     """(list entries first, tokens per program, column splits, bound kernel of each launch) of a call shape,

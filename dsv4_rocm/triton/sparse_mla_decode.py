@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx, program_tiles
-from ._launch import cdiv, counters, device_facts, launch, scratch
+from ._fp8 import INTERPRETED, decode, e4m3_to_scaled_bf16_model
+from ._launch import cdiv, counters, device_cache, device_facts, launch, scratch
 
 try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
     from . import sparse_mla_decode_ws as _ws
@@ -57,8 +58,12 @@ _E4M3_TO_SCALED_BF16 = tl.constexpr("{\n.reg .b32 t0, t1;\n" + e4m3_to_scaled_bf
 def _e4m3_to_scaled_bf16(kb):
     """OCP e4m3 bytes -> bf16 holding value * 2^-120, with integer ops only (NVIDIA;
     ``_decode_tiles.e4m3_to_scaled_bf16_ptx`` says how)."""
-    return tl.inline_asm_elementwise(asm=_E4M3_TO_SCALED_BF16, constraints="=r,=r,r", args=[kb], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
+    if INTERPRETED:         # the interpreter runs no PTX: the same integer operations (_fp8.py)
+        k = e4m3_to_scaled_bf16_model(kb)
+    else:
+        k = tl.inline_asm_elementwise(asm=_E4M3_TO_SCALED_BF16, constraints="=r,=r,r", args=[kb],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    return k
 
 
 @triton.jit
@@ -99,10 +104,7 @@ def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.con
         k3 = tl.where(is_nope, kq, kr[:, None, :])
         return tl.reshape(k3, (kb.shape[0], 512))
     scale = ((sb + FNUZ) << 23).to(tl.float32, bitcast=True)
-    if FNUZ:
-        kf = kb.to(tl.float8e4b8, bitcast=True).to(tl.float32)
-    else:
-        kf = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    kf = decode(kb, FNUZ)
     k3 = tl.where(is_nope, kf * scale[:, :, None], kr.to(tl.float32)[:, None, :])
     return tl.reshape(k3.to(tl.bfloat16), (kb.shape[0], 512))
 
@@ -339,7 +341,7 @@ class _Variant(NamedTuple):
     ws: object = None         # the Hopper kernel's constexprs and launch options (``config kernel="ws"``)
 
 
-@functools.lru_cache(maxsize=4096)
+@device_cache(maxsize=4096)
 def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = (),
           num_splits: int = None):
     """Launch plan of a call shape: (config items, splits, partials per query, grid, tiles per unit), cached

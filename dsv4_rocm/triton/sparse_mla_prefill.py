@@ -13,13 +13,11 @@ max_logits -inf whatever its sink (-inf, finite or +inf).
 For the fp8 pages themselves (no bf16 workspace), use ``sparse_mla_decode`` with one query per token:
 it reads the 584-byte records directly and is the workspace-free prefill path.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import device_facts, launch
+from ._launch import device_cache, device_facts, launch
 
 LOG2E = 1.4426950408889634
 
@@ -80,7 +78,7 @@ def default_config(arch: str) -> dict:
     return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=3)   # 2 stages spill 16 B on sm_90a
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _config(device: torch.device) -> dict:
     return default_config(device_facts(device)[0])
 
