@@ -112,6 +112,7 @@ def test_backends_against_vllms_interfaces():
 
 # ---- metadata from real CommonAttentionMetadata ----------------------------------------------------------
 def vllm_config(num_spec=0):
+    plugin.register()           # the backend name must be registered for AttentionConfig to parse it
     cfg = VllmConfig(scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=16,
                                                       max_model_len=MAX_LEN, is_encoder_decoder=False),
                      cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
