@@ -193,25 +193,27 @@ class DeepseekV4Attention(torch.nn.Module):
         q8, wq = ops.fused_indexer_q_rope_quant(positions, qi, self.cos_sin_cache, wi, 128 ** -0.5, nh ** -0.5)
         topk = torch.empty(T, K, dtype=torch.int32, device=x.device)
         n_entries = -(-self.max_model_len // 4)
-        nd, ndr = step.num_decode_tokens, step.num_decodes
+        nd, ndr, nn = step.num_decode_tokens, step.num_decodes, step.decode_query_len
+        if not nn:
+            nd = ndr = 0    # decode requests of different query lengths are scored as prefill rows are
         if nd:
-            nn = step.decode_query_len
             lens = step.indexer_lens[:nd].view(ndr, nn)
             logits = ops.fp8_paged_mqa_logits(q8[:nd].view(ndr, nn, nh, 128), idx_kv.unsqueeze(-2), wq[:nd], lens,
                                               step.compressed_block_table[:ndr],
                                               ops.get_paged_mqa_logits_metadata(lens, 64, 1), n_entries)
             ops.top_k_per_row_decode(logits, nn, lens, topk[:nd], nd, logits.stride(0), logits.stride(1), K)
         if nd < T:
-            self._indexer_prefill(q8, wq, idx_kv, step, topk, K)
+            self._indexer_prefill(q8, wq, idx_kv, step, topk, K, first_request=ndr)
         return topk
 
-    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int):
-        """Prefill rows: each request's indexer-K entries gathered once, logits over them in row chunks."""
+    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int, first_request: int):
+        """Rows of the requests from ``first_request`` on: each request's indexer-K entries gathered once,
+        logits over them in row chunks."""
         dev = q8.device
         qsl = step.query_start_loc_cpu if getattr(step, "query_start_loc_cpu", None) is not None \
             else step.query_start_loc.cpu()
         seq = step.seq_lens_cpu if getattr(step, "seq_lens_cpu", None) is not None else step.seq_lens.cpu()
-        for b in range(step.num_decodes, step.num_requests):
+        for b in range(first_request, step.num_requests):
             a, e = int(qsl[b]), int(qsl[b + 1])
             n = int(seq[b]) // 4
             if e == a:

@@ -3,7 +3,10 @@ the layers of a step share.
 
 The batch follows vLLM's conventions: requests are ordered decode-first; the first ``num_decodes``
 requests are decode requests with ``num_decode_tokens // num_decodes`` tokens each (1, or 1 + speculative
-tokens), the rest are prefill (or chunked-prefill) requests; padding tokens have slot -1. Positions are
+tokens), the rest are prefill (or chunked-prefill) requests; padding tokens have slot -1. With
+``uniform_decode=False`` the decode requests' query lengths differ (speculative decode with a draft length
+per request, as vLLM's scheduler makes them): every per-token index set is unchanged, only the layer's
+indexer then scores those rows the way it scores prefill rows. Positions are
 absolute. Block tables are vLLM's: the SWA cache in 64-token blocks, the compressed caches in blocks of 256
 token positions (64 entries of C4, 2 of C128; the indexer-K cache shares the C4 table), the compressor
 state in blocks of 4 (C4) or 8 (C128) token positions.
@@ -33,14 +36,15 @@ class StepMetadata:
     positions: torch.Tensor                # int64 [T]
     slot_mapping: torch.Tensor             # int64 [T]: SWA cache slot of each token, -1 = padding
     swa_block_table: torch.Tensor          # int32 [B, *]
-    compressed_block_table: torch.Tensor   # int32 [B, *]
-    state_block_table: torch.Tensor        # int32 [B, *]
+    compressed_block_table: Optional[torch.Tensor]   # int32 [B, *]; None when no compressed ratio is built
+    state_block_table: Optional[torch.Tensor]        # int32 [B, *]; None likewise
     num_decodes: int                       # decode requests (first in the batch)
     num_decode_tokens: int                 # their tokens (first in the batch)
     max_model_len: int
     window: int = 128
     query_start_loc_cpu: Optional[torch.Tensor] = None   # host copies the scheduler has (prefill planning)
     seq_lens_cpu: Optional[torch.Tensor] = None
+    uniform_decode: bool = True            # False: decode requests of different query lengths
     # built once per step by ``build`` (shared by every layer of the step)
     token_to_req: Optional[torch.Tensor] = None        # int32 [T]
     is_valid_token: Optional[torch.Tensor] = None      # bool [T]
@@ -62,7 +66,10 @@ class StepMetadata:
 
     @property
     def decode_query_len(self) -> int:
-        return self.num_decode_tokens // self.num_decodes if self.num_decodes else 0
+        """Query length of every decode request; 0 when there is none or their lengths differ."""
+        if not self.num_decodes or not self.uniform_decode:
+            return 0
+        return self.num_decode_tokens // self.num_decodes
 
     def build(self, ratios=(4, 128), *, caches=None) -> "StepMetadata":
         """Fill the shared index sets for the layer ratios of the model (no host sync): one launch of the
@@ -103,9 +110,12 @@ class StepMetadata:
             self.c128_indices = buf(self.c128_indices, (T, c128_max_entries(self.max_model_len)), torch.int32)
             self.c128_lens = buf(self.c128_lens, (T,), torch.int32)
             c128 = (self.compressed_slots[128], self.state_slots[128], self.c128_indices, self.c128_lens)
+        # without a compressed ratio the kernel reads neither table: the SWA table stands in for absent ones
+        comp_bt = self.compressed_block_table if self.compressed_block_table is not None else self.swa_block_table
+        state_bt = self.state_block_table if self.state_block_table is not None else self.swa_block_table
         step_index_sets(self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping, self.swa_block_table,
-                        self.compressed_block_table, self.state_block_table, self.token_to_req, self.is_valid_token,
-                        self.swa_indices, self.swa_lens, c4, c128)
+                        comp_bt, state_bt, self.token_to_req, self.is_valid_token, self.swa_indices, self.swa_lens,
+                        c4, c128)
         return self
 
     def build_from_ops(self, ratios=(4, 128), impl=ops) -> "StepMetadata":
@@ -150,9 +160,10 @@ class StepMetadata:
         for r in ratios:
             if r not in (4, 128):
                 raise ValueError(f"ratios: compress ratios are 4 and 128, got {r!r}")
-        if self.num_decodes and self.num_decode_tokens % self.num_decodes:
+        if self.uniform_decode and self.num_decodes and self.num_decode_tokens % self.num_decodes:
             raise ValueError(f"num_decode_tokens {self.num_decode_tokens} is not a multiple of num_decodes "
-                             f"{self.num_decodes}: decode requests must have the same query length")
+                             f"{self.num_decodes}: decode requests of different query lengths need "
+                             f"uniform_decode=False")
         T, R = self.num_tokens, self.num_requests
         for name, t, dtype, shape in (("query_start_loc", self.query_start_loc, torch.int32, (R + 1,)),
                                       ("seq_lens", self.seq_lens, torch.int32, (R,)),
@@ -161,13 +172,17 @@ class StepMetadata:
             if t.dtype != dtype or tuple(t.shape) != shape or (t.numel() > 1 and t.stride(0) != 1):
                 raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got "
                                  f"{t.dtype} {tuple(t.shape)}")
-        for name in ("swa_block_table", "compressed_block_table", "state_block_table"):
+        tables = ("swa_block_table", "compressed_block_table", "state_block_table")
+        for name in tables[1:]:
+            if ratios and getattr(self, name) is None:
+                raise ValueError(f"{name} is None: the compressed ratios {ratios} need it")
+        tables = tuple(name for name in tables if getattr(self, name) is not None)
+        for name in tables:
             t = getattr(self, name)
             if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != R or (t.shape[1] > 1 and t.stride(1) != 1):
                 raise ValueError(f"{name} must be an int32 [{R}, blocks] tensor with contiguous rows (one row per "
                                  f"request), got {t.dtype} {tuple(t.shape)}")
-        for name in ("query_start_loc", "seq_lens", "slot_mapping", "swa_block_table", "compressed_block_table",
-                     "state_block_table"):
+        for name in ("query_start_loc", "seq_lens", "slot_mapping") + tables:
             if getattr(self, name).device != self.positions.device:
                 raise ValueError(f"{name} is on {getattr(self, name).device}, positions on {self.positions.device}")
         return ratios

@@ -172,6 +172,28 @@ def test_mixed_batch_equals_separate_batches():
         assert rel_err(ya[b].float(), yb[b].float()) < 1e-6
 
 
+def test_decode_requests_of_different_query_lengths():
+    """Speculative decode with a draft length per request, as vLLM batches it: decode requests of query
+    lengths 1 and 3 in one step (uniform_decode=False, scored by the indexer as prefill rows are) give what
+    the same tokens give one request at a time, and write the same cache bytes."""
+    import dataclasses
+    xs = _xs([200, 60], 31)
+    first = {0: (0, 199), 1: (0, 57)}
+    _, ya = _run(LayerType.C4, xs, [first, {0: (199, 200)}, {1: (57, 60)}])
+    s = SyntheticServer(CFG, LayerType.C4, 2, MAX_LEN)
+    s.step({b: xs[b][a:e] for b, (a, e) in first.items()})
+    step = s.make_step({0: 1, 1: 3})
+    assert step.num_decodes == 1       # the server's own rule: only query length 1 is a decode
+    mixed = dataclasses.replace(step, num_decodes=2, num_decode_tokens=4, uniform_decode=False)
+    assert mixed.decode_query_len == 0
+    mixed.build(s.ratios())
+    y = s.layer(mixed.positions, torch.cat([xs[0][199:200], xs[1][57:60]]), mixed)
+    assert rel_err(y[:1].float(), ya[0][199:].float()) < 1e-6
+    assert rel_err(y[1:].float(), ya[1][57:].float()) < 1e-6
+    with pytest.raises(ValueError, match="uniform_decode=False"):
+        dataclasses.replace(step, num_decodes=2, num_decode_tokens=5).build(s.ratios())
+
+
 def test_layer_rejects_bad_hidden():
     s = SyntheticServer(CFG, LayerType.SWA, 1, MAX_LEN)
     with pytest.raises(ValueError, match="hidden_states must be bf16"):

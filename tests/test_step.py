@@ -85,7 +85,7 @@ def random_step(seed, kind="mixed", *, num_decodes=None, num_prefills=None, max_
 
 
 def to_device(st, device):
-    d = {k: getattr(st, k).to(device) for k in INPUTS}
+    d = {k: None if getattr(st, k) is None else getattr(st, k).to(device) for k in INPUTS}
     return StepMetadata(**d, num_decodes=st.num_decodes, num_decode_tokens=st.num_decode_tokens,
                         max_model_len=st.max_model_len, window=st.window)
 
@@ -269,6 +269,20 @@ def test_empty_steps_on_cpu():
         assert st.token_to_req.tolist() == [-1] * T and (st.swa_indices == -1).all()
 
 
+def test_window_sets_without_compressed_tables():
+    """A step of the sliding-window cache alone (what an engine's SWA metadata builder has): no compressed or
+    state table, the same window sets as with them; a compressed ratio then names the missing table."""
+    import dataclasses
+    for seed in range(4):
+        st = random_step(seed)
+        want = dataclasses.replace(st).build_from_ops((), impl=M)
+        got = dataclasses.replace(st, compressed_block_table=None, state_block_table=None).build_from_ops((), impl=M)
+        for f in ("token_to_req", "is_valid_token", "swa_indices", "swa_lens"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), f
+        with pytest.raises(ValueError, match="compressed_block_table"):
+            dataclasses.replace(st, compressed_block_table=None).build_from_ops((4,), impl=M)
+
+
 # ------------------------------------------------------------------------------------------------ kernel
 def kernel_cases():
     """(step, ratios): random steps of every kind and option, and the corner cases by name."""
@@ -304,6 +318,10 @@ def interpreter_main():
     keep = fields(st, (4, 128))
     st.build_fused((4, 128))
     assert all(keep[k] is v for k, v in fields(st, (4, 128)).items())
+    # the sliding-window step alone (no compressed or state table), as an engine's SWA builder makes it
+    st = random_step(11, "mixed")
+    st.compressed_block_table = st.state_block_table = None
+    check_fused(st, ())
     # every launch configuration the bench sweeps gives the same bytes
     for seed, cfg in enumerate([dict(BLOCK_T=1), dict(BLOCK_T=4, num_warps=1), dict(BLOCK_T=32, num_warps=8)]):
         st = random_step(200 + seed, KINDS[seed])
