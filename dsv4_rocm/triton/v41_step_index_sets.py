@@ -27,12 +27,12 @@ def _closing_slot(bt_ptr, bt_row, bt_cols, r, p, valid, RATIO: tl.constexpr, BS:
     return tl.where(ok & (page >= 0), page * BS + j % BS, -1)
 
 
-@triton.jit(do_not_specialize=["T", "num_reqs"])
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
 def _v41_step_index_sets_kernel(pos_ptr, t2r_ptr, valid_ptr, cbt_ptr, cbt_row, cbt_cols, sbt_ptr, sbt_row, sbt_cols,
-                                num_reqs, T, s1_ptr, l1_ptr, s2_ptr, l2_ptr, ring_ptr, BS: tl.constexpr,
+                                num_reqs, num_tokens, s1_ptr, l1_ptr, s2_ptr, l2_ptr, ring_ptr, BS: tl.constexpr,
                                 CAP: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    inb = t < T
+    inb = t < num_tokens
     p = tl.load(pos_ptr + t, mask=inb, other=-1).to(tl.int64)
     req = tl.load(t2r_ptr + t, mask=inb, other=-1)
     v = tl.load(valid_ptr + t, mask=inb, other=0).to(tl.int32)
