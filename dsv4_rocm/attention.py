@@ -47,6 +47,14 @@ def step_context(step: StepMetadata):
         _CURRENT_STEP = prev
 
 
+def _current_step(step: Optional[StepMetadata]) -> StepMetadata:
+    """The step a forward runs: the one passed, else the one of the enclosing ``step_context``."""
+    step = step or _CURRENT_STEP
+    if step is None:
+        raise ValueError("no StepMetadata: pass step= or run inside dsv4_rocm.attention.step_context(step)")
+    return step
+
+
 class DeepseekV4Attention(torch.nn.Module):
     timer = None        # an object with mark(stage): the main job's per-stage timing
 
@@ -198,15 +206,20 @@ class DeepseekV4Attention(torch.nn.Module):
             self._indexer_prefill(q8, wq, idx_kv, step, topk, K)
         return topk
 
-    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int):
-        """Prefill rows: each request's indexer-K entries gathered once, logits over them in row chunks."""
+    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int, ratio: int = 4, lens=None,
+                         logits_hook=None):
+        """Prefill rows: each request's indexer-K entries gathered once, logits over them in row chunks.
+        ``lens``: the entries each token sees (default the step's C4 indexer_lens), ``ratio`` the positions
+        an entry stands for; ``logits_hook(logits, ends, first_row)`` runs on each chunk's logits before
+        its top-k (DeepSeek-V4.1's candidate blocks)."""
+        lens = step.indexer_lens if lens is None else lens
         dev = q8.device
         qsl = step.query_start_loc_cpu if getattr(step, "query_start_loc_cpu", None) is not None \
             else step.query_start_loc.cpu()
         seq = step.seq_lens_cpu if getattr(step, "seq_lens_cpu", None) is not None else step.seq_lens.cpu()
         for b in range(step.num_decodes, step.num_requests):
             a, e = int(qsl[b]), int(qsl[b + 1])
-            n = int(seq[b]) // 4
+            n = int(seq[b]) // ratio
             if e == a:
                 continue
             k8 = torch.empty(max(n, 1), 128, dtype=torch.float8_e4m3fn, device=dev)
@@ -215,8 +228,10 @@ class DeepseekV4Attention(torch.nn.Module):
                                                 torch.tensor([0, n], dtype=torch.int32, device=dev))
             for r0 in range(a, e, INDEXER_PREFILL_ROWS):
                 r1 = min(e, r0 + INDEXER_PREFILL_ROWS)
-                ends = step.indexer_lens[r0:r1]
+                ends = lens[r0:r1]
                 starts = torch.zeros_like(ends)
                 logits = ops.fp8_mqa_logits(q8[r0:r1], (k8, ks), wq[r0:r1], starts, ends)
+                if logits_hook is not None:
+                    logits_hook(logits, ends, r0)
                 ops.top_k_per_row_prefill(logits, starts, ends, topk[r0:r1], r1 - r0, logits.stride(0),
                                           logits.stride(1), K)

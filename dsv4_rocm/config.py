@@ -361,11 +361,12 @@ def tiny_config(num_heads: int = 8, hidden_size: int = 256, index_topk: int = 8,
 
 
 def tiny_v41_config(num_heads: int = 8, hidden_size: int = 256, index_topk: int = 8, sliding_window: int = 16,
-                    index_n_heads: int = 4) -> AttentionConfig:
+                    index_n_heads: int = 16) -> AttentionConfig:
     """A small V4.1 config with every layer kind, for CPU tests: 0 sliding window; 1 ratio-2 kv source; 2 reads
     layer 1's caches and top-k; 3 ratio-1 kv source and candidate source; 4 reads 3's; 5 an index source that
     scores inside 3's candidates (4 blocks of 4 entries) with its own indexer over 3's indexer-K cache; 6 reads
-    3's caches and 5's top-k; 7 sliding window."""
+    3's caches and 5's top-k; 7 sliding window. 16 index heads: with fewer, many logits are exactly 0 (every
+    head's ReLU zero) and the top-k's ties, which are implementation-defined, decide the output."""
     return AttentionConfig(hidden_size=hidden_size, num_hidden_layers=8, num_heads=num_heads, q_lora_rank=128,
                            o_lora_rank=128, o_groups=max(1, num_heads // 8), index_topk=index_topk,
                            compress_ratios=(0, 2, 2, 1, 1, 1, 1, 0), sliding_window=sliding_window,
