@@ -163,6 +163,23 @@ def test_v41_weights_from_checkpoint_names():
         LayerWeights.from_checkpoint({k: v for k, v in t.items() if k != "indexer.wk.weight"}, CFG, 1)
 
 
+def test_main_job_runs_the_tiny_v41_stack(capsys):
+    """python -m dsv4_rocm run on a V4.1 config: the stack of every layer kind, each layer checked against the
+    reference; a stack missing a layer's source, or layer types for a V4.1 config, are one-line user errors."""
+    import re
+    from dsv4_rocm.__main__ import main
+    assert main(["run", "--config", "tiny-v4.1", "--requests", "2", "--prompt-len", "12", "--decode-steps", "1",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for layer in ALL:
+        row = next(line for line in out.splitlines() if re.match(rf"\s+{layer} {re.escape(CFG.v41_layer(layer).label)} ", line))
+        assert re.search(r"rel err (\S+) <= 2e-03 ok", row), row
+    for argv, says in ((["--layers", "3,6"], "index source 5"), (["--layers", "swa"], "takes layer ids")):
+        assert main(["run", "--config", "tiny-v4.1", "--device", "cpu"] + argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------
 # The GPU rounds differently from the fp32 oracle (bf16 attention output, fp8 accumulation of the logits),
 # and the output path re-quantizes to e4m3 (docs/numerics.md: a few 1e-2 relative on the layer output). A
