@@ -95,21 +95,11 @@ class DeepseekV4Attention(torch.nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 step: Optional[StepMetadata] = None) -> torch.Tensor:
         """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches."""
-        step = step or _CURRENT_STEP
-        if step is None:
-            raise ValueError("no StepMetadata: pass step= or run inside dsv4_rocm.attention.step_context(step)")
+        step = _current_step(step)
         x, cfg, w = hidden_states, self.cfg, self.w
-        T = x.shape[0]
-        if x.dim() != 2 or x.shape[1] != cfg.hidden_size or x.dtype != torch.bfloat16:
-            raise ValueError(f"hidden_states must be bf16 [T, {cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
-        if positions.shape != (T,) or step.num_tokens != T:
-            raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
-                             f"cover the {T} tokens of hidden_states")
+        T = self._check_inputs(positions, x, step)
         self._mark("start")
-        qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
-        qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
-                                        w.kv_norm, self.eps)
-        q = ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(T, self.n_local_heads, 512)
+        qr, kv, q = self._projections(x)
         self._mark("projections")
         q = ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
             q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
@@ -127,6 +117,24 @@ class DeepseekV4Attention(torch.nn.Module):
         y = self._o_proj(o_padded[:, :self.n_local_heads], positions)
         self._mark("output")
         return y
+
+    def _check_inputs(self, positions, x, step: StepMetadata) -> int:
+        """hidden_states bf16 [T, hidden], positions [T] and the step's T tokens (ValueError otherwise); T."""
+        T = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or x.dtype != torch.bfloat16:
+            raise ValueError(f"hidden_states must be bf16 [T, {self.cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
+        if positions.shape != (T,) or step.num_tokens != T:
+            raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
+                             f"cover the {T} tokens of hidden_states")
+        return T
+
+    def _projections(self, x):
+        """(qr, kv, q [T, H, 512]): the fused wq_a + wkv projection, the q / kv RMSNorms, wq_b."""
+        cfg, w = self.cfg, self.w
+        qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
+        qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
+                                        w.kv_norm, self.eps)
+        return qr, kv, ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(x.shape[0], self.n_local_heads, 512)
 
     def _mark(self, stage: str):
         """End of a stage, for a timer the main job attaches (``timer.mark(stage)``); nothing otherwise."""

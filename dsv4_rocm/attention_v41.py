@@ -110,22 +110,14 @@ class DeepseekV41Attention(DeepseekV4Attention):
         """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches the
         layer owns and its top-k (index sources) into the shared buffer."""
         step = _current_step(step)
-        x, cfg, w = hidden_states, self.cfg, self.w
-        T = x.shape[0]
-        if x.dim() != 2 or x.shape[1] != cfg.hidden_size or x.dtype != torch.bfloat16:
-            raise ValueError(f"hidden_states must be bf16 [T, {cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
-        if positions.shape != (T,) or step.num_tokens != T:
-            raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
-                             f"cover the {T} tokens of hidden_states")
+        x = hidden_states
+        T = self._check_inputs(positions, x, step)
         if T > self.shared.topk.shape[0]:
             raise ValueError(f"the step has {T} tokens; the shared buffers hold {self.shared.topk.shape[0]}")
         if self.ratio and self.ratio not in step.v41_lens:
             raise ValueError(f"the step was not built for ratio {self.ratio} (StepMetadata.build(ratios=...))")
         self._mark("start")
-        qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
-        qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
-                                        w.kv_norm, self.eps)
-        q = ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(T, self.n_local_heads, 512)
+        qr, kv, q = self._projections(x)
         self._mark("projections")
         q = ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
             q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,

@@ -114,11 +114,12 @@ def _check(cfg, lt, srv, xs, total0, y0, device):
     return err, CHECK_TOL["cpu" if ops.backend_for("sparse_mla_decode", device) == "reference" else "gpu"]
 
 
-def _graph_decode_ms(srv, xs, device, reps=20):
-    """Median time of a decode step of every request replayed from a captured graph."""
+def _graph_decode_ms(srv, xs, device, reps=20, layers=None):
+    """Median time of a decode step of every request replayed from a captured graph (of ``layers``, by
+    default the server's layer)."""
     from .graph import DecodeGraph
     B = srv.num_requests
-    dg = DecodeGraph([srv.layer], B, 1, srv.swa_bt.shape[1], srv.comp_bt.shape[1], srv.state_bt.shape[1],
+    dg = DecodeGraph(layers or [srv.layer], B, 1, srv.swa_bt.shape[1], srv.comp_bt.shape[1], srv.state_bt.shape[1],
                      srv.max_model_len, ratios=srv.ratios())
     st = srv.make_step({b: 1 for b in range(B)})
     x = torch.cat([xs[b][srv.done[b]:srv.done[b] + 1] for b in st.order])
@@ -216,28 +217,6 @@ def _run_stack(srv, xs, steps, device, timers=None):
     return {x: torch.cat(v) for x, v in out0.items()}, times
 
 
-def _stack_graph_ms(srv, xs, device, reps=20):
-    """Median time of a decode step of every request through the whole stack, replayed from one graph."""
-    from .graph import DecodeGraph
-    B = srv.num_requests
-    dg = DecodeGraph([srv.modules[x] for x in srv.layers], B, 1, srv.swa_bt.shape[1], srv.comp_bt.shape[1],
-                     srv.state_bt.shape[1], srv.max_model_len, ratios=srv.ratios())
-    st = srv.make_step({b: 1 for b in range(B)})
-    x = torch.cat([xs[b][srv.done[b]:srv.done[b] + 1] for b in st.order])
-    args = (x, st.positions, st.query_start_loc, st.seq_lens, st.slot_mapping, st.swa_block_table,
-            st.compressed_block_table, st.state_block_table)
-    dg.replay(*args)
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dg.replay(*args)
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
-
-
 def main_job_v41(a, cfg, layers) -> int:
     """The main job of a DeepSeek-V4.1 config: a stack of ``layers`` sharing caches (module docstring)."""
     from .serving_v41 import V41Stack, check_stack
@@ -273,7 +252,8 @@ def main_job_v41(a, cfg, layers) -> int:
     pre_tok = sum(p for _, p, _ in times)
     dec_steps = [(t, d) for t, p, d in times if p == 0 and d > 0]
     dec_ms = 1e3 * sum(t for t, _ in dec_steps) / max(len(dec_steps), 1)
-    graph_ms = _stack_graph_ms(srv, xs, device) if device != "cpu" else float("nan")
+    graph_ms = _graph_decode_ms(srv, xs, device, layers=[srv.modules[x] for x in layers]) if device != "cpu" \
+        else float("nan")
     graph = f"{graph_ms:.3f}" if graph_ms == graph_ms else "- (no GPU)"
     rate = a.requests / ((graph_ms if graph_ms == graph_ms else dec_ms) / 1e3)
     print(f"\nstack of {len(layers)} layers: {len(times)} steps, {1e3 * t_all:.1f} ms, {pre_tok / t_all:.0f} prefill tok/s, "

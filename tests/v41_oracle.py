@@ -14,7 +14,6 @@ one step, and a top-k or candidate block taken among near-equal scores could the
 """
 import torch
 
-from dsv4_rocm.reference import attention as ra
 from dsv4_rocm.reference import cache as rc
 from dsv4_rocm.reference import indexer as I
 from dsv4_rocm.reference import output as O
@@ -23,6 +22,7 @@ from dsv4_rocm.reference.norm import fused_q_kv_rmsnorm
 from dsv4_rocm.reference.qkv import kv_rope
 from dsv4_rocm.reference.quant import quantize_blocks
 from dsv4_rocm.reference.rope import build_cos_sin_cache, rope_fwd
+from helpers import attend_and_project
 
 
 def _records(k_bf16):
@@ -104,18 +104,7 @@ def naive_v41_stack(stack, x):
                 topk.append(list(range(n)) if n <= cfg.index_topk else _largest(lg, cfg.index_topk))
             if spec.candidate_source:
                 cands = new_cands
-        attn = torch.zeros(T, cfg.padded_heads, 512)
-        for t in range(T):
-            keys = [K_raw[u] for u in range(max(0, t - Wn + 1), t + 1)]
-            if spec.ratio:
-                keys += [sources[spec.kv_source][0][j] for j in topk[t]]
-            Ks = torch.stack(keys).unsqueeze(0)
-            o, _, _ = ra.attend(q[t:t + 1].float(), Ks, torch.ones(1, Ks.shape[1], dtype=torch.bool), cfg.softmax_scale,
-                                W.attn_sink)
-            attn[t] = o[0]
-        attn = attn.bfloat16()
-        a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H], pos, cs, cfg.local_groups, cfg.heads_per_group)
-        z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16)
-        O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
-        outs[layer] = O.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)
+        keys = [[K_raw[u] for u in range(max(0, t - Wn + 1), t + 1)]
+                + ([sources[spec.kv_source][0][j] for j in topk[t]] if spec.ratio else []) for t in range(T)]
+        outs[layer] = attend_and_project(cfg, W, q, keys, pos, cs)
     return outs

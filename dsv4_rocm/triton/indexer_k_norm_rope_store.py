@@ -20,6 +20,7 @@ import triton.language as tl
 from ..platform import detect
 from ._launch import cdiv, launch
 from .compress_norm_rope_store import _rms_normalize, _rope_last64, _store_indexer_fp8, _store_indexer_mxfp4
+from .rope_quant_insert import record_token
 
 ROWS = 4
 
@@ -32,9 +33,8 @@ def _indexer_k_norm_rope_store_kernel(k_ptr, k_stride, pos_ptr, w_ptr, eps, cs_p
     for i in range(R):
         t = tl.program_id(0) * R + i
         if t < n:
-            s = tl.load(slot_ptr + t).to(tl.int64)
-            p = tl.load(pos_ptr + t).to(tl.int64)
-            if (s >= 0) & (s < capacity) & (p >= 0) & (p < cs_rows) & ((p + 1) % RATIO == 0):
+            s, p, writes = record_token(slot_ptr, pos_ptr, t, capacity, cs_rows, RATIO)
+            if writes:
                 k = _rms_normalize(tl.load(k_ptr + t.to(tl.int64) * k_stride + d).to(tl.float32), w_ptr, eps, 128)
                 k = k.to(tl.bfloat16).to(tl.float32)
                 roped = _rope_last64(k, cs_ptr + ((p // RATIO) * RATIO) * cs_stride, 128)

@@ -25,6 +25,15 @@ D = 512
 ROWS = 4
 
 
+@triton.jit
+def record_token(slot_ptr, pos_ptr, t, capacity, cs_rows, RATIO: tl.constexpr):
+    """(slot, position, writes): token t writes a record when its slot is inside the cache, its position
+    inside the cos/sin table, and it closes a group ((p + 1) % RATIO == 0)."""
+    s = tl.load(slot_ptr + t).to(tl.int64)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    return s, p, (s >= 0) & (s < capacity) & (p >= 0) & (p < cs_rows) & ((p + 1) % RATIO == 0)
+
+
 @triton.jit(do_not_specialize=["n"])
 def _rope_quant_insert_kernel(latent_ptr, pos_ptr, cs_ptr, cs_stride, cs_rows, cache_ptr, page_stride, capacity,
                               slot_ptr, n, RATIO: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
@@ -33,9 +42,8 @@ def _rope_quant_insert_kernel(latent_ptr, pos_ptr, cs_ptr, cs_stride, cs_rows, c
     for i in range(R):
         t = tl.program_id(0) * R + i
         if t < n:
-            s = tl.load(slot_ptr + t).to(tl.int64)
-            p = tl.load(pos_ptr + t).to(tl.int64)
-            if (s >= 0) & (s < capacity) & (p >= 0) & (p < cs_rows) & ((p + 1) % RATIO == 0):
+            s, p, writes = record_token(slot_ptr, pos_ptr, t, capacity, cs_rows, RATIO)
+            if writes:
                 x = tl.load(latent_ptr + t.to(tl.int64) * 512 + d).to(tl.float32)
                 roped = _rope_last64(x, cs_ptr + ((p // RATIO) * RATIO) * cs_stride, 512)
                 _store_main(cache_ptr + (s // BS) * page_stride, s % BS, BS, x, roped, FNUZ)
