@@ -96,8 +96,8 @@ class DeepseekV4Attention(torch.nn.Module):
                 step: Optional[StepMetadata] = None) -> torch.Tensor:
         """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches."""
         step = _current_step(step)
-        x, cfg, w = hidden_states, self.cfg, self.w
-        T = self._check_inputs(positions, x, step)
+        x, w = hidden_states, self.w
+        self._check_inputs(positions, x, step)
         self._mark("start")
         qr, kv, q = self._projections(x)
         self._mark("projections")
@@ -111,7 +111,11 @@ class DeepseekV4Attention(torch.nn.Module):
             self._mark("compressor")
         self._topk = self._indexer(x, qr, positions, step) if self.ratio == 4 else None
         self._mark("indexer")
-        o_padded = torch.empty(T, self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
+        return self._attend_and_project(q, kv, positions, step)
+
+    def _attend_and_project(self, q, kv, positions, step: StepMetadata) -> torch.Tensor:
+        """Sparse attention (``forward_mqa``) into the padded output, then the output path."""
+        o_padded = torch.empty(q.shape[0], self.padded_heads, 512, dtype=torch.bfloat16, device=q.device)
         self.forward_mqa(q, kv, positions, o_padded, step)
         self._mark("attention")
         y = self._o_proj(o_padded[:, :self.n_local_heads], positions)

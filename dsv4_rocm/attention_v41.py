@@ -128,12 +128,7 @@ class DeepseekV41Attention(DeepseekV4Attention):
         if self.spec.owns_index:
             self._index(x, qr, latent, positions, step)
         self._mark("indexer")
-        o_padded = torch.empty(T, self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
-        self.forward_mqa(q, kv, positions, o_padded, step)
-        self._mark("attention")
-        y = self._o_proj(o_padded[:, :self.n_local_heads], positions)
-        self._mark("output")
-        return y
+        return self._attend_and_project(q, kv, positions, step)
 
     def _compress(self, x, positions, step: StepMetadata) -> torch.Tensor:
         """The kv source's compressor: the bf16 latent of every group-closing token (other rows unspecified),
