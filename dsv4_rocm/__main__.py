@@ -147,8 +147,8 @@ def cmd_run(a):
                              f"pick one of those or leave {flag} unset")
     a.layers = a.layers or _default_layers(cfg)
     if cfg.is_v41 != all(t.isdigit() for t in a.layers):
-        raise UsageError(f"--layers {','.join(a.layers)}: {a.config} takes "
-                         + ("layer ids (a DeepSeek-V4.1 stack)" if cfg.is_v41 else f"layer types ({', '.join(LAYER_TYPES)})"))
+        takes = "layer ids (a DeepSeek-V4.1 stack)" if cfg.is_v41 else f"layer types ({', '.join(LAYER_TYPES)})"
+        raise UsageError(f"--layers {','.join(a.layers)}: {a.config} takes {takes}")
     if cfg.is_v41:
         from .serving_v41 import check_stack
         try:

@@ -217,6 +217,11 @@ def _run_stack(srv, xs, steps, device, timers=None):
     return {x: torch.cat(v) for x, v in out0.items()}, times
 
 
+def _mixed(steps) -> int:
+    """Steps holding both decode and prefill tokens."""
+    return sum(1 for s in steps if len(set(e - x > 1 for x, e in s.values())) > 1)
+
+
 def main_job_v41(a, cfg, layers) -> int:
     """The main job of a DeepSeek-V4.1 config: a stack of ``layers`` sharing caches (module docstring)."""
     from .serving_v41 import V41Stack, check_stack
@@ -230,8 +235,7 @@ def main_job_v41(a, cfg, layers) -> int:
     print("stack: " + ", ".join(f"{x} {cfg.v41_layer(x).label}" for x in layers))
     print(f"trace: {a.requests} requests, prompts of {min(t - a.decode_steps for t in total)}.."
           f"{max(t - a.decode_steps for t in total)} tokens, {a.decode_steps} decode steps each, up to {a.chunk} "
-          f"tokens a step: {len(steps)} steps, {sum(1 for s in steps if len(set(e - x > 1 for x, e in s.values())) > 1)}"
-          " of them mixing decode and prefill")
+          f"tokens a step: {len(steps)} steps, {_mixed(steps)} of them mixing decode and prefill")
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(max_len, cfg.hidden_size, generator=g).bfloat16().to(device) for _ in range(a.requests)]
 
@@ -256,9 +260,10 @@ def main_job_v41(a, cfg, layers) -> int:
         else float("nan")
     graph = f"{graph_ms:.3f}" if graph_ms == graph_ms else "- (no GPU)"
     rate = a.requests / ((graph_ms if graph_ms == graph_ms else dec_ms) / 1e3)
-    print(f"\nstack of {len(layers)} layers: {len(times)} steps, {1e3 * t_all:.1f} ms, {pre_tok / t_all:.0f} prefill tok/s, "
-          f"decode {dec_ms:.2f} ms/step, graph {graph} ms/step, {rate:.0f} decode tok/s")
-    print(f"\n{'layer':>5s} {'kind':32s} {'check vs reference (request 0)':>32s}   " + " ".join(f"{s:>18s}" for s in STAGES))
+    print(f"\nstack of {len(layers)} layers: {len(times)} steps, {1e3 * t_all:.1f} ms, {pre_tok / t_all:.0f} prefill "
+          f"tok/s, decode {dec_ms:.2f} ms/step, graph {graph} ms/step, {rate:.0f} decode tok/s")
+    print(f"\n{'layer':>5s} {'kind':32s} {'check vs reference (request 0)':>32s}   "
+          + " ".join(f"{s:>18s}" for s in STAGES))
     bad = []
     for x in layers:
         st = {s: timers[x].totals.get(s, 0.0) for s in STAGES}

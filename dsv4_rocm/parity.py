@@ -356,7 +356,8 @@ def case_v41_candidates_and_step_sets():
     g = _g(17)
     i32 = dict(dtype=torch.int32)
     inp = dict(logits=torch.randn(5, 300, generator=g), lens=torch.tensor([300, 150, 0, 9, 400], **i32),
-               pos=torch.randint(-1, 300, (40,), generator=g), t2r=torch.randint(-1, 4, (40,), generator=g).to(torch.int32),
+               pos=torch.randint(-1, 300, (40,), generator=g),
+               t2r=torch.randint(-1, 4, (40,), generator=g).to(torch.int32),
                valid=torch.rand(40, generator=g) < 0.8, cbt=torch.randint(-1, 9, (3, 5), generator=g).to(torch.int32),
                sbt=torch.randint(-1, 9, (3, 1), generator=g).to(torch.int32))
     inp["logits"][:, ::7] = 0.0                                     # ties between blocks

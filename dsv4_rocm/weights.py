@@ -114,7 +114,8 @@ class LayerWeights:
             w.idx_k_norm = (1 + 0.1 * rn(128)).bfloat16()
         if spec.owns_index:
             nh = cfg.index_n_heads
-            w.idx_wq_b8, w.idx_wq_b_s = _ro.quantize_weight(rn(nh * 128, cfg.q_lora_rank, scale=cfg.q_lora_rank ** -0.5))
+            wq_b = rn(nh * 128, cfg.q_lora_rank, scale=cfg.q_lora_rank ** -0.5)
+            w.idx_wq_b8, w.idx_wq_b_s = _ro.quantize_weight(wq_b)
             w.idx_wproj = rn(nh, hid, scale=hid ** -0.5).bfloat16()
         return w
 

@@ -5,8 +5,9 @@ vLLM's own checks, ported: the q path against a float64 RMSNorm + GPT-J RoPE (wi
 op rounds once from fp32, the oracle here never); the kv path writes the bytes of
 quantize_and_insert_k_cache applied to RoPE'd kv, exactly; DP padding (fewer slots than rows); one call
 doing both. Also: the _out variant, bf16 cos/sin and int32 positions, every cache view, bad input
-rejected before any write, a property test, and DeepSeek-V4.1's call without the q norm. GPU: the HIP kernel against the reference (cache bytes
-exact, q within one bf16 step), poisoned outputs, and a decode step captured in a CUDA/HIP graph.
+rejected before any write, a property test, and DeepSeek-V4.1's call without the q norm. GPU: the HIP kernel
+against the reference (cache bytes exact, q within one bf16 step, with and without the q norm), poisoned
+outputs, and a decode step captured in a CUDA/HIP graph.
 """
 import pytest
 import torch

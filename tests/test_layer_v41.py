@@ -172,7 +172,8 @@ def test_main_job_runs_the_tiny_v41_stack(capsys):
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     for layer in ALL:
-        row = next(line for line in out.splitlines() if re.match(rf"\s+{layer} {re.escape(CFG.v41_layer(layer).label)} ", line))
+        label = re.escape(CFG.v41_layer(layer).label)
+        row = next(line for line in out.splitlines() if re.match(rf"\s+{layer} {label} ", line))
         assert re.search(r"rel err (\S+) <= 2e-03 ok", row), row
     for argv, says in ((["--layers", "3,6"], "index source 5"), (["--layers", "swa"], "takes layer ids")):
         assert main(["run", "--config", "tiny-v4.1", "--device", "cpu"] + argv) == 2
@@ -192,7 +193,8 @@ GPU_TOL, GPU_SELECTION_TOL = 5e-2, 1.5e-1
 def test_every_layer_kind_on_gpu_matches_the_oracle(gpu):
     xs = _xs([100], 1)
     s, y = _run(xs, [{0: (0, 60)}, {0: (60, 96)}] + [{0: (96 + i, 97 + i)} for i in range(4)], device=gpu)
-    cpu = V41Stack(CFG, None, 1, MAX_LEN, layers=ALL, layer_weights={k: w.to("cpu") for k, w in s.layer_weights.items()})
+    cpu = V41Stack(CFG, None, 1, MAX_LEN, layers=ALL,
+                   layer_weights={k: w.to("cpu") for k, w in s.layer_weights.items()})
     ref = naive_v41_stack(cpu, xs[0])
     for layer in ALL:
         spec = CFG.v41_layer(layer)

@@ -116,7 +116,8 @@ def interpreter_main():
         b, bbuf = _cache(4, 6)
         oracle(latent, pos, cs, a, slots, ratio)
         kernel(latent, pos, cs, b.unsqueeze(-2), slots, ratio)          # FlashMLA's 4-D view
-        print(f"ratio {ratio}: bytes differing {int((abuf != bbuf).sum())}, written {int((abuf != _cache(4, 6)[1]).sum())}")
+        written = int((abuf != _cache(4, 6)[1]).sum())
+        print(f"ratio {ratio}: bytes differing {int((abuf != bbuf).sum())}, written {written}")
 
 
 def test_kernel_under_the_interpreter():

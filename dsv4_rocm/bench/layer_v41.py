@@ -166,7 +166,8 @@ def suite(ctx):
     H, nh = cfg.local_heads, cfg.index_n_heads
     x = dict(qr_kv=torch.randn(B, cfg.q_lora_rank + 512, device=dev, generator=g).bfloat16(),
              q=torch.randn(B, H, 512, device=dev, generator=g).bfloat16(),
-             kv_score1=torch.randn(B, 512, device=dev, generator=g), kv_score2=torch.randn(B, 1024, device=dev, generator=g),
+             kv_score1=torch.randn(B, 512, device=dev, generator=g),
+             kv_score2=torch.randn(B, 1024, device=dev, generator=g),
              k_pre=torch.randn(B, 128, device=dev, generator=g).bfloat16(),
              qi=torch.randn(B, nh, 128, device=dev, generator=g).bfloat16(),
              wi=torch.randn(B, nh, device=dev, generator=g).bfloat16(),
