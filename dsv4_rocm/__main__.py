@@ -40,16 +40,19 @@ def _positive(text):
 
 def _layers(text):
     names = [t.strip() for t in text.split(",")]
+    if all(t.isdigit() for t in names):           # DeepSeek-V4.1: layer ids of the stack
+        return names
     bad = [t for t in names if t not in LAYER_TYPES]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown layer type {bad[0]!r} in {text!r}; give a comma-separated "
-                                         f"list of {', '.join(LAYER_TYPES)}")
+                                         f"list of {', '.join(LAYER_TYPES)} (DeepSeek-V4: layer types) or of "
+                                         "layer ids (DeepSeek-V4.1: the stack)")
     return names
 
 
 def _config_names():
     from .config import PRESETS
-    return sorted(PRESETS) + ["tiny"]
+    return sorted(PRESETS) + ["tiny", "tiny-v4.1"]
 
 
 def _parser():
@@ -66,7 +69,9 @@ def _parser():
     r.add_argument("--decode-steps", type=_positive, default=8)
     r.add_argument("--heads", type=_positive, default=None,
                    help="local heads (default: the config's; CPU default 8)")
-    r.add_argument("--layers", type=_layers, default=list(LAYER_TYPES), help="comma-separated: swa,c4a,c128a")
+    r.add_argument("--layers", type=_layers, default=None,
+                   help="comma-separated: swa,c4a,c128a (DeepSeek-V4; default all three) or layer ids (DeepSeek-V4.1: "
+                        "the stack; default one layer of each kind with the sources they read)")
     r.add_argument("--chunk", type=_positive, default=512,
                    help="tokens a step may hold (decode tokens first, then prefill chunks); default 512")
     b = sub.add_parser("bench", help="time the kernels against the measured floor and FlashMLA (needs a GPU)")
@@ -140,9 +145,29 @@ def cmd_run(a):
         if name is not None and name not in have:
             raise UsageError(f"{flag} {name} is not available on {device} here (available: {', '.join(have)}); "
                              f"pick one of those or leave {flag} unset")
+    a.layers = a.layers or _default_layers(cfg)
+    if cfg.is_v41 != all(t.isdigit() for t in a.layers):
+        takes = "layer ids (a DeepSeek-V4.1 stack)" if cfg.is_v41 else f"layer types ({', '.join(LAYER_TYPES)})"
+        raise UsageError(f"--layers {','.join(a.layers)}: {a.config} takes {takes}")
+    if cfg.is_v41:
+        from .serving_v41 import check_stack
+        try:
+            check_stack(cfg, [int(t) for t in a.layers])
+        except ValueError as e:
+            raise UsageError(f"--layers {','.join(a.layers)}: {e}")
     a.device, a.heads, a.layers = device, heads, ",".join(a.layers)
     from .main_job import main_job
     return main_job(a)
+
+
+def _default_layers(cfg):
+    """V4.0: every layer type. V4.1: V4.1-Flash's one layer of each kind, or every layer of a smaller config."""
+    if not cfg.is_v41:
+        return list(LAYER_TYPES)
+    from .serving_v41 import FLASH_LAYERS
+    if cfg.num_hidden_layers > max(FLASH_LAYERS):
+        return [str(x) for x in FLASH_LAYERS]
+    return [str(x) for x in range(cfg.num_hidden_layers)]
 
 
 def cmd_bench(a):

@@ -49,6 +49,14 @@ def step_context(step: StepMetadata):
         _CURRENT_STEP = prev
 
 
+def _current_step(step: Optional[StepMetadata]) -> StepMetadata:
+    """The step a forward runs: the one passed, else the one of the enclosing ``step_context``."""
+    step = step or _CURRENT_STEP
+    if step is None:
+        raise ValueError("no StepMetadata: pass step= or run inside dsv4_rocm.attention.step_context(step)")
+    return step
+
+
 class DeepseekV4Attention(torch.nn.Module):
     timer = None        # an object with mark(stage): the main job's per-stage timing
 
@@ -89,26 +97,16 @@ class DeepseekV4Attention(torch.nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 step: Optional[StepMetadata] = None) -> torch.Tensor:
         """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches."""
-        step = step or _CURRENT_STEP
-        if step is None:
-            raise ValueError("no StepMetadata: pass step= or run inside dsv4_rocm.attention.step_context(step)")
-        x, cfg, w = hidden_states, self.cfg, self.w
-        T = x.shape[0]
-        if x.dim() != 2 or x.shape[1] != cfg.hidden_size or x.dtype != torch.bfloat16:
-            raise ValueError(f"hidden_states must be bf16 [T, {cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
-        if positions.shape != (T,) or step.num_tokens != T:
-            raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
-                             f"cover the {T} tokens of hidden_states")
+        step = _current_step(step)
+        x, w = hidden_states, self.w
+        self._check_inputs(positions, x, step)
         if self.ratio == 4 and step.num_decodes and step.decode_query_len > MAX_DECODE_QUERY_LEN:
             raise ValueError(f"the step's decode requests have {step.decode_query_len} tokens each; the C4 indexer "
                              f"takes at most {MAX_DECODE_QUERY_LEN} (1 + speculative tokens)")
         # the whole step against this layer's caches before the first write: a rejected step writes nothing
         step.validate(self.cache, built=True)
         self._mark("start")
-        qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
-        qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
-                                        w.kv_norm, self.eps)
-        q = ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(T, self.n_local_heads, 512)
+        qr, kv, q = self._projections(x)
         self._mark("projections")
         q = ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
             q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
@@ -120,12 +118,34 @@ class DeepseekV4Attention(torch.nn.Module):
             self._mark("compressor")
         self._topk = self._indexer(x, qr, positions, step) if self.ratio == 4 else None
         self._mark("indexer")
-        o_padded = torch.empty(T, self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
+        return self._attend_and_project(q, kv, positions, step)
+
+    def _attend_and_project(self, q, kv, positions, step: StepMetadata) -> torch.Tensor:
+        """Sparse attention (``forward_mqa``) into the padded output, then the output path."""
+        o_padded = torch.empty(q.shape[0], self.padded_heads, 512, dtype=torch.bfloat16, device=q.device)
         self.forward_mqa(q, kv, positions, o_padded, step)
         self._mark("attention")
         y = self._o_proj(o_padded[:, :self.n_local_heads], positions)
         self._mark("output")
         return y
+
+    def _check_inputs(self, positions, x, step: StepMetadata) -> int:
+        """hidden_states bf16 [T, hidden], positions [T] and the step's T tokens (ValueError otherwise); T."""
+        T = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or x.dtype != torch.bfloat16:
+            raise ValueError(f"hidden_states must be bf16 [T, {self.cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
+        if positions.shape != (T,) or step.num_tokens != T:
+            raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
+                             f"cover the {T} tokens of hidden_states")
+        return T
+
+    def _projections(self, x):
+        """(qr, kv, q [T, H, 512]): the fused wq_a + wkv projection, the q / kv RMSNorms, wq_b."""
+        cfg, w = self.cfg, self.w
+        qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
+        qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
+                                        w.kv_norm, self.eps)
+        return qr, kv, ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(x.shape[0], self.n_local_heads, 512)
 
     def _mark(self, stage: str):
         """End of a stage, for a timer the main job attaches (``timer.mark(stage)``); nothing otherwise."""
@@ -206,16 +226,20 @@ class DeepseekV4Attention(torch.nn.Module):
             self._indexer_prefill(q8, wq, idx_kv, step, topk, K, first_request=ndr)
         return topk
 
-    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int, first_request: int):
+    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int, first_request: int,
+                         ratio: int = 4, lens=None, logits_hook=None):
         """Rows of the requests from ``first_request`` on: each request's indexer-K entries gathered once,
-        logits over them in row chunks."""
+        logits over them in row chunks. ``lens``: the entries each token sees (default the step's C4
+        indexer_lens), ``ratio`` the positions an entry stands for; ``logits_hook(logits, ends, first_row)``
+        runs on each chunk's logits before its top-k (DeepSeek-V4.1's candidate blocks)."""
+        lens = step.indexer_lens if lens is None else lens
         dev = q8.device
         qsl = step.query_start_loc_cpu if getattr(step, "query_start_loc_cpu", None) is not None \
             else step.query_start_loc.cpu()
         seq = step.seq_lens_cpu if getattr(step, "seq_lens_cpu", None) is not None else step.seq_lens.cpu()
         for b in range(first_request, step.num_requests):
             a, e = int(qsl[b]), int(qsl[b + 1])
-            n = int(seq[b]) // 4
+            n = int(seq[b]) // ratio
             if e == a:
                 continue
             k8 = torch.empty(max(n, 1), 128, dtype=torch.float8_e4m3fn, device=dev)
@@ -224,8 +248,10 @@ class DeepseekV4Attention(torch.nn.Module):
                                                 torch.tensor([0, n], dtype=torch.int32, device=dev))
             for r0 in range(a, e, INDEXER_PREFILL_ROWS):
                 r1 = min(e, r0 + INDEXER_PREFILL_ROWS)
-                ends = step.indexer_lens[r0:r1]
+                ends = lens[r0:r1]
                 starts = torch.zeros_like(ends)
                 logits = ops.fp8_mqa_logits(q8[r0:r1], (k8, ks), wq[r0:r1], starts, ends)
+                if logits_hook is not None:
+                    logits_hook(logits, ends, r0)
                 ops.top_k_per_row_prefill(logits, starts, ends, topk[r0:r1], r1 - r0, logits.stride(0),
                                           logits.stride(1), K)

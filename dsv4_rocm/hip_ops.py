@@ -53,14 +53,15 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int):
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
-                                                      padded_heads: int, eps: float, block_size: int, q_out=None):
+                                                      padded_heads: int, eps: float, block_size: int, q_out=None,
+                                                      apply_q_norm: bool = True):
     if q_out is None:
         q_out = torch.empty(q.shape[0], padded_heads, q.shape[2], dtype=q.dtype, device=q.device)
     pages = V.pages(k_cache, block_size)
     q, kv, slot_mapping, positions, cos_sin_cache = (_rows(q), _rows(kv), _index(slot_mapping), _index(positions),
                                                      _cos_sin(cos_sin_cache))
     return _into(q_out, lambda o: load().fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-        q, kv, o, pages, slot_mapping, positions, cos_sin_cache, eps, block_size))
+        q, kv, o, pages, slot_mapping, positions, cos_sin_cache, eps, block_size, apply_q_norm))
 
 
 def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,

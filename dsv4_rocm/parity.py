@@ -297,6 +297,103 @@ def case_layer_c4():
     return inp, run, ("norm", 5e-2)   # H100: 2.1e-2; a wrong index or slot gives O(1)
 
 
+def _v41_compressor_case(ratio, seed):
+    """DeepSeek-V4.1's compressor and indexer-K store: kv_score and k_pre are inputs (their GEMMs' summation
+    order is device-specific); the ring save, pooling, norm, RoPE, records and index keys (FP8 and MXFP4)
+    after them must match bit for bit on every device. Two requests over two steps, so the second step's
+    first tokens pair with ring rows the first step saved (ratio 2)."""
+    from .reference.indexer_v41 import pages_bytes
+    g = _g(seed)
+    n = 37
+    inp = dict(kv_score=torch.randn(2 * n, 512 * ratio, generator=g) * 2, k_pre=(torch.randn(2 * n, 128, generator=g)
+                                                                               * 3).bfloat16(),
+               norm_w=(1 + 0.1 * torch.randn(512, generator=g)).bfloat16(),
+               k_norm=(1 + 0.1 * torch.randn(128, generator=g)).bfloat16(),
+               cos_sin=build_cos_sin_cache(160000.0, 64), comp_bt=torch.tensor([[2, 0], [1, 3]], dtype=torch.int32))
+
+    def run(i):
+        dev = i["kv_score"].device
+        ring = torch.zeros(3, 8, 1024, device=dev)
+        comp = torch.zeros(4, 64, 584, dtype=torch.uint8, device=dev)
+        idx = {fp4: pages_bytes(4, 64, fp4, dev) for fp4 in (False, True)}
+        latent = torch.zeros(2 * n, 512, dtype=torch.bfloat16, device=dev)
+        for lo, hi in ((0, 20), (20, n)):                      # request b's tokens at rows b * n + (lo..hi)
+            pos = torch.cat([torch.arange(lo, hi)] * 2).to(dev)
+            rows = torch.cat([torch.arange(lo, hi), n + torch.arange(lo, hi)]).to(dev)
+            t2r = torch.repeat_interleave(torch.arange(2, device=dev), hi - lo).to(torch.int32)
+            qsl = torch.tensor([0, hi - lo, 2 * (hi - lo)], dtype=torch.int32, device=dev)
+            j = pos // ratio
+            slots = torch.where((pos + 1) % ratio == 0, i["comp_bt"][t2r.long(), j // 64].long() * 64 + j % 64, -1)
+            out = torch.zeros(2 * (hi - lo), 512, dtype=torch.bfloat16, device=dev)
+            ks = i["kv_score"][rows].contiguous()
+            if ratio == 2:
+                ops.fused_save_compress_norm(ks, pos, ring, (t2r.long() + 1) * 8 + pos % 8, qsl, t2r, i["norm_w"],
+                                             1e-6, 2, out)
+            else:
+                ops.fused_save_compress_norm(ks, pos, None, slots, None, None, i["norm_w"], 1e-6, 1, out)
+            ops.rope_quant_insert(out, pos, i["cos_sin"], comp, slots, ratio)
+            for fp4, c in idx.items():
+                ops.indexer_k_norm_rope_store(i["k_pre"][rows].contiguous(), pos, i["cos_sin"], i["k_norm"], 1e-6, c,
+                                              slots, ratio, fp4)
+            closes = (pos + 1) % ratio == 0
+            latent[rows[closes]] = out[closes]
+        return dict(latent=latent.view(torch.int16), ring=ring.view(torch.int32), comp=comp, idx_fp8=idx[False],
+                    idx_mxfp4=idx[True])
+    return inp, run, (0, 0)
+
+
+def case_v41_compressor_ratio1():
+    return _v41_compressor_case(1, 15)
+
+
+def case_v41_compressor_ratio2():
+    return _v41_compressor_case(2, 16)
+
+
+def case_v41_candidates_and_step_sets():
+    """DeepSeek-V4.1's candidate blocks, the candidate mask and the step's index sets: integers and exact
+    floats."""
+    g = _g(17)
+    i32 = dict(dtype=torch.int32)
+    inp = dict(logits=torch.randn(5, 300, generator=g), lens=torch.tensor([300, 150, 0, 9, 400], **i32),
+               pos=torch.randint(-1, 300, (40,), generator=g),
+               t2r=torch.randint(-1, 4, (40,), generator=g).to(torch.int32),
+               valid=torch.rand(40, generator=g) < 0.8, cbt=torch.randint(-1, 9, (3, 5), generator=g).to(torch.int32),
+               sbt=torch.randint(-1, 9, (3, 1), generator=g).to(torch.int32))
+    inp["logits"][:, ::7] = 0.0                                     # ties between blocks
+
+    def run(i):
+        dev = i["logits"].device
+        cand = torch.empty(5, 6, **i32, device=dev)
+        ops.select_candidate_blocks(i["logits"], i["lens"], cand, 4)
+        masked = i["logits"].clone()
+        ops.mask_candidate_logits(masked, i["lens"], cand, 4)
+        e64 = lambda: torch.empty(40, dtype=torch.int64, device=dev)           # noqa: E731
+        e32 = lambda: torch.empty(40, **i32, device=dev)                       # noqa: E731
+        r1, r2 = (e64(), e32()), (e64(), e32(), e64())
+        ops.v41_step_index_sets(i["pos"], i["t2r"], i["valid"], i["cbt"], i["sbt"], 64, 8, r1, r2)
+        return dict(candidates=cand, masked_bits=masked.view(torch.int32), slots1=r1[0], lens1=r1[1], slots2=r2[0],
+                    lens2=r2[1], ring=r2[2])
+    return inp, run, (0, 0)
+
+
+def case_layer_v41_stack():
+    """A DeepSeek-V4.1 stack sharing caches: a ratio-2 kv source and its reader, the ratio-1 kv and candidate
+    source and an index source scoring inside its candidates; prefill, then decode."""
+    from .config import tiny_v41_config
+    from .serving_v41 import V41Stack
+    g = _g(18)
+    cfg = tiny_v41_config()
+    inp = dict(x=torch.randn(44, cfg.hidden_size, generator=g).bfloat16())
+
+    def run(i):
+        s = V41Stack(cfg, None, 1, 128, device=str(i["x"].device), layers=(1, 2, 3, 5))
+        steps = [s.step({0: i["x"][:40]})[0]] + [s.step({0: i["x"][t:t + 1]})[0] for t in range(40, 44)]
+        return dict(y=torch.cat(steps))
+    # as case_layer_c4, and a top-k taken among near-equal logits may pick another entry on another device
+    return inp, run, ("norm", 1.5e-1)
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 

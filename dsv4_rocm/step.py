@@ -25,8 +25,13 @@ import torch
 
 from . import layout as L
 from . import ops
+from .reference import metadata_v41 as _rm41
 from .reference.compressor import state_block_size
+from .reference.compressor_v41 import RING_CAPACITY
 from .reference.metadata import slot_mapping_from_block_table
+
+V41_RATIOS = (1, 2)               # DeepSeek-V4.1's compressed layers (ratio 0 is the sliding window alone)
+V41_COMPRESSED_BLOCK = 64         # V4.1 compressed / indexer-K entries a page (vLLM: cache block_size entries)
 
 
 @dataclass
@@ -55,6 +60,9 @@ class StepMetadata:
     c128_indices: Optional[torch.Tensor] = None        # int32 [T, Kmax]: C128 cache slots of each token
     c128_lens: Optional[torch.Tensor] = None           # int32 [T]
     indexer_lens: Optional[torch.Tensor] = None        # int32 [T]: compressed entries each token sees (C4)
+    # DeepSeek-V4.1 (ratios 1, 2): compressed_slots[r] as above (64 entries a page), state_slots[2] the
+    # compressor ring's slots, v41_lens[r] the entries each token sees (dsv4_rocm/reference/metadata_v41.py)
+    v41_lens: Dict[int, torch.Tensor] = field(default_factory=dict)       # ratio -> int32 [T]
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +96,7 @@ class StepMetadata:
     def build_fused(self, ratios=(4, 128)) -> "StepMetadata":
         """``build`` in one kernel launch (a GPU, or CPU tensors under TRITON_INTERPRET=1)."""
         from .triton.step_index_sets import step_index_sets
-        ratios = self._check(ratios)
+        ratios, v41 = _split(self._check(ratios))
         T, dev = self.num_tokens, self.positions.device
 
         def buf(old, shape, dtype):
@@ -116,14 +124,14 @@ class StepMetadata:
         step_index_sets(self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping, self.swa_block_table,
                         comp_bt, state_bt, self.token_to_req, self.is_valid_token, self.swa_indices, self.swa_lens,
                         c4, c128)
-        return self
+        return self._build_v41(v41, ops)
 
     def build_from_ops(self, ratios=(4, 128), impl=ops) -> "StepMetadata":
         """``build`` as a composition of the public metadata ops (``impl``: dsv4_rocm.ops, or the oracle
         module dsv4_rocm.reference.metadata, which skips the ops' value checks) and torch: the reference
         the one-launch kernel is tested against. A token outside every request's query range has
         token_to_req -1; a state slot whose request, position, column or page is invalid is -1."""
-        ratios = self._check(ratios)
+        ratios, v41 = _split(self._check(ratios))
         T, R, dev = self.num_tokens, self.num_requests, self.positions.device
         req = torch.searchsorted(self.query_start_loc, torch.arange(T, device=dev, dtype=torch.int32), right=True,
                                  out_int32=True) - 1
@@ -152,14 +160,34 @@ class StepMetadata:
             impl.build_c128a_topk_metadata(self.positions, 128, T, self.token_to_req, self.compressed_block_table,
                                            L.compressed_block_size(128), self.slot_mapping, self.c128_indices,
                                            self.c128_lens, self.c128_indices[:0], kmax)
+        return self._build_v41(v41, impl)
+
+    def _build_v41(self, ratios, impl) -> "StepMetadata":
+        """The DeepSeek-V4.1 sets of ``ratios`` (1, 2) in one launch of v41_step_index_sets (the oracle
+        module's function when ``impl`` is not dsv4_rocm.ops), into the buffers of the previous build when
+        the step's shape is unchanged."""
+        if not ratios:
+            return self
+        T, dev = self.num_tokens, self.positions.device
+
+        def buf(d, r, dtype):
+            old = d.get(r)
+            if old is None or old.shape != (T,) or old.dtype != dtype or old.device != dev:
+                d[r] = torch.empty(T, dtype=dtype, device=dev)
+            return d[r]
+        outs = {r: (buf(self.compressed_slots, r, torch.int64), buf(self.v41_lens, r, torch.int32))
+                + ((buf(self.state_slots, r, torch.int64),) if r == 2 else ()) for r in ratios}
+        fn = impl.v41_step_index_sets if impl is ops else _rm41.v41_step_index_sets
+        fn(self.positions, self.token_to_req, self.is_valid_token, self.compressed_block_table, self.state_block_table,
+           V41_COMPRESSED_BLOCK, RING_CAPACITY, outs.get(1), outs.get(2))
         return self
 
     def _check(self, ratios) -> tuple:
         """Structure of the step (ValueError naming the argument before any write); returns the ratios."""
         ratios = tuple(ratios)
         for r in ratios:
-            if r not in (4, 128):
-                raise ValueError(f"ratios: compress ratios are 4 and 128, got {r!r}")
+            if r not in (4, 128) + V41_RATIOS or isinstance(r, bool):
+                raise ValueError(f"ratios: compress ratios are 4 and 128 (DeepSeek-V4), 1 and 2 (V4.1), got {r!r}")
         if self.uniform_decode and self.num_decodes and self.num_decode_tokens % self.num_decodes:
             raise ValueError(f"num_decode_tokens {self.num_decode_tokens} is not a multiple of num_decodes "
                              f"{self.num_decodes}: decode requests of different query lengths need "
@@ -345,6 +373,10 @@ class StepMetadata:
                 cl = self.c128_lens.cpu()
                 if cl.numel() and (int(cl.min()) < 0 or int(cl.max()) > self.c128_indices.shape[1]):
                     raise ValueError(f"c128_lens must lie in [0, {self.c128_indices.shape[1]}] (the C128 indices)")
+
+def _split(ratios) -> tuple:
+    """(V4.0 ratios, V4.1 ratios) of a checked ratio tuple."""
+    return tuple(r for r in ratios if r not in V41_RATIOS), tuple(r for r in ratios if r in V41_RATIOS)
 
 
 def c128_max_entries(max_model_len: int) -> int:

@@ -10,6 +10,13 @@ A DeepSeek-V4 checkpoint stores an attention layer under ``layers.{i}.attn.`` (H
     indexer.wq_b (FP8 + scale), indexer.weights_proj.weight bf16 [64, hidden],
     indexer.compressor.{wkv, wgate, ape, norm}                           (C4 layers)
 
+DeepSeek-V4.1 (``cfg.is_v41``) changes the compressed layers: a kv-source layer's
+``compressor.wkv.weight`` [512, hidden] (and, for ratio 2, ``compressor.wgate.weight`` [512, hidden]) has no
+``ape``; an index source has ``indexer.wq_b``, ``indexer.weights_proj.weight`` [index heads, hidden] and, if
+it is also a kv source, ``indexer.wk.weight`` bf16 [128, 512] and ``indexer.k_norm.weight`` [128] (the
+index keys come from the compressor's latent: no indexer compressor). Other layers hold no compressor or
+indexer tensors (vLLM's module names of vllm/models/deepseek_v41/attention.py and compressor.py).
+
 ``LayerWeights.from_checkpoint`` fuses them as vLLM does (wq_a + wkv -> one projection, compressor wkv +
 wgate -> one projection), keeps this tensor-parallel rank's heads (wq_b rows, wo_a groups, wo_b columns,
 attn_sink entries) and turns every FP8 weight into (e4m3 bytes, fp32 power-of-two scales per 128 x 128
@@ -46,6 +53,8 @@ class LayerWeights:
     idx_comp_w: Optional[torch.Tensor] = None          # bf16 [2 * 2 * 128, hidden]
     idx_comp_ape: Optional[torch.Tensor] = None        # fp32 [4, 256]
     idx_comp_norm: Optional[torch.Tensor] = None       # bf16 [128]
+    idx_wk: Optional[torch.Tensor] = None              # V4.1 kv source: bf16 [128, 512] (latent -> index key)
+    idx_k_norm: Optional[torch.Tensor] = None          # V4.1 kv source: bf16 [128]
 
     def to(self, device) -> "LayerWeights":
         return LayerWeights(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
@@ -88,6 +97,29 @@ class LayerWeights:
         return w
 
     @classmethod
+    def random_v41(cls, cfg: AttentionConfig, layer: int, seed: int = 0, device=None) -> "LayerWeights":
+        """Random weights of DeepSeek-V4.1 layer ``layer`` (``cfg.v41_layer``): the shared projections,
+        and the compressor / indexer tensors of what the layer owns."""
+        spec = cfg.v41_layer(layer)
+        w = cls.random(cfg, LayerType.SWA, seed, device)
+        g = torch.Generator().manual_seed(seed + 1000)
+
+        def rn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(device)
+        hid = cfg.hidden_size
+        if spec.owns_kv:
+            w.comp_w = rn(512 * spec.ratio, hid, scale=2 * hid ** -0.5).bfloat16()
+            w.comp_norm = (1 + 0.1 * rn(512)).bfloat16()
+            w.idx_wk = rn(128, 512, scale=512 ** -0.5).bfloat16()
+            w.idx_k_norm = (1 + 0.1 * rn(128)).bfloat16()
+        if spec.owns_index:
+            nh = cfg.index_n_heads
+            wq_b = rn(nh * 128, cfg.q_lora_rank, scale=cfg.q_lora_rank ** -0.5)
+            w.idx_wq_b8, w.idx_wq_b_s = _ro.quantize_weight(wq_b)
+            w.idx_wproj = rn(nh, hid, scale=hid ** -0.5).bfloat16()
+        return w
+
+    @classmethod
     def from_checkpoint(cls, tensors: Mapping[str, torch.Tensor], cfg: AttentionConfig, layer: int,
                         tp_rank: int = 0, device=None) -> "LayerWeights":
         """The weights of attention layer ``layer`` for tensor-parallel rank ``tp_rank`` of ``cfg.tp_size``.
@@ -99,7 +131,7 @@ class LayerWeights:
         if not 0 <= tp_rank < cfg.tp_size:
             raise ValueError(f"tp_rank must lie in [0, {cfg.tp_size}), got {tp_rank}")
         t = _layer_tensors(tensors, layer)
-        layer_type = cfg.layer_type(layer)
+        layer_type = LayerType.SWA if cfg.is_v41 else cfg.layer_type(layer)
         H, G, hid, ql = cfg.local_heads, cfg.local_groups, cfg.hidden_size, cfg.q_lora_rank
 
         def get(name, shape=None):
@@ -146,6 +178,19 @@ class LayerWeights:
             w.idx_wq_b8, w.idx_wq_b_s = linear("indexer.wq_b", nh * 128, ql)
             w.idx_wproj = get("indexer.weights_proj.weight", (nh, hid)).to(torch.bfloat16)
             w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm = _compressor(get, "indexer.compressor", 4, 128, hid)
+        if cfg.is_v41:
+            spec = cfg.v41_layer(layer)
+            if spec.owns_kv:
+                parts = [get("compressor.wkv.weight", (512, hid))] + (
+                    [get("compressor.wgate.weight", (512, hid))] if spec.ratio == 2 else [])
+                w.comp_w = torch.cat([p.to(torch.bfloat16) for p in parts])
+                w.comp_norm = get("compressor.norm.weight", (512,)).to(torch.bfloat16)
+                w.idx_wk = get("indexer.wk.weight", (128, 512)).to(torch.bfloat16)
+                w.idx_k_norm = get("indexer.k_norm.weight", (128,)).to(torch.bfloat16)
+            if spec.owns_index:
+                nh = cfg.index_n_heads
+                w.idx_wq_b8, w.idx_wq_b_s = linear("indexer.wq_b", nh * 128, ql)
+                w.idx_wproj = get("indexer.weights_proj.weight", (nh, hid)).to(torch.bfloat16)
         return w.to(device) if device is not None else w
 
 

@@ -1,6 +1,6 @@
 // fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert (vLLM's op), one launch:
-//   q [T, H, 512] bf16 -> q_out [T, Hp, 512] bf16: per-head weightless RMSNorm, RoPE on dims 448..511, one
-//   bf16 rounding; heads H..Hp-1 are zeros;
+//   q [T, H, 512] bf16 -> q_out [T, Hp, 512] bf16: per-head weightless RMSNorm (unless apply_q_norm is 0, as
+//   DeepSeek-V4.1 runs it), RoPE on dims 448..511, one bf16 rounding; heads H..Hp-1 are zeros;
 //   kv [T, 512] bf16 -> RoPE (fp32) -> bf16 -> UE8M0 fp8_ds_mla record at slots[t] for t < n_slots.
 // A token whose position is outside the cos/sin table gets zero q rows and no record; a slot < 0 or past
 // the cache is skipped. Groups 0 .. T*Hp-1 do the q heads, groups T*Hp .. T*Hp+n_slots-1 the kv rows.
@@ -24,7 +24,7 @@ __global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_qnorm_rope_kv_insert_kernel(dsv4_qn
       return;
     }
     dsv4_load_bf16x16((const uint16_t*)a.q + t * a.q_st + h * a.q_sh + lane * 16, v);
-    dsv4_rmsnorm512(v, a.eps);
+    if (a.apply_q_norm) dsv4_rmsnorm512(v, a.eps);
     dsv4_rope_lane(v, lane, a.cos_sin, pos, a.cs_bf16);
     dsv4_store_bf16x16(dst, v);
     return;

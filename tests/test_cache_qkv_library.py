@@ -15,13 +15,14 @@ from helpers import random_k
 
 LIB = torch.ops.dsv4_rocm
 
-VLLM_SCHEMAS = {   # torch.ops._C schemas of vLLM (csrc torch_bindings), argument names and order
+VLLM_SCHEMAS = {   # torch.ops._C schemas of vLLM (csrc torch_bindings), argument names and order; the fused
+    # insert takes DeepSeek-V4.1's tenth argument apply_q_norm (default: V4's per-head norm)
     "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert":
         "(Tensor q_in, Tensor kv, Tensor(a!) k_cache, Tensor slot_mapping, Tensor position_ids, "
-        "Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size) -> Tensor",
+        "Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size, bool apply_q_norm=True) -> Tensor",
     "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out":
         "(Tensor q_in, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
-        "Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size) -> ()",
+        "Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size, bool apply_q_norm=True) -> ()",
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
         "(Tensor q, Tensor kv, Tensor(a!) q_fp8, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
         "Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, float eps, int cache_block_size) -> ()",

@@ -6,7 +6,6 @@ import torch
 
 from dsv4_rocm import ops
 from dsv4_rocm.config import LayerType, tiny_config
-from dsv4_rocm.reference import attention as ra
 from dsv4_rocm.reference import cache as rc
 from dsv4_rocm.reference import indexer as I
 from dsv4_rocm.reference import output as O
@@ -15,7 +14,7 @@ from dsv4_rocm.reference.qkv import kv_rope, q_norm_rope
 from dsv4_rocm.reference.quant import quantize_blocks
 from dsv4_rocm.reference.rope import rope_fwd
 from dsv4_rocm.serving import SyntheticServer
-from helpers import rel_err
+from helpers import attend_and_project, rel_err
 
 CFG = tiny_config()
 MAX_LEN = 512
@@ -62,7 +61,7 @@ def naive_layer(server, x):
         qi = O.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, cfg.index_n_heads, 128)
         wi = (x.float() @ W.idx_wproj.float().t()).bfloat16()
         q8, wq = I.fused_indexer_q_rope_quant(pos, qi, cs, wi, 128 ** -0.5, cfg.index_n_heads ** -0.5)
-    attn = torch.zeros(T, cfg.padded_heads, 512)
+    all_keys = []
     for t in range(T):
         keys = [K_raw[u] for u in range(max(0, t - Wn + 1), t + 1)]
         n = (t + 1) // r if r > 1 else 0
@@ -73,15 +72,8 @@ def naive_layer(server, x):
                                   torch.tensor([0]), torch.tensor([n]))[0]
             chosen = range(n) if n <= cfg.index_topk else torch.topk(lg, cfg.index_topk).indices.tolist()
             keys += [K_c[j] for j in chosen]
-        Ks = torch.stack(keys).unsqueeze(0)
-        o, _, _ = ra.attend(q[t:t + 1].float(), Ks, torch.ones(1, Ks.shape[1], dtype=torch.bool), CFG.softmax_scale,
-                            W.attn_sink)
-        attn[t] = o[0]
-    attn = attn.bfloat16()
-    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H], pos, cs, cfg.local_groups, cfg.heads_per_group)
-    z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16)
-    O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
-    return O.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)
+        all_keys.append(keys)
+    return attend_and_project(cfg, W, q, all_keys, pos, cs)
 
 
 def _run(lt, xs, schedule, device="cpu", cfg=CFG):

@@ -49,20 +49,22 @@ def _rmsnorm_fake(qr, kv, q_weight, kv_weight, eps):
 
 
 def _qnorm_insert(q_in, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, q_head_padded, eps,
-                  cache_block_size):
+                  cache_block_size, apply_q_norm=True):
     return _qkv.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q_in, kv, k_cache, slot_mapping, position_ids,
-                                                                  cos_sin_cache, q_head_padded, eps, cache_block_size)
+                                                                  cos_sin_cache, q_head_padded, eps, cache_block_size,
+                                                                  apply_q_norm)
 
 
 def _qnorm_insert_fake(q_in, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, q_head_padded, eps,
-                       cache_block_size):
+                       cache_block_size, apply_q_norm=True):
     return q_in.new_empty((q_in.shape[0], q_head_padded, q_in.shape[2]))
 
 
 def _qnorm_insert_out(q_in, kv, q_out, k_cache, slot_mapping, position_ids, cos_sin_cache, q_head_padded, eps,
-                      cache_block_size):
+                      cache_block_size, apply_q_norm=True):
     _qkv.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out(q_in, kv, q_out, k_cache, slot_mapping, position_ids,
-                                                               cos_sin_cache, q_head_padded, eps, cache_block_size)
+                                                               cos_sin_cache, q_head_padded, eps, cache_block_size,
+                                                               apply_q_norm)
 
 
 def _full_cache(q, kv, q_fp8, k_cache, slot_mapping, position_ids, cos_sin_cache, fp8_scale, q_fp8_scale_inv, eps,
@@ -87,11 +89,11 @@ SCHEMAS = {
     "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert":
         ("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(Tensor q_in, Tensor kv, Tensor(a!) k_cache, "
          "Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, int q_head_padded, float eps, "
-         "int cache_block_size) -> Tensor", _qnorm_insert, _qnorm_insert_fake),
+         "int cache_block_size, bool apply_q_norm=True) -> Tensor", _qnorm_insert, _qnorm_insert_fake),
     "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out":
         ("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out(Tensor q_in, Tensor kv, Tensor(a!) q_out, "
          "Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, int q_head_padded, "
-         "float eps, int cache_block_size) -> ()", _qnorm_insert_out, _none),
+         "float eps, int cache_block_size, bool apply_q_norm=True) -> ()", _qnorm_insert_out, _none),
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
         ("fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(Tensor q, Tensor kv, Tensor(a!) q_fp8, "
          "Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, Tensor fp8_scale, "

@@ -49,8 +49,11 @@ def _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps):
     C.finite_float("eps", eps, minimum=0.0)
 
 
-def _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size, q_out):
+def _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size, q_out,
+                  apply_q_norm=True):
     _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps)
+    if not isinstance(apply_q_norm, bool):
+        raise ValueError(f"apply_q_norm must be a bool, got {apply_q_norm!r}")
     if not isinstance(padded_heads, int) or isinstance(padded_heads, bool) or padded_heads < max(q.shape[1], 1):
         raise ValueError(f"padded_heads must be an int >= the {q.shape[1]} heads of q, got {padded_heads!r}")
     C.positive_int("block_size", block_size)
@@ -63,26 +66,28 @@ def _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded
     C.slots_inside("slot_mapping", slot_mapping, V.capacity(pages, block_size),
                    f"({pages.shape[0]} pages x {block_size})")
     return _run("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", q.device, q, kv, k_cache, slot_mapping,
-                positions, cos_sin_cache, padded_heads, eps, block_size, q_out)
+                positions, cos_sin_cache, padded_heads, eps, block_size, q_out, apply_q_norm)
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
-                                                      padded_heads: int, eps: float, block_size: int):
+                                                      padded_heads: int, eps: float, block_size: int,
+                                                      apply_q_norm: bool = True):
     """vLLM's torch.ops._C op: returns q_padded bf16 [T, padded_heads, 512] (per-head weightless RMSNorm,
     RoPE on dims 448..511; heads past H are zero) and writes the first len(slot_mapping) tokens' kv
     (RoPE, bf16, UE8M0 fp8_ds_mla record) at slot_mapping into k_cache (vLLM passes ``cache.view(nb, -1)``).
-    A slot < 0 is padding."""
+    A slot < 0 is padding. ``apply_q_norm`` is the tenth argument of vLLM's DeepSeek-V4.1 call, which
+    passes False (q was normed before wq_b: only RoPE here)."""
     return _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size,
-                         None)
+                         None, apply_q_norm)
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out(q, kv, q_out, k_cache, slot_mapping, positions,
                                                           cos_sin_cache, padded_heads: int, eps: float,
-                                                          block_size: int):
+                                                          block_size: int, apply_q_norm: bool = True):
     """The same with a caller-provided q_out [T, padded_heads, 512] (written in place and returned), so a
     captured graph keeps its address."""
     return _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size,
-                         q_out)
+                         q_out, apply_q_norm)
 
 
 def _scalar(name, t):

@@ -41,13 +41,15 @@ def _insert_slots(slot_mapping: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
-                                                      padded_heads: int, eps: float, block_size: int, q_out=None):
-    """Writes q_out bf16 [T, padded_heads, 512] (allocated when None) and the fp8_ds_mla cache; returns q_out."""
+                                                      padded_heads: int, eps: float, block_size: int, q_out=None,
+                                                      apply_q_norm: bool = True):
+    """Writes q_out bf16 [T, padded_heads, 512] (allocated when None) and the fp8_ds_mla cache; returns q_out.
+    With apply_q_norm False (DeepSeek-V4.1) q is roped without the per-head norm: bf(RoPE_fwd(q_h))."""
     T, H, D = q.shape
     if q_out is None:
         q_out = torch.empty(T, padded_heads, D, dtype=torch.bfloat16, device=q.device)
     ok, pos = _valid_positions(positions, cos_sin_cache)
-    qn = q_norm_rope(q, pos, cos_sin_cache, eps)
+    qn = q_norm_rope(q, pos, cos_sin_cache, eps) if apply_q_norm else kv_rope(q, pos, cos_sin_cache)
     q_out[:, :H] = torch.where(ok.view(T, 1, 1), qn, torch.zeros_like(qn))
     q_out[:, H:] = 0
     n = slot_mapping.shape[0]

@@ -394,21 +394,33 @@ def _pool_stream(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, pos, 
 
 
 @triton.jit
-def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr):
-    """(yh, RoPE(yh)) fp32 [D]: RMSNorm of the pooled y (a non-finite sum of squares poisons every value),
-    then GPT-J RoPE of the last 64 dims on the fp32 yh (cs_row_ptr: the cos/sin row of the entry)."""
+def _rms_normalize(y, w_ptr, eps, D: tl.constexpr):
+    """RMSNorm of y fp32 [D] with weight w (reference.compressor.rms_normalize, operation for operation): a
+    non-finite sum of squares poisons every value."""
     var = tl.math.div_rn(_pairwise_sum(y * y), D * 1.0)
     rrms = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     rrms = tl.where(var < float("inf"), rrms, float("nan"))
-    yh = (y * rrms) * tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
-    even, odd = tl.split(tl.reshape(yh, (D // 2, 2)))
+    return (y * rrms) * tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
+
+
+@triton.jit
+def _rope_last64(x, cs_row_ptr, D: tl.constexpr):
+    """GPT-J RoPE of the last 64 dims of x fp32 [D] (cs_row_ptr: the cos/sin row of the position)."""
+    even, odd = tl.split(tl.reshape(x, (D // 2, 2)))
     ri = tl.arange(0, D // 2) - (D // 2 - 32)
     is_rope = ri >= 0
-    cos = tl.load(cs_row_ptr + tl.where(is_rope, ri, 0), mask=is_rope, other=1.0)
-    sin = tl.load(cs_row_ptr + 32 + tl.where(is_rope, ri, 0), mask=is_rope, other=0.0)
-    roped = tl.interleave(tl.where(is_rope, even * cos - odd * sin, even),
-                          tl.where(is_rope, even * sin + odd * cos, odd))
-    return yh, roped
+    cos = tl.load(cs_row_ptr + tl.where(is_rope, ri, 0), mask=is_rope, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row_ptr + 32 + tl.where(is_rope, ri, 0), mask=is_rope, other=0.0).to(tl.float32)
+    return tl.interleave(tl.where(is_rope, even * cos - odd * sin, even),
+                         tl.where(is_rope, even * sin + odd * cos, odd))
+
+
+@triton.jit
+def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr):
+    """(yh, RoPE(yh)) fp32 [D]: RMSNorm of the pooled y, then GPT-J RoPE of the last 64 dims on the fp32
+    yh (cs_row_ptr: the cos/sin row of the entry)."""
+    yh = _rms_normalize(y, w_ptr, eps, D)
+    return yh, _rope_last64(yh, cs_row_ptr, D)
 
 
 @triton.jit

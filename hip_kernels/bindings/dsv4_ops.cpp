@@ -30,7 +30,7 @@ void quantize_and_insert_k_cache(const at::Tensor& k, at::Tensor& pages, const a
 void fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(const at::Tensor& q, const at::Tensor& kv, at::Tensor& q_out,
                                                        at::Tensor& pages, const at::Tensor& slots,
                                                        const at::Tensor& positions, const at::Tensor& cos_sin,
-                                                       double eps, int64_t block_size) {
+                                                       double eps, int64_t block_size, bool apply_q_norm) {
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   dsv4_qnorm_insert_args a = {q.data_ptr(), q.stride(0), q.stride(1), (int)q.size(1),
                               q_out.data_ptr(), q_out.stride(0), q_out.stride(1), (int)q_out.size(1),
@@ -39,7 +39,7 @@ void fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(const at::Tensor& q, cons
                               slots.data_ptr(), is64(slots), (int)slots.size(0),
                               positions.data_ptr(), is64(positions),
                               cos_sin.data_ptr(), cs_bf16(cos_sin), cos_sin.size(0),
-                              (int)q.size(0), (float)eps};
+                              (int)q.size(0), (float)eps, apply_q_norm ? 1 : 0};
   check(dsv4_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(&a, current_stream()),
         "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert");
 }
@@ -97,7 +97,8 @@ void fused_q_kv_rmsnorm(const at::Tensor& qr, const at::Tensor& kv, const at::Te
 TORCH_LIBRARY(dsv4_rocm_hip, m) {
   m.def("quantize_and_insert_k_cache(Tensor k, Tensor(a!) pages, Tensor slots, int block_size) -> ()");
   m.def("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(Tensor q, Tensor kv, Tensor(a!) q_out, "
-        "Tensor(b!) pages, Tensor slots, Tensor positions, Tensor cos_sin_cache, float eps, int block_size) -> ()");
+        "Tensor(b!) pages, Tensor slots, Tensor positions, Tensor cos_sin_cache, float eps, int block_size, "
+        "bool apply_q_norm) -> ()");
   m.def("qnorm_rope_and_insert_full_k_cache(Tensor q, Tensor kv, Tensor(a!) q_fp8, Tensor(b!) k_cache, "
         "Tensor slots, Tensor positions, Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, "
         "float eps, int block_size) -> ()");

@@ -23,6 +23,7 @@ typedef struct {
   const void* positions; int pos64;                      // [T]
   const void* cos_sin; int cs_bf16; int64_t max_pos;     // [max_pos, 64] fp32 or bf16, rows contiguous
   int T; float eps;
+  int apply_q_norm;                                      // 0: q is only roped (DeepSeek-V4.1)
 } dsv4_qnorm_insert_args;
 
 typedef struct {
