@@ -371,6 +371,182 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, RAW_KEYS: gl.constexp
     async_copy.wait_group(0)
 
 
+# ---- loader, register form (REG_LOADER) --------------------------------------------------------------------
+_DEQUANT_WORD = gl.constexpr("{\n.reg .b32 t0, t1;\n" + e4m3_to_scaled_bf16_ptx("t0", "t1")
+                              + "mul.rn.bf16x2 t0, t0, $3;\nmul.rn.bf16x2 t1, t1, $3;\n"
+                              + "mul.rn.bf16x2 $0, t0, $4;\nmul.rn.bf16x2 $1, t1, $4;\n}")
+
+
+@gluon.jit
+def _dequant_words(w, m1, m2):
+    """Words of four OCP e4m3 bytes -> (bf16x2 of bytes 0 and 1, bf16x2 of bytes 2 and 3) times 2^(byte - 127)
+    of their UE8M0 scale byte, as ``_dequant_e4m3`` (m1, m2: the bf16x2 pairs of the scale's two factors)."""
+    return gl.inline_asm_elementwise(asm=_DEQUANT_WORD, constraints="=r,=r,r,r,r", args=[w, m1, m2],
+                                     dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.constexpr_function
+def _pair_layout(LOAD_WARPS):
+    """[keys, 2 column blocks, 16 words] of a 32-key chunk: a thread holds one key and one 16-byte piece
+    (four words) of each of two 64-wide column blocks."""
+    return gl.BlockedLayout([1, 2, 4], [8, 1, 4], [LOAD_WARPS, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _rope_layout(LOAD_WARPS):
+    """[keys, 32 words] of RoPE (64 bf16 a key): a thread holds eight words (32 bytes) of one key."""
+    return gl.BlockedLayout([1, 8], [8, 4], [LOAD_WARPS, 1], [1, 0])
+
+
+@gluon.jit
+def _gather_chunk(ka, addr_rows, a, t, key0, Mm, RAW_KEYS: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """Register loads of keys key0 .. key0 + RAW_KEYS of tile t (record offsets from address rows 2a and
+    2a + 1), as 32-bit words (bytes kept four to a register): NoPE column blocks 0-1, 2-3, 4-5 as
+    [RAW_KEYS, 2, 16] and block 6 as [RAW_KEYS, 16] words of four e4m3 bytes, RoPE [RAW_KEYS, 32] words of
+    two bf16, the scale words [RAW_KEYS] i64 and the data offsets [RAW_KEYS] i64 (negative for an absent
+    key, whose loads are masked off). A thread takes one key and one 16-byte piece of each of its NoPE
+    blocks (seven 16-byte loads), two 16-byte pieces of RoPE and the scale word; nothing waits for them
+    until they are used."""
+    main_ptr = ka[0]
+    extra_ptr = ka[7]
+    base = gl.where(t < Mm, main_ptr, extra_ptr)
+    wbase = base.to(gl.pointer_type(gl.int32))
+    LP: gl.constexpr = _pair_layout(LOAD_WARPS)
+    L1: gl.constexpr = gl.SliceLayout(1, LP)
+    LR: gl.constexpr = _rope_layout(LOAD_WARPS)
+    row = addr_rows.index(2 * a).slice(key0, RAW_KEYS)
+    data = row.load(gl.SliceLayout(1, gl.SliceLayout(2, LP)))
+    ok = data >= 0
+    wp = gl.multiple_of(data // 4, 4)
+    c2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, LP)))
+    w16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP)))
+    ptr = wbase + wp[:, None, None] + (c2 * 16)[None, :, None] + w16[None, None, :]
+    m = ok[:, None, None] & (c2 < 2)[None, :, None] & (w16 < 16)[None, None, :]
+    k01 = gl.load(ptr, mask=m, other=0)
+    k23 = gl.load(ptr + 32, mask=m, other=0)
+    k45 = gl.load(ptr + 64, mask=m, other=0)
+    d1 = row.load(gl.SliceLayout(1, L1))
+    w1 = gl.arange(0, 16, layout=gl.SliceLayout(0, L1))
+    k6 = gl.load(wbase + gl.multiple_of(d1 // 4, 4)[:, None] + 96 + w1[None, :], mask=(d1 >= 0)[:, None], other=0)
+    dr = row.load(gl.SliceLayout(1, LR))
+    wr = gl.arange(0, 32, layout=gl.SliceLayout(0, LR))
+    rope = gl.load(wbase + gl.multiple_of(dr // 4, 4)[:, None] + 112 + wr[None, :], mask=(dr >= 0)[:, None],
+                   other=0)
+    scal = addr_rows.index(2 * a + 1).slice(key0, RAW_KEYS).load(gl.SliceLayout(1, gl.SliceLayout(2, LP)))
+    word = gl.load(base.to(gl.pointer_type(gl.int64)) + scal, mask=ok, other=0)
+    return k01, k23, k45, k6, rope, word, data
+
+
+@gluon.jit
+def _scale_pairs(sb):
+    """UE8M0 bytes -> the bf16x2 pairs of their two exact power-of-two factors (``_dequant_chunk``)."""
+    m1 = (gl.minimum(sb, 134) + 120) << 7
+    m2 = gl.where(sb == 255, 0x7FC0, (gl.maximum(sb, 134) - 7) << 7)
+    return m1 | (m1 << 16), m2 | (m2 << 16)
+
+
+@gluon.jit
+def _store_pair(rows, kw, word, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """Column blocks 2J, 2J + 1 of a chunk, dequantized, -> words [64 J, 64 J + 64) of the rows."""
+    LP: gl.constexpr = _pair_layout(LOAD_WARPS)
+    c2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, LP)))
+    m1, m2 = _scale_pairs(((word[:, None] >> (8 * (2 * J + c2)).to(gl.int64)[None, :]) & 0xFF).to(gl.int32))
+    lo, hi = _dequant_words(kw, m1[:, :, None], m2[:, :, None])
+    rows.slice(64 * J, 64, dim=1).store(gl.reshape(gl.join(lo, hi), [RAW_KEYS, 64]))
+
+
+@gluon.jit
+def _store_chunk(k01, k23, k45, k6, rope, word, data, k_slot, bias_slot, SUB: gl.constexpr, RAW_KEYS: gl.constexpr,
+                 BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """A chunk gathered by ``_gather_chunk`` -> rows [SUB * RAW_KEYS, +RAW_KEYS) of a K slot (bf16 in the
+    natural 448 + 64 order, written as bf16x2 words through a 32-bit view of the same 128-byte-swizzled
+    bytes) and of its bias row, a few column blocks at a time (few registers live). A warp writes eight
+    keys x 128 bytes per two 16-byte stores: eight rows of the swizzle, no bank conflicts."""
+    LP: gl.constexpr = _pair_layout(LOAD_WARPS)
+    L1: gl.constexpr = gl.SliceLayout(1, LP)
+    WL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    rows = k_slot._reinterpret(gl.int32, [BLOCK_N, 256], WL).slice(SUB * RAW_KEYS, RAW_KEYS, dim=0)
+    _store_pair(rows, k01, word, 0, RAW_KEYS, LOAD_WARPS)
+    _store_pair(rows, k23, word, 1, RAW_KEYS, LOAD_WARPS)
+    _store_pair(rows, k45, word, 2, RAW_KEYS, LOAD_WARPS)
+    w6 = gl.convert_layout(word, gl.SliceLayout(1, L1))
+    m1, m2 = _scale_pairs(((w6 >> 48) & 0xFF).to(gl.int32))
+    lo, hi = _dequant_words(k6, m1[:, None], m2[:, None])
+    rows.slice(192, 32, dim=1).store(gl.reshape(gl.join(lo, hi), [RAW_KEYS, 32]))
+    rows.slice(224, 32, dim=1).store(rope)
+    bias_slot.slice(SUB * RAW_KEYS, RAW_KEYS).store(gl.where(data >= 0, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _loader_regs(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, RAW_KEYS: gl.constexpr, K_STAGES: gl.constexpr,
+                 MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr,
+                 HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr, L2_AHEAD: gl.constexpr,
+                 LOAD_WARPS: gl.constexpr):
+    """The loader with the records gathered into registers (no raw ring): a tile is two chunks of
+    RAW_KEYS = 32 keys. Tile i's second chunk is loaded at the top of its iteration, while its first
+    (loaded during tile i - 1) is dequantized; the first chunk of tile i + 1 is loaded before the second
+    of tile i is dequantized. So a whole tile (37 KB) is in flight at the top of an iteration and half of
+    one while a chunk is dequantized, with three partition barriers a tile (the index rows, the address
+    rows, the K slot) and no wait on a copy group on the chunk path."""
+    (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
+     raw_bias) = bufs
+    k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
+    num_tokens, s_q, W = sa
+    main_topk = la[3]
+    extra_topk = la[7]
+    gl.static_assert(RAW_KEYS * 2 == BLOCK_N and RAW_KEYS == 8 * LOAD_WARPS)
+    Mm, M = _tiles_per_unit(main_topk, extra_topk, BLOCK_N, HAS_EXTRA)
+    p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
+    u0, t0, b0, s0 = _unit_tile(A, sa, M)
+    nm0, ne0 = _lengths(la, b0, s0, n_tiles > 0, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    u1, t1, b1, s1 = _unit_tile(A + 1, sa, M)
+    nm1, ne1 = _lengths(la, b1, s1, n_tiles > 1, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    _copy_indices(ka, idx_rows.index(0), t0, b0, s0, n_tiles > 0, Mm, BLOCK_N, LOAD_WARPS)
+    _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, nm0, ne0, Mm, L2_AHEAD,
+                    BLOCK_N, MAIN_BS, EXTRA_BS)
+    gl.thread_barrier()
+    c0a, c0b, c0c, c0d, rope0, word0, data0 = _gather_chunk(ka, addr_rows, 0, t0, 0, Mm, RAW_KEYS, LOAD_WARPS)
+    for i in range(n_tiles):
+        ks = i % K_STAGES
+        k_slot = k_ring.index(ks)
+        bias_slot = k_bias.index(ks)
+        live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
+        c1a, c1b, c1c, c1d, rope1, word1, data1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, LOAD_WARPS)
+        u2, t2, b2, s2 = _unit_tile(A + i + 2, sa, M)
+        ok2 = i + 2 < n_tiles
+        nm2, ne2 = _lengths(la, b2, s2, ok2, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+        # the index row of tile i + 1 (copied during tile i - 1, or before the loop) has landed in every
+        # thread's view; every thread is done reading the address rows it replaces (tile i - 1's)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _copy_indices(ka, idx_rows.index((i + 2) % 3), t2, b2, s2, ok2, Mm, BLOCK_N, LOAD_WARPS)
+        async_copy.commit_group()
+        _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
+                        addr_rows.index(2 * ((i + 1) % 2) + 1), t1, nm1, ne1, Mm, L2_AHEAD, BLOCK_N, MAIN_BS,
+                        EXTRA_BS)
+        # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
+        mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        if live:
+            _store_chunk(c0a, c0b, c0c, c0d, rope0, word0, data0, k_slot, bias_slot, 0, RAW_KEYS, BLOCK_N, LOAD_WARPS)
+        # tile i + 1's address rows are written by every thread
+        gl.thread_barrier()
+        c0a, c0b, c0c, c0d, rope0, word0, data0 = _gather_chunk(ka, addr_rows, (i + 1) % 2, t1, 0, Mm, RAW_KEYS, LOAD_WARPS)
+        if live:
+            _store_chunk(c1a, c1b, c1c, c1d, rope1, word1, data1, k_slot, bias_slot, 1, RAW_KEYS, BLOCK_N, LOAD_WARPS)
+        # K rows written by the generic proxy are read by wgmma (async proxy): fence, then one arrive
+        # once every loader thread has fenced its stores
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(k_ready.index(ks), count=1)
+        t0, nm0, ne0 = t1, nm1, ne1
+        t1, nm1, ne1 = t2, nm2, ne2
+    async_copy.wait_group(0)
+
+
 # ---- consumers ---------------------------------------------------------------------------------------------
 @gluon.jit
 def _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
@@ -436,7 +612,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
             # products with the strides, in registers across the loop)
             z = _opaque_zero(i)
             qr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-            qc = z + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+            qc = gl.max_contiguous(gl.multiple_of(z + gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 64), 64)
             pr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, PQ))
             pc = z + gl.arange(0, 8, layout=gl.SliceLayout(0, PQ))
             # the unit's Q -> the shared Q tile (consumer 0's own wgmma of the previous unit have completed)
@@ -568,12 +744,14 @@ def _sparse_mla_ws_kernel(
         MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
         HAS_EXTRA_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr, HEADS: gl.constexpr,
         RAW_KEYS: gl.constexpr, RAW_STAGES: gl.constexpr, K_STAGES: gl.constexpr, L2_AHEAD: gl.constexpr,
-        C0_REGS: gl.constexpr, C1_REGS: gl.constexpr, num_warps: gl.constexpr):
+        C0_REGS: gl.constexpr, C1_REGS: gl.constexpr, REG_LOADER: gl.constexpr, num_warps: gl.constexpr):
     LOAD_WARPS: gl.constexpr = num_warps      # the loader is the default partition
     gl.static_assert(BLOCK_N == 64 and LOAD_WARPS == 4)
     gl.static_assert(BLOCK_N % RAW_KEYS == 0)
-    gl.static_assert(RAW_KEYS % 4 == 0 and LOAD_WARPS % (RAW_KEYS // 4) == 0 and LOAD_WARPS // (RAW_KEYS // 4) <= 4)
-    gl.static_assert(RAW_STAGES >= 2 and RAW_STAGES - 1 < BLOCK_N // RAW_KEYS)
+    if not REG_LOADER:
+        gl.static_assert(RAW_KEYS % 4 == 0 and LOAD_WARPS % (RAW_KEYS // 4) == 0
+                         and LOAD_WARPS // (RAW_KEYS // 4) <= 4)
+        gl.static_assert(RAW_STAGES >= 2 and RAW_STAGES - 1 < BLOCK_N // RAW_KEYS)
     KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -585,10 +763,16 @@ def _sparse_mla_ws_kernel(
     o_scale = gl.allocate_shared_memory(gl.float32, [64], PLAIN1)
     idx_rows = gl.allocate_shared_memory(gl.int32, [3, BLOCK_N], PLAIN1)
     addr_rows = gl.allocate_shared_memory(gl.int64, [4, BLOCK_N], PLAIN1)
-    raw_nope = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, 8 * RAW_KEYS, 64], PLAIN2)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [RAW_STAGES, RAW_KEYS, 64], PLAIN2)
-    raw_scale = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, RAW_KEYS], PLAIN1)
-    raw_bias = gl.allocate_shared_memory(gl.float32, [RAW_STAGES, RAW_KEYS], PLAIN1)
+    if REG_LOADER:            # no raw ring: placeholders of the partitions' common arguments
+        raw_nope = gl.allocate_shared_memory(gl.uint8, [1, 8, 64], PLAIN2)
+        raw_rope = gl.allocate_shared_memory(gl.bfloat16, [1, 1, 64], PLAIN2)
+        raw_scale = gl.allocate_shared_memory(gl.int64, [1, 1], PLAIN1)
+        raw_bias = gl.allocate_shared_memory(gl.float32, [1, 1], PLAIN1)
+    else:
+        raw_nope = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, 8 * RAW_KEYS, 64], PLAIN2)
+        raw_rope = gl.allocate_shared_memory(gl.bfloat16, [RAW_STAGES, RAW_KEYS, 64], PLAIN2)
+        raw_scale = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, RAW_KEYS], PLAIN1)
+        raw_bias = gl.allocate_shared_memory(gl.float32, [RAW_STAGES, RAW_KEYS], PLAIN1)
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -614,13 +798,22 @@ def _sparse_mla_ws_kernel(
           part_o_ptr, part_lse_ptr, sm_log2)
     # the loader gets what the consumers leave of the kernel's register cap (65536 / 384 threads -> 168):
     # 3 * 168 - C0_REGS - C1_REGS per thread
-    gl.warp_specialize([
-        (_loader, (sa, la, ka, bufs, bars, BLOCK_N, RAW_KEYS, RAW_STAGES, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA,
-                   HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD, LOAD_WARPS)),
-        (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
-                      HAS_SINK)),
-        (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)),
-    ], [4, 4], [C0_REGS, C1_REGS])
+    if REG_LOADER:
+        gl.warp_specialize([
+            (_loader_regs, (sa, la, ka, bufs, bars, BLOCK_N, RAW_KEYS, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA,
+                            HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD, LOAD_WARPS)),
+            (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
+                          HAS_SINK)),
+            (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)),
+        ], [4, 4], [C0_REGS, C1_REGS])
+    else:
+        gl.warp_specialize([
+            (_loader, (sa, la, ka, bufs, bars, BLOCK_N, RAW_KEYS, RAW_STAGES, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA,
+                       HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD, LOAD_WARPS)),
+            (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
+                          HAS_SINK)),
+            (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)),
+        ], [4, 4], [C0_REGS, C1_REGS])
 
 
 # ---- launch ----------------------------------------------------------------------------------------------
@@ -630,7 +823,7 @@ def default_config() -> dict:
     gets 144), no spills (compile matrix). 16-key chunks two deep measured 4-13% faster than 8-key chunks
     four deep on the H100 (ci/gpu_decode_ws.py, BENCHMARKS.md): fewer chunk handshakes a tile."""
     return dict(BLOCK_N=64, RAW_KEYS=16, RAW_STAGES=2, K_STAGES=2, L2_AHEAD=True, C0_REGS=200, C1_REGS=160,
-                num_warps=4)
+                REG_LOADER=False, num_warps=4)
 
 
 CONFIG_KEYS = tuple(default_config())
