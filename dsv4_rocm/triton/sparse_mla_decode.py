@@ -336,7 +336,7 @@ class _Variant(NamedTuple):
     combine: object           # BoundKernel of _combine_kernel (two-launch combine), or None
     head_blocks: int
     threads: int              # of a program: the release slots the in-kernel combine needs
-    ws: object = None         # the Hopper kernel's constexprs and launch options (``config kernel="ws"``)
+    ws: object = None         # BoundKernel of the Hopper kernel (``config kernel="ws"``), or None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -379,8 +379,9 @@ def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: b
     if cfg["kernel"] == "ws":
         comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=True,
                                             num_warps=4) if split else None
-        return _Variant(None, comb, h // 64, 0, _ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra, has_len,
-                                                               has_extra_len, has_sink))
+        ws = launch(_ws._sparse_mla_ws_kernel).bind(**_ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra,
+                                                                        has_len, has_extra_len, has_sink))
+        return _Variant(None, comb, h // 64, 0, ws)
     in_kernel = split and cfg["split_combine"] == "kernel"
     main = launch(_sparse_mla_paged_kernel).bind(
         MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=has_extra_len,
@@ -462,9 +463,9 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     if var.ws is not None:                 # the Hopper kernel: the same arguments but the counters
         ws_args = args[:32] + args[33:]
         if compile_only:
-            _ws._sparse_mla_ws_kernel.warmup(*ws_args, grid=grid, **var.ws)
+            var.ws.warmup(*ws_args, grid=grid)
         else:
-            _ws._sparse_mla_ws_kernel[grid](*ws_args, **var.ws)
+            var.ws[grid](*ws_args)
     elif compile_only:
         var.main.warmup(*args, grid=grid)
     else:
