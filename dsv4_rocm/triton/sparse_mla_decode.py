@@ -461,7 +461,7 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     comb_grid = (T, h // min(MERGE_H, h))
     comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns, m)
     if var.ws is not None:                 # the Hopper kernel: the same arguments but the counters
-        ws_args = args[:32] + args[33:]
+        ws_args = args[:32] + args[33:] + (lse,)     # lse: the max-logits pointer, not written
         if compile_only:
             var.ws.warmup(*ws_args, grid=grid)
         else:
