@@ -373,14 +373,14 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
 
 @functools.lru_cache(maxsize=4096)
 def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-             has_extra_len: bool, has_sink: bool, split: bool) -> _Variant:
+             has_extra_len: bool, has_sink: bool, split: bool, q_async: bool = True) -> _Variant:
     """The kernels (constexprs and launch options bound) of one variant, built once."""
     cfg = dict(cfg_items)
     if cfg["kernel"] == "ws":
         comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=True,
                                             num_warps=4) if split else None
         ws = launch(_ws._sparse_mla_ws_kernel).bind(**_ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra,
-                                                                        has_len, has_extra_len, has_sink))
+                                                                        has_len, has_extra_len, has_sink, q_async))
         return _Variant(None, comb, h // 64, 0, ws)
     in_kernel = split and cfg["split_combine"] == "kernel"
     main = launch(_sparse_mla_paged_kernel).bind(
@@ -432,6 +432,8 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     ebs = extra_k_cache.shape[1] if has_extra else 1
     split = parts > 1
     var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split)
+    if var.ws is not None and not _ws.q_rows_aligned(q):      # the Hopper kernel loads such a Q by registers
+        var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, False)
     count = indices                     # an int32 placeholder (never read) when nothing is counted
     if split:
         ws = scratch(dev, parts * T * h * 513)

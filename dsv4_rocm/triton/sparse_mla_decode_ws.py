@@ -24,45 +24,50 @@ into the K ring while the last tiles of the current one are multiplied.
 Three partitions, 12 warps:
 
 * loader (the default partition, 4 warps): walks the CTA's tiles, each as two chunks of RAW_KEYS = 32 keys.
-  Three tiles ahead it copies the tile's BLOCK_N indices into a ring of four index rows (cp.async) and
-  loads its unit's lengths (registers); two tiles ahead it turns the indices into record offsets (two
-  int64 address rows per tile, three tiles' worth: data offset or -16 for an absent key, scale-word
-  offset) and, with L2_AHEAD, asks L2 for every valid record (``prefetch.global.L2``: the five or six
-  lines of its data and its scale word). It gathers a chunk straight into registers as 32-bit words
-  (16-byte loads: a thread takes one key and one 16-byte piece of each 64-byte column block, and that
-  key's scale word), the second chunk of tile i at the top of iteration i and the first of tile i + 1
-  before the second of tile i is dequantized, so a whole tile (37 KB) is in flight at the top of an
-  iteration; an absent key's loads are masked off. No index arithmetic sits on the chunk path and nothing
-  waits on a copy group there. It dequantizes a chunk with integer ops (e4m3 -> bf16 times 2^-120 by byte
+  Two tiles ahead it copies the tile's BLOCK_N indices into a ring of three index rows (cp.async) and
+  loads its unit's lengths (registers; first used a tile later, so nothing waits for the load); one tile
+  ahead it turns the indices into record offsets (two int64 address rows per tile, two tiles' worth: data
+  offset or -16 for an absent key, scale-word offset) and, with L2_AHEAD, asks L2 for every valid record
+  (``prefetch.global.L2``: the five or six lines of its data and its scale word). It gathers a chunk's
+  NoPE bytes and scale words straight into registers as 32-bit words (16-byte loads: a thread takes one
+  key and one 16-byte piece of each 64-byte column block), the second chunk of tile i at the top of
+  iteration i and the first of tile i + 1 before the second of tile i is dequantized; an absent key's
+  loads are masked off. It dequantizes a chunk with integer ops (e4m3 -> bf16 times 2^-120 by byte
   shuffles, then two exact packed-bf16 multiplies by powers of two, as
   ``_decode_tiles.e4m3_to_scaled_bf16_ptx``) into its rows of the tile's K slot: bf16 [BLOCK_N, 512] in
-  the 128-byte-swizzled wgmma layout, in the natural order (NoPE 448, RoPE 64), written as bf16x2 words,
-  plus the slot's bias row (0, or -inf for an absent key). A dead tile's slot is handed over without
-  being written.
+  the 128-byte-swizzled wgmma layout, in the natural order (NoPE 448, RoPE 64), written as bf16x2 words;
+  the RoPE columns are copied by cp.async straight into the slot; plus the slot's bias row (0, or -inf for
+  an absent key) and its liveness flag. A dead tile's slot is handed over without being written.
+  KV_BF16 (prefill over bf16 rows, ``sparse_mla_prefill``): rows of 512 bf16 are one-key pages, copied by
+  cp.async straight into the K slot, two tiles in flight (``_loader_rows``).
 * consumer 0 (worker, one warpgroup): per live tile S = Q K^T (64 x BLOCK_N, K-dim 512, both operands in
   shared memory), the online softmax, P (bf16) and the row rescale alpha into shared memory for consumer
   1, then O[:, 0:256] = alpha O + P V with P in registers as the A operand and V = the K slot viewed
-  [BLOCK_N, 256] (MN-major B operand). At a unit part's first tile it loads the unit's Q (all 512
-  columns) into the shared Q tile and asks L2 for the next unit's Q; at the part's last tile it hands the
-  output row factor to consumer 1 and writes its columns and the lse (or the partial lse).
+  [BLOCK_N, 256] (MN-major B operand). The unit's Q (all 512 columns) is in the shared Q tile: with
+  Q_ASYNC (q's rows 16-byte aligned) copied by cp.async once the previous unit's last S has completed,
+  its latency hidden behind that tile's softmax, P.V and epilogue; otherwise loaded through registers at
+  the unit's first tile. At the part's last tile it hands the output row factor to consumer 1 and writes
+  its columns and the lse (or the partial lse), and with HAS_MAXL the max logits.
 * consumer 1 (worker, one warpgroup): per live tile O[:, 256:512] = alpha O + P V with P read from shared
   memory (both operands in shared memory); at the part's last tile it takes the row factor and writes
-  its columns. S is computed once per tile (no duplicated Q K^T).
+  its columns. S is computed once per tile (no duplicated Q K^T). Neither consumer loads anything from
+  global memory per tile: the liveness of a tile is the loader's flag.
 
 Registers: the kernel cap is 65536 / 384 threads = 168; consumer 0 takes C0_REGS (a 64 x 256 fp32
 accumulator is 128 of them, S and P 48 more), consumer 1 C1_REGS, the loader what is left,
 3 * 168 - C0_REGS - C1_REGS.
-Shared memory (BLOCK_N 64): Q 64 KB + K ring 2 x 64 KB + P 8 KB + index and address rows 4 KB + biases,
-alpha, row factors and barriers 1 KB = 205 KB of the 227 KB.
+Shared memory (BLOCK_N 64): Q 64 KB + K ring 2 x 64 KB + P 8 KB + index and address rows 3 KB + biases,
+liveness flags, alpha, row factors and barriers 1.2 KB = 204 KB of the 227 KB.
 
 Barriers. An mbarrier arrive is made by one thread of its partition, after a partition barrier
 (``gl.thread_barrier``, a named barrier of the partition's warps) that orders every thread's
 shared-memory work before it; waits are by every thread of the waiting partition. Phases count fills: the
 n-th fill is waited for with parity n & 1, and a wait for parity (n & 1) ^ 1 before the n-th fill passes a
 fresh barrier at once.
-* ``k_ready[s]`` (count 1): the loader arrives when slot s holds the tile (K rows and bias row, K made
-  visible to the async proxy by each writer's fence; nothing written for a dead tile); both consumers
-  wait, parity (fill of s) & 1, for every tile, live or dead.
+* ``k_ready[s]`` (count 1): the loader arrives when slot s holds the tile (liveness flag, K rows and bias
+  row, K made visible to the async proxy by each writer's fence after its RoPE copies landed; nothing
+  but the flag written for a dead tile); both consumers wait, parity (fill of s) & 1, for every tile,
+  live or dead, then read the flag.
 * ``k_free[s]`` (count 2): each consumer arrives when done with slot s (after the wait on its last wgmma
   reading it); the loader waits, parity ((fill of s) & 1) ^ 1, before its first write into s.
 * ``p_ready`` (count 1): consumer 0 arrives when P and alpha of its n-th live tile are stored (P fenced
@@ -73,10 +78,11 @@ fresh barrier at once.
   part (consumer 0 stores them after waiting on o_free, parity (k & 1) ^ 1; consumer 1 waits on o_ready,
   parity k & 1, reads them and arrives on o_free).
 The index and address rows need no mbarrier: only the loader touches them. cp.async completion is per
-thread (wait_group, one group per tile), so the partition barrier after it makes an index row visible to
-every loader thread, and tells the loader that every thread is done reading the rows it refills next; a
-second partition barrier a tile publishes the address rows it wrote. Q is written and read by consumer
-0 alone (its S of the previous unit has completed before the next Q is stored).
+thread (wait_group), so the partition barrier after it makes an index row visible to every loader
+thread, and tells the loader that every thread is done reading the rows it refills next; a second
+partition barrier a tile publishes the address rows it wrote. Q is written and read by consumer 0 alone
+(its S of the previous unit has completed, and every thread has passed a partition barrier, before the
+next Q is copied; the copy is waited for, fenced and barriered before the next S).
 """
 import functools
 
@@ -111,11 +117,14 @@ def _opaque_zero(x):
 # ---- the schedule: which unit and tile a CTA's i-th tile is ------------------------------------------------
 @gluon.jit
 def _tiles_per_unit(main_topk, extra_topk, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr):
-    """(Mm, M): main tiles and all tiles of a unit (at least one)."""
-    mm = gl.cdiv(main_topk, BLOCK_N)
+    """(Mm, M): main tiles and all tiles of a unit (at least one). Made in each partition (an opaque 0 keeps
+    the compiler from computing them once before the partitions split, which passes them through local
+    memory)."""
+    z = _opaque_zero(main_topk)
+    mm = gl.cdiv(main_topk + z, BLOCK_N)
     m = mm
     if HAS_EXTRA:
-        m = mm + gl.cdiv(extra_topk, BLOCK_N)
+        m = mm + gl.cdiv(extra_topk + z, BLOCK_N)
     return mm, gl.maximum(m, 1)
 
 
@@ -137,27 +146,30 @@ def _unit_tile(gt, sa, M):
 
 
 @gluon.jit
-def _lengths(la, bi, si, ok, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
-    """(n_main, n_extra): the valid prefix of each index set of query (bi, si), its length clamped to
-    [0, topk]; 0 and 0 where not ``ok`` (nothing is read then)."""
+def _load_lengths(la, bi, si, ok, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
+    """The lengths of query (bi, si) as loaded (0 where not ``ok``, nothing read then); ``_clamp_lengths``
+    makes them usable. Apart so that a load's latency is not waited for where it is issued."""
     main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk = la
-    n_main = main_topk
+    n_main = gl.where(ok, main_topk, 0)
     if HAS_MAIN_LEN:
-        n_main = gl.minimum(gl.load(main_len_ptr + bi * main_len_sb + si * main_len_ss, mask=ok, other=0), main_topk)
-    n_main = gl.where(ok, gl.maximum(n_main, 0), 0)
+        n_main = gl.load(main_len_ptr + bi * main_len_sb + si * main_len_ss, mask=ok, other=0)
     n_extra = n_main * 0
     if HAS_EXTRA:
-        n_extra = extra_topk
+        n_extra = gl.where(ok, extra_topk, 0)
         if HAS_EXTRA_LEN:
-            n_extra = gl.minimum(gl.load(extra_len_ptr + bi * extra_len_sb + si * extra_len_ss, mask=ok, other=0),
-                                 extra_topk)
-        n_extra = gl.where(ok, gl.maximum(n_extra, 0), 0)
+            n_extra = gl.load(extra_len_ptr + bi * extra_len_sb + si * extra_len_ss, mask=ok, other=0)
     return n_main, n_extra
 
 
 @gluon.jit
+def _clamp_lengths(la, n_main, n_extra):
+    """(n_main, n_extra): the valid prefix of each index set, its loaded length clamped to [0, topk]."""
+    return gl.maximum(gl.minimum(n_main, la[3]), 0), gl.maximum(gl.minimum(n_extra, la[7]), 0)
+
+
+@gluon.jit
 def _tile_live(t, n_main, n_extra, Mm, BLOCK_N: gl.constexpr):
-    """A tile holds a key below its set's length."""
+    """A tile holds a key below its set's length (lengths as loaded: clamped here)."""
     in_main = t < Mm
     return gl.where(in_main, t, t - Mm) * BLOCK_N < gl.where(in_main, n_main, n_extra)
 
@@ -239,29 +251,21 @@ def _pair_layout(LOAD_WARPS):
     return gl.BlockedLayout([1, 2, 4], [8, 1, 4], [LOAD_WARPS, 1, 1], [2, 1, 0])
 
 
-@gluon.constexpr_function
-def _rope_layout(LOAD_WARPS):
-    """[keys, 32 words] of RoPE (64 bf16 a key): a thread holds eight words (32 bytes) of one key."""
-    return gl.BlockedLayout([1, 8], [8, 4], [LOAD_WARPS, 1], [1, 0])
-
-
 @gluon.jit
 def _gather_chunk(ka, addr_rows, a, t, key0, Mm, RAW_KEYS: gl.constexpr, PROBE: gl.constexpr,
                   LOAD_WARPS: gl.constexpr):
     """Register loads of keys key0 .. key0 + RAW_KEYS of tile t (record offsets from address rows 2a and
     2a + 1), as 32-bit words (bytes kept four to a register): NoPE column blocks 0-1, 2-3, 4-5 as
-    [RAW_KEYS, 2, 16] and block 6 as [RAW_KEYS, 16] words of four e4m3 bytes, RoPE [RAW_KEYS, 32] words of
-    two bf16, the scale words [RAW_KEYS] i64 and the data offsets [RAW_KEYS] i64 (negative for an absent
-    key, whose loads are masked off). A thread takes one key and one 16-byte piece of each of its NoPE
-    blocks (seven 16-byte loads), two 16-byte pieces of RoPE and the scale word; nothing waits for them
-    until they are used."""
+    [RAW_KEYS, 2, 16] and block 6 as [RAW_KEYS, 16] words of four e4m3 bytes, and the scale words
+    [RAW_KEYS] i64 (an absent key's loads, data offset negative, are masked off). A thread takes one key
+    and one 16-byte piece of each of its NoPE blocks (seven 16-byte loads) and the scale word; nothing
+    waits for them until they are used. RoPE needs no dequantization: ``_copy_rope`` copies it."""
     main_ptr = ka[0]
     extra_ptr = ka[7]
     base = gl.where(t < Mm, main_ptr, extra_ptr)
     wbase = base.to(gl.pointer_type(gl.int32))
     LP: gl.constexpr = _pair_layout(LOAD_WARPS)
     L1: gl.constexpr = gl.SliceLayout(1, LP)
-    LR: gl.constexpr = _rope_layout(LOAD_WARPS)
     row = addr_rows.index(2 * a).slice(key0, RAW_KEYS)
     data = row.load(gl.SliceLayout(1, gl.SliceLayout(2, LP)))
     ok = (data >= 0) & ((PROBE & 1) == 0)
@@ -277,13 +281,9 @@ def _gather_chunk(ka, addr_rows, a, t, key0, Mm, RAW_KEYS: gl.constexpr, PROBE: 
     w1 = gl.arange(0, 16, layout=gl.SliceLayout(0, L1))
     k6 = gl.load(wbase + gl.multiple_of(d1 // 4, 4)[:, None] + 96 + w1[None, :],
                  mask=((d1 >= 0) & ((PROBE & 1) == 0))[:, None], other=0)
-    dr = row.load(gl.SliceLayout(1, LR))
-    wr = gl.arange(0, 32, layout=gl.SliceLayout(0, LR))
-    rope = gl.load(wbase + gl.multiple_of(dr // 4, 4)[:, None] + 112 + wr[None, :],
-                   mask=((dr >= 0) & ((PROBE & 1) == 0))[:, None], other=0)
     scal = addr_rows.index(2 * a + 1).slice(key0, RAW_KEYS).load(gl.SliceLayout(1, gl.SliceLayout(2, LP)))
     word = gl.load(base.to(gl.pointer_type(gl.int64)) + scal, mask=ok, other=0)
-    return k01, k23, k45, k6, rope, word, data
+    return k01, k23, k45, k6, word
 
 
 @gluon.jit
@@ -307,11 +307,11 @@ def _store_pair(rows, kw, word, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD_WA
 
 
 @gluon.jit
-def _store_chunk(k01, k23, k45, k6, rope, word, data, k_slot, bias_slot, SUB: gl.constexpr, RAW_KEYS: gl.constexpr,
-                 BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr):
+def _store_chunk(k01, k23, k45, k6, word, addr_rows, a, k_slot, bias_slot, SUB: gl.constexpr,
+                 RAW_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr):
     """A chunk gathered by ``_gather_chunk`` -> rows [SUB * RAW_KEYS, +RAW_KEYS) of a K slot (bf16 in the
     natural 448 + 64 order, written as bf16x2 words through a 32-bit view of the same 128-byte-swizzled
-    bytes) and of its bias row, a few column blocks at a time (few registers live). A warp writes eight
+    bytes; the RoPE columns are ``_copy_rope``'s) and of its bias row, a few column blocks at a time (few registers live). A warp writes eight
     keys x 128 bytes per two 16-byte stores: eight rows of the swizzle, no bank conflicts."""
     LP: gl.constexpr = _pair_layout(LOAD_WARPS)
     L1: gl.constexpr = gl.SliceLayout(1, LP)
@@ -324,8 +324,33 @@ def _store_chunk(k01, k23, k45, k6, rope, word, data, k_slot, bias_slot, SUB: gl
     m1, m2 = _scale_pairs(((w6 >> 48) & 0xFF).to(gl.int32))
     lo, hi = _dequant_words(k6, m1[:, None], m2[:, None])
     rows.slice(192, 32, dim=1).store(gl.reshape(gl.join(lo, hi), [RAW_KEYS, 32]))
-    rows.slice(224, 32, dim=1).store(rope)
+    # the bias from the tile's address rows (still in place: they are rewritten a tile later)
+    LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
+    data = addr_rows.index(2 * a).slice(SUB * RAW_KEYS, RAW_KEYS).load(LS)
     bias_slot.slice(SUB * RAW_KEYS, RAW_KEYS).store(gl.where(data >= 0, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _publish(k_live, ks, live, LOAD_WARPS: gl.constexpr):
+    """Tile liveness for the consumers: slot ks's flag (a row of 32 int32, all equal), written before the
+    slot's k_ready arrive (the consumers read it after their wait, with no global load)."""
+    LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
+    k_live.index(ks).store(gl.full([32], 0, gl.int32, LS) + live.to(gl.int32))
+
+
+@gluon.jit
+def _copy_rope(ka, addr_rows, a, t, Mm, k_slot, LOAD_WARPS: gl.constexpr):
+    """cp.async of tile t's RoPE values (64 bf16 after the 448 NoPE bytes of each record; offsets from
+    address row 2a) straight into the K slot's last 64 columns, one commit group; an absent key's are
+    zero-filled."""
+    base = gl.where(t < Mm, ka[0], ka[7]).to(gl.pointer_type(gl.bfloat16))
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    data = addr_rows.index(2 * a).load(gl.SliceLayout(1, LC))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LC))
+    ptr = base + gl.multiple_of((data + 448) // 2, 8)[:, None] + cols[None, :]
+    async_copy.async_copy_global_to_shared(k_slot.slice(448, 64, dim=1), ptr,
+                                           mask=(data >= 0)[:, None] & (cols < 64)[None, :])
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -334,74 +359,74 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
             L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr):
     """Tile i is two chunks of RAW_KEYS = 32 keys gathered into registers. Its second chunk is loaded at the
     top of iteration i, while its first (loaded during tile i - 1) is dequantized into the K slot; the
-    first chunk of tile i + 1 is loaded before the second of tile i is dequantized. Tile i + 2's record
-    offsets are made (and asked of L2) during tile i, from its index row, copied during tile i - 1."""
-    q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    first chunk of tile i + 1 is loaded before the second of tile i is dequantized. Tile i + 1's record
+    offsets are made (and asked of L2) during tile i, from its index row, copied during tile i - 1; tile
+    i + 2's lengths are loaded during tile i and first used during tile i + 1."""
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
-    main_topk = la[3]
-    extra_topk = la[7]
     RAW_KEYS: gl.constexpr = BLOCK_N // 2
     gl.static_assert(RAW_KEYS == 8 * LOAD_WARPS)
-    Mm, M = _tiles_per_unit(main_topk, extra_topk, BLOCK_N, HAS_EXTRA)
+    Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
     p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
-    # tiles i .. i + 2 of the loop: tile of its unit and the unit's lengths (registers)
+    # tiles i, i + 1 of the loop: tile of its unit and the unit's lengths as loaded (registers)
     u0, t0, b0, s0 = _unit_tile(A, sa, M)
-    nm0, ne0 = _lengths(la, b0, s0, n_tiles > 0, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    nm0, ne0 = _load_lengths(la, b0, s0, n_tiles > 0, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
     u1, t1, b1, s1 = _unit_tile(A + 1, sa, M)
-    nm1, ne1 = _lengths(la, b1, s1, n_tiles > 1, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
-    u2, t2, b2, s2 = _unit_tile(A + 2, sa, M)
-    nm2, ne2 = _lengths(la, b2, s2, n_tiles > 2, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
-    # index rows: tile j in row j % 4; address rows: tile j in rows 2 (j % 3), 2 (j % 3) + 1
+    nm1, ne1 = _load_lengths(la, b1, s1, n_tiles > 1, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    # index rows: tile j in row j % 3; address rows: tile j in rows 2 (j % 2), 2 (j % 2) + 1
     _copy_indices(ka, idx_rows.index(0), t0, b0, s0, n_tiles > 0, Mm, BLOCK_N, LOAD_WARPS)
     _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
-    _copy_indices(ka, idx_rows.index(2), t2, b2, s2, n_tiles > 2, Mm, BLOCK_N, LOAD_WARPS)
     async_copy.commit_group()
     async_copy.wait_group(0)
     gl.thread_barrier()
-    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, nm0, ne0, Mm, L2_AHEAD,
-                    BLOCK_N, MAIN_BS, EXTRA_BS, False)
-    _tile_addresses(ka, idx_rows.index(1), addr_rows.index(2), addr_rows.index(3), t1, nm1, ne1, Mm, L2_AHEAD,
+    cm0, ce0 = _clamp_lengths(la, nm0, ne0)
+    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, cm0, ce0, Mm, L2_AHEAD,
                     BLOCK_N, MAIN_BS, EXTRA_BS, False)
     gl.thread_barrier()
-    c0a, c0b, c0c, c0d, rope0, word0, data0 = _gather_chunk(ka, addr_rows, 0, t0, 0, Mm, RAW_KEYS, PROBE, LOAD_WARPS)
+    c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, 0, t0, 0, Mm, RAW_KEYS, PROBE, LOAD_WARPS)
     for i in range(n_tiles):
         ks = i % K_STAGES
         k_slot = k_ring.index(ks)
         bias_slot = k_bias.index(ks)
         live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
-        c1a, c1b, c1c, c1d, rope1, word1, data1 = _gather_chunk(ka, addr_rows, i % 3, t0, RAW_KEYS, Mm, RAW_KEYS,
-                                                                PROBE, LOAD_WARPS)
-        u3, t3, b3, s3 = _unit_tile(A + i + 3, sa, M)
-        ok3 = i + 3 < n_tiles
-        nm3, ne3 = _lengths(la, b3, s3, ok3, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
-        # tile i + 2's index row (copied during tile i - 1, or before the loop) has landed in every thread's
-        # view; every thread is done reading the rows the next writes replace (tiles i - 1 and i - 2)
+        c1a, c1b, c1c, c1d, word1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, PROBE,
+                                                  LOAD_WARPS)
+        u2, t2, b2, s2 = _unit_tile(A + i + 2, sa, M)
+        ok2 = i + 2 < n_tiles
+        nm2, ne2 = _load_lengths(la, b2, s2, ok2, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+        # tile i + 1's index row (copied during tile i - 1, or before the loop) has landed in every thread's
+        # view; every thread is done reading the rows the next writes replace (tile i - 1's)
         async_copy.wait_group(0)
         gl.thread_barrier()
-        _copy_indices(ka, idx_rows.index((i + 3) % 4), t3, b3, s3, ok3, Mm, BLOCK_N, LOAD_WARPS)
+        _copy_indices(ka, idx_rows.index((i + 2) % 3), t2, b2, s2, ok2, Mm, BLOCK_N, LOAD_WARPS)
         async_copy.commit_group()
-        _tile_addresses(ka, idx_rows.index((i + 2) % 4), addr_rows.index(2 * ((i + 2) % 3)),
-                        addr_rows.index(2 * ((i + 2) % 3) + 1), t2, nm2, ne2, Mm, L2_AHEAD, BLOCK_N, MAIN_BS, EXTRA_BS,
+        cm1, ce1 = _clamp_lengths(la, nm1, ne1)
+        _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
+                        addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, MAIN_BS, EXTRA_BS,
                         False)
         # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
         mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        _publish(k_live, ks, live, LOAD_WARPS)
         if live:
-            _store_chunk(c0a, c0b, c0c, c0d, rope0, word0, data0, k_slot, bias_slot, 0, RAW_KEYS, BLOCK_N,
-                         LOAD_WARPS)
-        c0a, c0b, c0c, c0d, rope0, word0, data0 = _gather_chunk(ka, addr_rows, (i + 1) % 3, t1, 0, Mm, RAW_KEYS,
-                                                                PROBE, LOAD_WARPS)
+            _copy_rope(ka, addr_rows, i % 2, t0, Mm, k_slot, LOAD_WARPS)
+            _store_chunk(c0a, c0b, c0c, c0d, word0, addr_rows, i % 2, k_slot, bias_slot, 0, RAW_KEYS,
+                         BLOCK_N, LOAD_WARPS)
+        # tile i + 1's address rows are written by every thread
+        gl.thread_barrier()
+        c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, (i + 1) % 2, t1, 0, Mm, RAW_KEYS, PROBE,
+                                                  LOAD_WARPS)
         if live:
-            _store_chunk(c1a, c1b, c1c, c1d, rope1, word1, data1, k_slot, bias_slot, 1, RAW_KEYS, BLOCK_N,
-                         LOAD_WARPS)
-        # K rows written by the generic proxy are read by wgmma (async proxy): fence, then one arrive
-        # once every loader thread has fenced its stores
+            _store_chunk(c1a, c1b, c1c, c1d, word1, addr_rows, i % 2, k_slot, bias_slot, 1, RAW_KEYS,
+                         BLOCK_N, LOAD_WARPS)
+        # the RoPE copies have landed; K rows written by the generic proxy are read by wgmma (async
+        # proxy): fence, then one arrive once every loader thread has fenced its stores
+        async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(k_ready.index(ks), count=1)
         t0, nm0, ne0 = t1, nm1, ne1
         t1, nm1, ne1 = t2, nm2, ne2
-        t2, nm2, ne2 = t3, nm3, ne3
     async_copy.wait_group(0)
 
 
@@ -427,53 +452,52 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
                  L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr):
     """The loader for KV_BF16 (prefill over a bf16 kv, no extra set): tile i's rows are copied (cp.async)
     into its K slot as soon as the slot is free, and handed over once they have landed, which is after
-    tile i + 1's copies are issued (two tiles in flight). Indices three tiles ahead, record offsets (and
-    L2 requests) two tiles ahead, as ``_loader``."""
-    q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    tile i + 1's copies are issued (two tiles in flight). Indices two tiles ahead, record offsets (and L2
+    requests) one tile ahead, lengths loaded two tiles ahead, as ``_loader``."""
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
     Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, False)
     p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
     u0, t0, b0, s0 = _unit_tile(A, sa, M)
-    nm0, ne0 = _lengths(la, b0, s0, n_tiles > 0, False, HAS_MAIN_LEN, False)
+    nm0, ne0 = _load_lengths(la, b0, s0, n_tiles > 0, False, HAS_MAIN_LEN, False)
     u1, t1, b1, s1 = _unit_tile(A + 1, sa, M)
-    nm1, ne1 = _lengths(la, b1, s1, n_tiles > 1, False, HAS_MAIN_LEN, False)
-    u2, t2, b2, s2 = _unit_tile(A + 2, sa, M)
-    nm2, ne2 = _lengths(la, b2, s2, n_tiles > 2, False, HAS_MAIN_LEN, False)
+    nm1, ne1 = _load_lengths(la, b1, s1, n_tiles > 1, False, HAS_MAIN_LEN, False)
     _copy_indices(ka, idx_rows.index(0), t0, b0, s0, n_tiles > 0, Mm, BLOCK_N, LOAD_WARPS)
     _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
-    _copy_indices(ka, idx_rows.index(2), t2, b2, s2, n_tiles > 2, Mm, BLOCK_N, LOAD_WARPS)
     async_copy.commit_group()
     async_copy.wait_group(0)
     gl.thread_barrier()
-    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, nm0, ne0, Mm, L2_AHEAD,
-                    BLOCK_N, 1, 1, True)
-    _tile_addresses(ka, idx_rows.index(1), addr_rows.index(2), addr_rows.index(3), t1, nm1, ne1, Mm, L2_AHEAD,
+    cm0, ce0 = _clamp_lengths(la, nm0, ne0)
+    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, cm0, ce0, Mm, L2_AHEAD,
                     BLOCK_N, 1, 1, True)
     gl.thread_barrier()
     for i in range(n_tiles):
         ks = i % K_STAGES
         live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
-        u3, t3, b3, s3 = _unit_tile(A + i + 3, sa, M)
-        ok3 = i + 3 < n_tiles
-        nm3, ne3 = _lengths(la, b3, s3, ok3, False, HAS_MAIN_LEN, False)
+        u2, t2, b2, s2 = _unit_tile(A + i + 2, sa, M)
+        ok2 = i + 2 < n_tiles
+        nm2, ne2 = _load_lengths(la, b2, s2, ok2, False, HAS_MAIN_LEN, False)
         # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
         mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        _publish(k_live, ks, live, LOAD_WARPS)
         if live:
-            _copy_rows(ka, addr_rows, i % 3, t0, Mm, k_ring.index(ks), k_bias.index(ks), BLOCK_N, PROBE, LOAD_WARPS)
-        _copy_indices(ka, idx_rows.index((i + 3) % 4), t3, b3, s3, ok3, Mm, BLOCK_N, LOAD_WARPS)
+            _copy_rows(ka, addr_rows, i % 2, t0, Mm, k_ring.index(ks), k_bias.index(ks), BLOCK_N, PROBE, LOAD_WARPS)
+        _copy_indices(ka, idx_rows.index((i + 2) % 3), t2, b2, s2, ok2, Mm, BLOCK_N, LOAD_WARPS)
         async_copy.commit_group()
-        # tile i - 1's rows (and tile i + 2's index row, in the same group) have landed in every thread's view
+        # tile i - 1's rows (and tile i + 1's index row, in the same group) have landed in every thread's view
         async_copy.wait_group(1)
         fence_async_shared()
         gl.thread_barrier()
         if i > 0:
             mbarrier.arrive(k_ready.index((i - 1) % K_STAGES), count=1)
-        _tile_addresses(ka, idx_rows.index((i + 2) % 4), addr_rows.index(2 * ((i + 2) % 3)),
-                        addr_rows.index(2 * ((i + 2) % 3) + 1), t2, nm2, ne2, Mm, L2_AHEAD, BLOCK_N, 1, 1, True)
+        cm1, ce1 = _clamp_lengths(la, nm1, ne1)
+        _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
+                        addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, 1, 1, True)
+        # tile i + 1's address rows, read by its copies at the next iteration, are written by every thread
+        gl.thread_barrier()
         t0, nm0, ne0 = t1, nm1, ne1
         t1, nm1, ne1 = t2, nm2, ne2
-        t2, nm2, ne2 = t3, nm3, ne3
     async_copy.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
@@ -483,12 +507,36 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
 
 # ---- consumers ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-                   HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
-    """The CTA's i-th tile as a consumer sees it: (K slot, token, tile of its unit, batch row, query, live)."""
-    u, t, bi, si = _unit_tile(A + i, sa, M)
-    nm, ne = _lengths(la, bi, si, i < n_tiles, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
-    return i % K_STAGES, u, t, bi, si, _tile_live(t, nm, ne, Mm, BLOCK_N)
+def _copy_q(oa, q_smem, gt, sa, M, hb, num_tokens):
+    """cp.async of the Q rows (64 heads x 512, 16 bytes a copy) of the unit of tile gt into the Q tile, one
+    commit group (Q_ASYNC: q's rows are 16-byte aligned)."""
+    (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+     part_o_ptr, part_lse_ptr, sm_log2, maxl_ptr) = oa
+    u, t, bi, si = _unit_tile(gt, sa, M)
+    # a thread copies half a head row (32 copies off one row address: few registers beside the accumulator)
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+    rows = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LC))
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, LC))
+    off = gl.multiple_of(bi * stride_qb + si * stride_qs + rows.to(gl.int64) * stride_qh, 8)
+    async_copy.async_copy_global_to_shared(q_smem.index(0), q_ptr + off[:, None] + cols[None, :],
+                                           mask=(u < num_tokens) & (cols < 512)[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _next_q(oa, q_smem, A, i, t, n_tiles, sa, M, hb, num_tokens):
+    """At a unit's last tile, once its S has completed (or when it has none): copy the next unit's Q,
+    whose latency then hides behind this tile's softmax, P.V and epilogue."""
+    if (t == M - 1) & (i + 1 < n_tiles):
+        gl.thread_barrier()
+        _copy_q(oa, q_smem, A + i + 1, sa, M, hb, num_tokens)
+
+
+@gluon.jit
+def _slot_live(k_live, ks):
+    """The liveness flag the loader published for K slot ks (read after the slot's k_ready wait)."""
+    LS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(k_live.index(ks).load(LS), axis=0) != 0
 
 
 @gluon.jit
@@ -515,8 +563,8 @@ def _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, factor, acc, O_L: gl.
 @gluon.jit
 def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
-               HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr, PROBE: gl.constexpr):
-    q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+               HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr, Q_ASYNC: gl.constexpr, PROBE: gl.constexpr):
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
      part_o_ptr, part_lse_ptr, sm_log2, maxl_ptr) = oa
@@ -536,30 +584,39 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_L))
     n_live = 0
     n_parts = 0
+    if Q_ASYNC:
+        _copy_q(oa, q_smem, A, sa, M, hb, num_tokens)
     for i in range(n_tiles):
-        ks, u, t, bi, si, live = _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN,
-                                                HAS_EXTRA_LEN)
+        ks = i % K_STAGES
+        u, t, bi, si = _unit_tile(A + i, sa, M)
         k_slot = k_ring.index(ks)
         if (i == 0) | (t == 0):
-            # offsets made here (an opaque 0 keeps loop-invariant code motion from holding them, and their
-            # products with the strides, in registers across the loop)
-            z = _opaque_zero(i)
-            qr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-            qc = gl.max_contiguous(gl.multiple_of(z + gl.arange(0, 64, layout=gl.SliceLayout(0, QL)), 64), 64)
-            pr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, PQ))
-            pc = z + gl.arange(0, 8, layout=gl.SliceLayout(0, PQ))
-            # the unit's Q -> the shared Q tile (consumer 0's own wgmma of the previous unit have completed)
-            q_row = q_ptr + bi * stride_qb + si * stride_qs + (hb * 64 + qr).to(gl.int64) * stride_qh
-            for j in gl.static_range(8):
-                q_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_row[:, None] + (64 * j + qc)[None, :]))
-            fence_async_shared()
-            gl.thread_barrier()
-            # ask L2 for the next unit's Q (eight 128-byte lines per head row)
-            un, tn, bn, sn = _unit_tile((u + 1) * M, sa, M)
-            nq = q_ptr + bn * stride_qb + sn * stride_qs + (hb * 64 + pr).to(gl.int64) * stride_qh
-            _prefetch_l2(nq.to(gl.int64)[:, None] + (pc * 128).to(gl.int64)[None, :],
-                         (pr[:, None] * 0 + pc[None, :] * 0 + un) < num_tokens)
+            if Q_ASYNC:
+                # the unit's Q, copied after the previous unit's last S (or before the loop), has landed
+                async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
+            else:
+                # offsets made here (an opaque 0 keeps loop-invariant code motion from holding them, and their
+                # products with the strides, in registers across the loop)
+                z = _opaque_zero(i)
+                qr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+                qc = z + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+                # the unit's Q -> the shared Q tile (consumer 0's own wgmma of the previous unit have completed)
+                q_row = q_ptr + bi * stride_qb + si * stride_qs + (hb * 64 + qr).to(gl.int64) * stride_qh
+                for j in gl.static_range(8):
+                    q_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_row[:, None] + (64 * j + qc)[None, :]))
+                fence_async_shared()
+                gl.thread_barrier()
+                # ask L2 for the next unit's Q (eight 128-byte lines per head row)
+                pr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, PQ))
+                pc = z + gl.arange(0, 8, layout=gl.SliceLayout(0, PQ))
+                un, tn, bn, sn = _unit_tile((u + 1) * M, sa, M)
+                nq = q_ptr + bn * stride_qb + sn * stride_qs + (hb * 64 + pr).to(gl.int64) * stride_qh
+                _prefetch_l2(nq.to(gl.int64)[:, None] + (pc * 128).to(gl.int64)[None, :],
+                             (pr[:, None] * 0 + pc[None, :] * 0 + un) < num_tokens)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
+        live = _slot_live(k_live, ks)
         if live:
             if (PROBE & 2) == 0:
                 s = warpgroup_mma(q_smem.index(_opaque_zero(i)), k_slot.permute((1, 0)),
@@ -567,6 +624,8 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                 s = warpgroup_mma_wait(0, deps=(s, ))
             else:
                 s = gl.zeros([64, BLOCK_N], gl.float32, S_L) + _opaque_zero(i).to(gl.float32)
+            if Q_ASYNC:
+                _next_q(oa, q_smem, A, i, t, n_tiles, sa, M, hb, num_tokens)
             bias = k_bias.index(ks).load(gl.SliceLayout(0, S_L))
             s = s * sm_log2 + bias[None, :]
             m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -592,6 +651,9 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                 # ptxas serialize every wgmma of the kernel
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
             n_live += 1
+        else:
+            if Q_ASYNC:
+                _next_q(oa, q_smem, A, i, t, n_tiles, sa, M, hb, num_tokens)
         gl.thread_barrier()
         mbarrier.arrive(k_free.index(ks), count=1)
         if (i == n_tiles - 1) | (t == M - 1):
@@ -632,7 +694,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
 def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
                PROBE: gl.constexpr):
-    q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
     Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
@@ -642,11 +704,11 @@ def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
     n_parts = 0
     acc = gl.zeros([64, 256], gl.float32, O_L)
     for i in range(n_tiles):
-        ks, u, t, bi, si, live = _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN,
-                                                HAS_EXTRA_LEN)
+        ks = i % K_STAGES
+        u, t, bi, si = _unit_tile(A + i, sa, M)
         k_slot = k_ring.index(ks)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
-        if live:
+        if _slot_live(k_live, ks):
             mbarrier.wait(p_ready, n_live & 1)
             alpha = alpha_smem.load(gl.SliceLayout(1, O_L))
             if (PROBE & 2) == 0:
@@ -685,7 +747,8 @@ def _sparse_mla_ws_kernel(
         MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
         HAS_EXTRA_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr, HEADS: gl.constexpr,
         K_STAGES: gl.constexpr, L2_AHEAD: gl.constexpr, C0_REGS: gl.constexpr, C1_REGS: gl.constexpr,
-        KV_BF16: gl.constexpr, HAS_MAXL: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
+        KV_BF16: gl.constexpr, HAS_MAXL: gl.constexpr, Q_ASYNC: gl.constexpr, PROBE: gl.constexpr,
+        num_warps: gl.constexpr):
     LOAD_WARPS: gl.constexpr = num_warps      # the loader is the default partition
     gl.static_assert(BLOCK_N == 64 and LOAD_WARPS == 4)
     KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -696,8 +759,9 @@ def _sparse_mla_ws_kernel(
     k_bias = gl.allocate_shared_memory(gl.float32, [K_STAGES, BLOCK_N], PLAIN1)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [64], PLAIN1)
     o_scale = gl.allocate_shared_memory(gl.float32, [64], PLAIN1)
-    idx_rows = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N], PLAIN1)
-    addr_rows = gl.allocate_shared_memory(gl.int64, [6, BLOCK_N], PLAIN1)
+    k_live = gl.allocate_shared_memory(gl.int32, [K_STAGES, 32], PLAIN1)
+    idx_rows = gl.allocate_shared_memory(gl.int32, [3, BLOCK_N], PLAIN1)
+    addr_rows = gl.allocate_shared_memory(gl.int64, [4, BLOCK_N], PLAIN1)
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -712,7 +776,7 @@ def _sparse_mla_ws_kernel(
     mbarrier.init(o_ready, count=1)
     mbarrier.init(o_free, count=1)
 
-    bufs = (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows)
+    bufs = (q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows)
     bars = (k_ready, k_free, p_ready, p_free, o_ready, o_free)
     sa = (num_tokens, s_q, tiles_per_cta)
     la = (main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk)
@@ -727,7 +791,7 @@ def _sparse_mla_ws_kernel(
         gl.warp_specialize([
             (_loader_rows, (sa, la, ka, bufs, bars, BLOCK_N, K_STAGES, HAS_MAIN_LEN, L2_AHEAD, PROBE, LOAD_WARPS)),
             (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
-                          HAS_SINK, HAS_MAXL, PROBE)),
+                          HAS_SINK, HAS_MAXL, Q_ASYNC, PROBE)),
             (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
                           PROBE)),
         ], [4, 4], [C0_REGS, C1_REGS])
@@ -736,7 +800,7 @@ def _sparse_mla_ws_kernel(
             (_loader, (sa, la, ka, bufs, bars, BLOCK_N, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA, HAS_MAIN_LEN,
                        HAS_EXTRA_LEN, L2_AHEAD, PROBE, LOAD_WARPS)),
             (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
-                          HAS_SINK, HAS_MAXL, PROBE)),
+                          HAS_SINK, HAS_MAXL, Q_ASYNC, PROBE)),
             (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
                           PROBE)),
         ], [4, 4], [C0_REGS, C1_REGS])
@@ -794,27 +858,36 @@ def max_parts(m: int, w: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
+def q_rows_aligned(q) -> bool:
+    """q's rows start at 16-byte boundaries (its address and every stride but the last a multiple of 8
+    elements): Q_ASYNC, the Q tile copied by cp.async; otherwise loaded through registers."""
+    return q.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in q.stride()[:-1])
+
+
+@functools.lru_cache(maxsize=1024)
 def constexprs(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-               has_extra_len: bool, has_sink: bool) -> dict:
+               has_extra_len: bool, has_sink: bool, q_async: bool = True) -> dict:
     """The kernel's constexprs and launch options for a config (items of a ``sparse_mla_decode`` plan)."""
     cfg = dict(cfg_items)
     return dict(MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len,
                 HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, HEADS=h, KV_BF16=False, HAS_MAXL=False,
-                **{k: cfg[k] for k in CONFIG_KEYS})
+                Q_ASYNC=q_async, **{k: cfg[k] for k in CONFIG_KEYS})
 
 
-def prefill_constexprs(cfg_items: tuple, h: int, has_len: bool, has_sink: bool) -> dict:
+def prefill_constexprs(cfg_items: tuple, h: int, has_len: bool, has_sink: bool, q_async: bool = True) -> dict:
     """The constexprs and launch options of the kernel over a bf16 kv (prefill: one index set, rows as
     one-key pages, max logits written)."""
     cfg = dict(cfg_items)
     return dict(MAIN_BS=1, EXTRA_BS=1, HAS_EXTRA=False, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=False,
-                HAS_SINK=has_sink, HEADS=h, KV_BF16=True, HAS_MAXL=True, **{k: cfg[k] for k in CONFIG_KEYS})
+                HAS_SINK=has_sink, HEADS=h, KV_BF16=True, HAS_MAXL=True, Q_ASYNC=q_async,
+                **{k: cfg[k] for k in CONFIG_KEYS})
 
 
 def _matrix_constexprs(arch, small_pages=False):
     return dict(MAIN_BS=64 if small_pages else 256, EXTRA_BS=2 if small_pages else 64, HAS_EXTRA=True,
                 HAS_MAIN_LEN=True, HAS_EXTRA_LEN=True, HAS_SINK=True, HEADS=128 if small_pages else 64,
-                KV_BF16=False, HAS_MAXL=False, **{k: v for k, v in default_config().items() if k != "num_warps"})
+                KV_BF16=False, HAS_MAXL=False, Q_ASYNC=True,
+                **{k: v for k, v in default_config().items() if k != "num_warps"})
 
 
 _POINTERS = dict(DECODE_POINTERS, maxl_ptr="*fp32")
@@ -832,7 +905,8 @@ COMPILE_SPECS = [
     dict(name="sparse_mla_prefill_ws", fn=_sparse_mla_ws_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: dict(
              MAIN_BS=1, EXTRA_BS=1, HAS_EXTRA=False, HAS_MAIN_LEN=True, HAS_EXTRA_LEN=False, HAS_SINK=True, HEADS=64,
-             KV_BF16=True, HAS_MAXL=True, **{k: v for k, v in prefill_config().items() if k != "num_warps"}),
+             KV_BF16=True, HAS_MAXL=True, Q_ASYNC=True,
+             **{k: v for k, v in prefill_config().items() if k != "num_warps"}),
          options=lambda arch: dict(num_warps=prefill_config()["num_warps"]), matrix=True, targets=("sm_90a",),
          wgmma_pipelined=True),
 ]

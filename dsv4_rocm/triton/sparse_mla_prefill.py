@@ -82,8 +82,9 @@ def _sparse_mla_prefill_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, stride_kv, s
 
 
 # the prefill kernel Hopper runs by default: "ws" (sparse_mla_decode_ws.py over bf16 rows) or "triton" (this
-# file's), as the H100 timing of ci/gpu_decode_ws.py decides
-DEFAULT_SM90_KERNEL = "triton"
+# file's), as the H100 timing of ci/gpu_decode_ws.py decides (BENCHMARKS.md): the Hopper kernel over bf16 rows
+# was faster on all four timed rows (s_q 4096, h 64 / 128, s_kv 8K / 64K)
+DEFAULT_SM90_KERNEL = "ws"
 
 
 def default_kernel(arch: str) -> str:
@@ -109,11 +110,12 @@ def _config(device: torch.device) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _ws_kernel(cfg_items: tuple, h: int, has_len: bool, has_sink: bool):
+def _ws_kernel(cfg_items: tuple, h: int, has_len: bool, has_sink: bool, q_async: bool):
     """The Hopper kernel over bf16 rows with the constexprs of a call's variant bound (``cfg_items``: the
     call's config overrides; those of the Hopper kernel's keys replace its defaults)."""
     cfg = dict(_ws.prefill_config(), **{k: v for k, v in cfg_items if k in _ws.CONFIG_KEYS})
-    return launch(_ws._sparse_mla_ws_kernel).bind(**_ws.prefill_constexprs(tuple(cfg.items()), h, has_len, has_sink))
+    return launch(_ws._sparse_mla_ws_kernel).bind(**_ws.prefill_constexprs(tuple(cfg.items()), h, has_len, has_sink,
+                                                                            q_async))
 
 
 def _ws_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, lse, maxl, over, compile_only):
@@ -132,7 +134,8 @@ def _ws_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, lse, maxl
             kvb, kv.stride(0) * 2, kv.shape[0], indices, ist, 0, lens, lst, 0, topk,
             kvb, 0, 0, indices, 0, 0, lens, 0, 0, 0,
             sink, out, out.stride(0), 0, out.stride(1), lse, lse, lse, s_q, 1, w, sm_scale * LOG2E, maxl)
-    kern = _ws_kernel(tuple(sorted(over.items())), h, topk_length is not None, attn_sink is not None)
+    kern = _ws_kernel(tuple(sorted(over.items())), h, topk_length is not None, attn_sink is not None,
+                      _ws.q_rows_aligned(q))
     grid = (cdiv(s_q * m, w), h // 64)
     if compile_only:
         kern.warmup(*args, grid=grid)
