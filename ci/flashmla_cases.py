@@ -349,6 +349,7 @@ def main(argv=None):
     ap.add_argument("--no-peer", action="store_true", help="do not run FlashMLA even if it imports")
     ap.add_argument("--timing", action="store_true", help="time the comparison table's rows beside FlashMLA "
                                                          "(skipped when flash_mla does not import)")
+    ap.add_argument("--timing-only", action="store_true", help="time the comparison table's rows, run no case")
     ap.add_argument("--list", action="store_true", help="print the case counts and stop")
     ap.add_argument("--cpu", action="store_true", help="run the prefill cases on the CPU (checks the harness)")
     ap.add_argument("--max-size", type=int, help="leave out cases with s_q * topk * h_q above this")
@@ -378,6 +379,8 @@ def main(argv=None):
     print(f"FlashMLA package: {'importable, run beside ours' if peer is not None else 'not importable'}")
     if args.list:
         return 0
+    if args.timing_only:
+        picked, args.timing = [], True
     if args.cpu:
         picked = [x for x in picked if x[0] == "prefill"]
     elif not torch.cuda.is_available():

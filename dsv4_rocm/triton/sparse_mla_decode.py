@@ -304,7 +304,7 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     if kernel == "ws":
         if _ws is None:
             raise ValueError("config kernel='ws' needs Triton's Gluon (triton >= 3.6), which this Triton lacks")
-        return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config())
+        return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config(num_heads))
     if kernel != "triton":
         raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")
     if arch in ("gfx942", "gfx90a"):

@@ -807,14 +807,15 @@ def _sparse_mla_ws_kernel(
 
 
 # ---- launch ----------------------------------------------------------------------------------------------
-def default_config() -> dict:
-    """The H100 defaults: 64-key tiles, two K slots, L2 requests two tiles ahead, consumer 0 at 200
-    registers, consumer 1 at 160 (the loader gets 144), no spills (compile matrix). The register gathers
-    measured 10-18% faster on every timed row than the earlier raw ring in shared memory fed by cp.async
-    (16-key chunks, one in flight while one was dequantized; ci/gpu_decode_ws.py, BENCHMARKS.md).
-    ``PROBE`` is for measurement only (ci/gpu_decode_ws.py): 1 masks off every record load, 2 skips the
-    matrix products, 3 both; the outputs are then wrong."""
-    return dict(BLOCK_N=64, K_STAGES=2, L2_AHEAD=True, C0_REGS=200, C1_REGS=160, PROBE=0, num_warps=4)
+def default_config(num_heads: int = 64) -> dict:
+    """The H100 defaults: 64-key tiles, two K slots, consumer 0 at 200 registers, consumer 1 at 160 (the
+    loader gets 144), no spills (compile matrix); L2 requests a tile ahead with 64 heads only (with 128 the
+    second head block's gathers hit L2 anyway: 1-3% faster without, 0-2% slower with 64 heads; H100,
+    ci/gpu_decode_ws.py). The register gathers measured 10-18% faster on every timed row than the earlier
+    raw ring in shared memory fed by cp.async (BENCHMARKS.md). ``PROBE`` is for measurement only
+    (ci/gpu_decode_ws.py): 1 masks off every record load, 2 skips the matrix products, 3 both; the outputs
+    are then wrong."""
+    return dict(BLOCK_N=64, K_STAGES=2, L2_AHEAD=num_heads <= 64, C0_REGS=200, C1_REGS=160, PROBE=0, num_warps=4)
 
 
 def prefill_config() -> dict:
@@ -887,7 +888,7 @@ def _matrix_constexprs(arch, small_pages=False):
     return dict(MAIN_BS=64 if small_pages else 256, EXTRA_BS=2 if small_pages else 64, HAS_EXTRA=True,
                 HAS_MAIN_LEN=True, HAS_EXTRA_LEN=True, HAS_SINK=True, HEADS=128 if small_pages else 64,
                 KV_BF16=False, HAS_MAXL=False, Q_ASYNC=True,
-                **{k: v for k, v in default_config().items() if k != "num_warps"})
+                **{k: v for k, v in default_config(128 if small_pages else 64).items() if k != "num_warps"})
 
 
 _POINTERS = dict(DECODE_POINTERS, maxl_ptr="*fp32")
