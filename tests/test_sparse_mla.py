@@ -174,6 +174,13 @@ _DECODE_FORMS = textwrap.dedent("""
                       extra_indices_in_kvcache=None, extra_topk_length=None, topk_length=None)))
     check_out(out, ref, "interpreted decode, main set only, no lengths", decode_key_amax(dict(
         a, extra_k_cache=None, topk_length=None)))
+    # AMD's program order (a token's two head blocks 8 programs apart, on one XCD; 18 programs: one group of 16,
+    # two past it in the plain order): the same bits as the plain order
+    h = decode_case(9, 1, 128, 64, 32, 3, 24, "cpu", 6, num_blocks=6)
+    for ns in (1, 2):
+        plain = sparse_mla_decode(*decode_args(h), config=CFG, num_splits=ns)
+        xcd = sparse_mla_decode(*decode_args(h), config=dict(CFG, XCDS=8), num_splits=ns)
+        assert torch.equal(xcd[0], plain[0]) and torch.equal(xcd[1], plain[1]), ns
     print("ok")
 """)
 
