@@ -1,19 +1,25 @@
-"""The warp-specialized Hopper decode kernel (dsv4_rocm/triton/sparse_mla_decode_ws.py) on an H100: checked
-against the reference, then timed beside the Triton decode kernel and FlashMLA on identical tensors.
+"""The warp-specialized Hopper kernel (dsv4_rocm/triton/sparse_mla_decode_ws.py) on an H100, decode and prefill
+over bf16 rows: checked against the reference, then timed beside the Triton kernels and FlashMLA on identical
+tensors.
 
     PYTHONPATH=$PWD:$PWD/tests python ci/gpu_decode_ws.py [--flashmla /path/to/FlashMLA] [--smoke] [--json out.json]
 
+0. Every variant's kernels are compiled first, in parallel (one worker thread per CPU).
 1. Correctness (tolerances of tests/sparse_mla_inputs.py): the default configuration on the GPU cases of
    tests/test_sparse_mla.py (block sizes 2 to 576, lengths [b] and [b, s_q], no extra set, sinks +-inf, h 64
    and 128, s_q 1 to 3, b up to 321), with the default persistent schedule and with 3 parts per query;
    strided inputs and an out buffer (same bits as the contiguous call, nothing else written); all-invalid and
    zero-length queries (out 0, lse +inf); the public op's default on this GPU. Every other variant on two
-   cases; the default again on every timed case (the schedules of the large batches), against the reference.
+   cases (timing probes, whose outputs are wrong on purpose, on none); the default again on every timed case
+   (the schedules of the large batches); the prefill kernel over bf16 rows on the prefill GPU cases with every
+   kind of sink (out, lse, max logits, lonely queries).
 2. Compile report of each variant (registers, spills, shared memory of the compiled kernels).
 3. Timing, CUDA-graph replay (median) and eager: FlashMLA (when ``import flash_mla`` works, or from the
-   ``--flashmla`` checkout built in place), the Triton kernel, the Hopper kernel and its variants.
-4. A table: per case the times and FlashMLA / ours, and a verdict per case (which of ws and triton is
-   faster) and overall: the value ``sparse_mla_decode.DEFAULT_SM90_KERNEL`` should hold.
+   ``--flashmla`` checkout built in place), the Triton kernel, the Hopper kernel, its variants and its timing
+   probes (``PROBE``: no record loads, no matrix products, neither); prefill (eager, s_q 4096, s_kv 8K / 64K,
+   h 64 / 128) for both kernels, the probes and FlashMLA.
+4. Tables: per case the times and FlashMLA / ours, the probes, a verdict per case (which of ws and triton is
+   faster) and overall: the value ``sparse_mla_decode.DEFAULT_SM90_KERNEL`` should hold; the prefill TFLOP/s.
 
 A kernel that hangs ends the run (exit 3) with the case named, so the machine is not held. Exit 1 after the
 timing of what passed when any check failed; 2 when the device is not Hopper (sm_90). ``--smoke`` compiles
