@@ -354,6 +354,33 @@ def _copy_rope(ka, addr_rows, a, t, Mm, k_slot, LOAD_WARPS: gl.constexpr):
 
 
 @gluon.jit
+def _loader_start(sa, la, ka, idx_rows, addr_rows, BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr,
+                  EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
+                  HAS_EXTRA_LEN: gl.constexpr, L2_AHEAD: gl.constexpr, KV_BF16: gl.constexpr,
+                  LOAD_WARPS: gl.constexpr):
+    """Both loaders' start: the CTA's tiles, tiles 0 and 1 (tile of its unit, lengths as loaded), their
+    index rows (tile j in row j % 3) and tile 0's address rows (tile j in rows 2 (j % 2), 2 (j % 2) + 1),
+    published by a partition barrier. -> (Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1)."""
+    num_tokens, s_q, W = sa
+    Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
+    p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
+    u0, t0, b0, s0 = _unit_tile(A, sa, M)
+    nm0, ne0 = _load_lengths(la, b0, s0, n_tiles > 0, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    u1, t1, b1, s1 = _unit_tile(A + 1, sa, M)
+    nm1, ne1 = _load_lengths(la, b1, s1, n_tiles > 1, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    _copy_indices(ka, idx_rows.index(0), t0, b0, s0, n_tiles > 0, Mm, BLOCK_N, LOAD_WARPS)
+    _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    cm0, ce0 = _clamp_lengths(la, nm0, ne0)
+    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, cm0, ce0, Mm, L2_AHEAD,
+                    BLOCK_N, MAIN_BS, EXTRA_BS, KV_BF16)
+    gl.thread_barrier()
+    return Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1
+
+
+@gluon.jit
 def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, MAIN_BS: gl.constexpr,
             EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
             L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr):
@@ -367,23 +394,9 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
     num_tokens, s_q, W = sa
     RAW_KEYS: gl.constexpr = BLOCK_N // 2
     gl.static_assert(RAW_KEYS == 8 * LOAD_WARPS)
-    Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
-    p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
-    # tiles i, i + 1 of the loop: tile of its unit and the unit's lengths as loaded (registers)
-    u0, t0, b0, s0 = _unit_tile(A, sa, M)
-    nm0, ne0 = _load_lengths(la, b0, s0, n_tiles > 0, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
-    u1, t1, b1, s1 = _unit_tile(A + 1, sa, M)
-    nm1, ne1 = _load_lengths(la, b1, s1, n_tiles > 1, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
-    # index rows: tile j in row j % 3; address rows: tile j in rows 2 (j % 2), 2 (j % 2) + 1
-    _copy_indices(ka, idx_rows.index(0), t0, b0, s0, n_tiles > 0, Mm, BLOCK_N, LOAD_WARPS)
-    _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
-    async_copy.commit_group()
-    async_copy.wait_group(0)
-    gl.thread_barrier()
-    cm0, ce0 = _clamp_lengths(la, nm0, ne0)
-    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, cm0, ce0, Mm, L2_AHEAD,
-                    BLOCK_N, MAIN_BS, EXTRA_BS, False)
-    gl.thread_barrier()
+    Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1 = _loader_start(
+        sa, la, ka, idx_rows, addr_rows, BLOCK_N, MAIN_BS, EXTRA_BS, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD,
+        False, LOAD_WARPS)
     c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, 0, t0, 0, Mm, RAW_KEYS, PROBE, LOAD_WARPS)
     for i in range(n_tiles):
         ks = i % K_STAGES
@@ -457,21 +470,8 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
     q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
-    Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, False)
-    p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
-    u0, t0, b0, s0 = _unit_tile(A, sa, M)
-    nm0, ne0 = _load_lengths(la, b0, s0, n_tiles > 0, False, HAS_MAIN_LEN, False)
-    u1, t1, b1, s1 = _unit_tile(A + 1, sa, M)
-    nm1, ne1 = _load_lengths(la, b1, s1, n_tiles > 1, False, HAS_MAIN_LEN, False)
-    _copy_indices(ka, idx_rows.index(0), t0, b0, s0, n_tiles > 0, Mm, BLOCK_N, LOAD_WARPS)
-    _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
-    async_copy.commit_group()
-    async_copy.wait_group(0)
-    gl.thread_barrier()
-    cm0, ce0 = _clamp_lengths(la, nm0, ne0)
-    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, cm0, ce0, Mm, L2_AHEAD,
-                    BLOCK_N, 1, 1, True)
-    gl.thread_barrier()
+    Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1 = _loader_start(
+        sa, la, ka, idx_rows, addr_rows, BLOCK_N, 1, 1, False, HAS_MAIN_LEN, False, L2_AHEAD, True, LOAD_WARPS)
     for i in range(n_tiles):
         ks = i % K_STAGES
         live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
