@@ -4,7 +4,11 @@
 # benchmarks; a short summary last.
 #
 # Usage: bash ci/gpu_suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
-#   stages: build tests memcheck parity main flashmla host bench   (default: all, in that order)
+#   stages: build tests memcheck parity main flashmla host bench perf   (default: all but perf, in that order)
+#   perf: the speed report of the sparse attention kernels beside FlashMLA (ci/gpu_decode_ws.py: every decode
+#   and prefill row with the Hopper kernel's variants and timing probes; ci/flashmla_cases.py --timing-only:
+#   the comparison table on FlashMLA's own tensors) and the layer step, einsum, top-k and start-up rows of
+#   `python -m dsv4_rocm bench`; it builds FlashMLA first when it is not built.
 #   e.g. `bash ci/gpu_suite.sh build tests` then `bash ci/gpu_suite.sh build flashmla bench` fit two calls
 #   of ten minutes each on an H100.
 # Environment: PYTEST_WORKERS (default 4, with pytest-xdist), FLASHMLA_DIR (default .peers/FlashMLA, see
@@ -27,7 +31,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 FLASHMLA_DIR=${FLASHMLA_DIR:-$PWD/.peers/FlashMLA}
 fm_built() { python3 -c "import sys; sys.path.insert(0, '$FLASHMLA_DIR'); import flash_mla.cuda" 2>/dev/null; }
-if want flashmla && [ -f "$FLASHMLA_DIR/setup.py" ] && ! fm_built; then
+if { want flashmla || want perf; } && [ -f "$FLASHMLA_DIR/setup.py" ] && ! fm_built; then
   stamp "building FlashMLA in the background (log: $OUT/flashmla_build.log)"
   ( FLASHMLA_DIR=$FLASHMLA_DIR bash ci/flashmla_peer.sh build > "$OUT/flashmla_build.log" 2>&1 ) &
   FM_BUILD=$!
@@ -120,9 +124,27 @@ if want bench; then
   record bench "${PIPESTATUS[0]}"
 fi
 
+if want perf; then
+  if [ -n "${FM_BUILD:-}" ]; then stamp "waiting for the FlashMLA build"; wait "$FM_BUILD"; FM_BUILD=""; fi
+  stamp "speed report: decode and prefill beside FlashMLA, layer step, einsum, top-k, start-up"
+  fm_arg=""; [ -d "$FLASHMLA_DIR/flash_mla" ] && fm_arg="--flashmla $FLASHMLA_DIR"
+  python3 ci/gpu_decode_ws.py $fm_arg --json "$OUT/decode_ws.json" > "$OUT/decode_ws.log" 2>&1
+  rc=$?
+  sed -n '/== decode, us/,/^VERDICT/p; /^prefill case/,/^$/p' "$OUT/decode_ws.log"
+  if [ -n "$fm_arg" ]; then
+    python3 ci/flashmla_cases.py $fm_arg --timing-only --json "$OUT/flashmla_timing.json" > "$OUT/flashmla_timing.log" 2>&1
+    rc=$(( rc | $? ))
+    sed -n '/^case  /,/^ratio = /p' "$OUT/flashmla_timing.log"
+  fi
+  for only in "C4 decode step" fp8_einsum "topk k=512 n=256K" "start-up"; do
+    PYTHONPATH="$PYTHONPATH${fm_arg:+:$FLASHMLA_DIR}" python3 -m dsv4_rocm bench --only "$only" 2>&1 | tail -12
+  done
+  record perf "$rc"
+fi
+
 echo
 stamp "gpu_suite summary"
-for s in build tests memcheck parity main flashmla host bench; do
+for s in build tests memcheck parity main flashmla host bench perf; do
   want "$s" || continue
   extra=""
   [ "$s" = tests ] && extra=" ($(grep -Eo '[0-9]+ (passed|failed|error)' "$OUT/pytest_gpu.log" 2>/dev/null | tr '\n' ' '))"

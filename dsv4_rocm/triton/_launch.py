@@ -16,6 +16,17 @@ direct launch of compiled kernels.
   **constexprs)`` (Triton's ``fn[grid](...)`` form). The first
   launch of a variant goes through Triton's own launcher (binder, cache key, compilation); later
   launches call the compiled kernel Triton picked, directly (below).
+* ``kernel_cache()``: where dsv4_rocm's compiled kernels persist between processes, and the context in which
+  its compiles run (below).
+
+Kernel cache. Triton keeps compiled kernels in its own directory (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``), which serving deployments often point at a per-process or temporary directory, so
+every new process compiles again. dsv4_rocm's compiles (``flash_mla.warmup`` and the first launch of each
+variant through ``launch``) run with Triton's cache directory set to ``DSV4_KERNEL_CACHE`` when set, else
+``$XDG_CACHE_HOME/dsv4_rocm/triton`` (``~/.cache/dsv4_rocm/triton``), so a second process on the machine
+loads them instead of compiling; Triton's own setting is restored afterwards and applies to every other
+kernel. ``DSV4_KERNEL_CACHE=triton`` keeps Triton's directory for ours too. The kernels are Triton's own
+cache entries (keyed by source, options and target), so a changed kernel or Triton misses and recompiles.
 
 CPU tensors (the Triton interpreter, ``TRITON_INTERPRET=1``) get arch "cpu", no fnuz and one "SM", except
 inside ``emulate_target(arch)``: there they get the facts of that target (gfx942, gfx950, sm_90, sm_100), so
@@ -188,6 +199,35 @@ def counters(device: torch.device, numel: int) -> torch.Tensor:
     return _buffer("counters", device, numel, torch.int32, True)
 
 
+# ---- kernel cache ----------------------------------------------------------------------------------------
+def kernel_cache_dir():
+    """The directory dsv4_rocm's compiled kernels persist in (module docstring), or None for Triton's own."""
+    d = os.environ.get("DSV4_KERNEL_CACHE")
+    if d == "triton":
+        return None
+    if d:
+        return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dsv4_rocm", "triton")
+
+
+@contextlib.contextmanager
+def kernel_cache(path=None):
+    """Compiles inside the block read and write ``path`` (default ``kernel_cache_dir()``) as Triton's cache
+    directory; Triton's setting is restored on exit. Yields the directory (None: Triton's own)."""
+    path = path if path is not None else kernel_cache_dir()
+    knobs = _knobs if _TRITON_SUPPORTED else None
+    if path is None or knobs is None or not hasattr(knobs, "cache"):
+        yield None
+        return
+    prev = knobs.cache.dir
+    knobs.cache.dir = path
+    try:
+        yield path
+    finally:
+        knobs.cache.dir = prev
+
+
 # ---- direct launch -------------------------------------------------------------------------------------
 _fast = os.environ.get("DSV4_FAST_LAUNCH", "1") != "0"
 
@@ -228,8 +268,9 @@ _I32_MIN, _I32_MAX, _I64_MAX = -2 ** 31, 2 ** 31 - 1, 2 ** 63 - 1
 
 
 def _supported(fn) -> bool:
-    """Whether ``fn`` is a Triton 3.6 JITFunction with what the direct launch reads."""
-    if not _TRITON_SUPPORTED or type(fn) is not _JITFunction:
+    """Whether ``fn`` is a Triton 3.6 JITFunction (or a subclass launched by JITFunction's own ``run``, as
+    Gluon's is: only its front end differs) with what the direct launch reads."""
+    if not _TRITON_SUPPORTED or not isinstance(fn, _JITFunction) or type(fn).run is not _JITFunction.run:
         return False
     if not all(hasattr(fn, a) for a in ("params", "pre_run_hooks", "run", "warmup")):
         return False
@@ -364,7 +405,8 @@ class Kernel:
         key = kf(dev, *args)
         k = var.kernels.get(key)
         if k is None:
-            kernel = self.fn.run(*args, grid=grid, warmup=False, **consts)
+            with kernel_cache():           # compiled once per process; persisted for the next one
+                kernel = self.fn.run(*args, grid=grid, warmup=False, **consts)
             if kernel is not None and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")) \
                     and kernel.function is not None:
                 var.kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)

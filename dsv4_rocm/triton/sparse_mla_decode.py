@@ -106,7 +106,7 @@ def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.con
     scale = ((sb + FNUZ) << 23).to(tl.float32, bitcast=True)
     kf = decode(kb, FNUZ)
     k3 = tl.where(is_nope, kf * scale[:, :, None], kr.to(tl.float32)[:, None, :])
-    return tl.reshape(k3.to(tl.bfloat16), (kb.shape[0], 512))
+    return tl.reshape(k3.to(tl.bfloat16, fp_downcast_rounding="rtz"), (kb.shape[0], 512))
 
 
 # arguments that vary with the batch or the lengths' layout are not specialized on (a new value would
@@ -125,10 +125,10 @@ def _sparse_mla_paged_kernel(
         MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr,
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, COMBINE: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr,
-        HEADS: tl.constexpr, MERGE_H: tl.constexpr, THREADS: tl.constexpr):
+        HEADS: tl.constexpr, MERGE_H: tl.constexpr, THREADS: tl.constexpr, XCDS: tl.constexpr = 0):
     t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = program_tiles(
         main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
-        s_q, num_splits, HEADS, BLOCK_H, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT)
+        s_q, num_splits, HEADS, BLOCK_H, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT, XCDS)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, 512)
     q_row = q_ptr + bi * stride_qb + si * stride_qs + heads[:, None].to(tl.int64) * stride_qh
@@ -292,8 +292,10 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     """Kernel and tile shape per target (BENCHMARKS.md has the sweeps and the compile-matrix reports);
     ``kernel`` ("triton" or "ws") picks the kernel, default ``default_kernel(arch)``.
 
-    AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 221-236
-    VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup. NVIDIA: 64 heads
+    AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 220-236
+    VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup; with 128 heads the
+    two head blocks of a token go to one XCD (``XCDS``, ``_decode_tiles.program_tiles``) so that the second
+    block's gathers hit the L2 the first filled. NVIDIA: 64 heads
     x 64 keys, 8 warps, one CTA per SM; the integer dequantization (inline PTX) on Hopper and Blackwell;
     two cp.async stages measured best on the H100. Split partials are merged in a second launch
     (``split_combine="launch"``, as the Hopper kernel always does): replayed from a graph, as decode steps
@@ -306,13 +308,13 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     if kernel == "ws":
         if _ws is None:
             raise ValueError("config kernel='ws' needs Triton's Gluon (triton >= 3.6), which this Triton lacks")
-        return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config())
+        return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config(num_heads))
     if kernel != "triton":
         raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")
     if arch in ("gfx942", "gfx90a"):
-        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False)
+        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False, XCDS=8 if arch == "gfx942" else 0)
     elif arch == "gfx950":
-        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False)
+        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False, XCDS=8)
     elif arch == "sm_100":       # spill-free there (compile matrix); untimed: no Blackwell machine here
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
     else:
@@ -338,7 +340,7 @@ class _Variant(NamedTuple):
     combine: object           # BoundKernel of _combine_kernel (two-launch combine), or None
     head_blocks: int
     threads: int              # of a program: the release slots the in-kernel combine needs
-    ws: object = None         # the Hopper kernel's constexprs and launch options (``config kernel="ws"``)
+    ws: object = None         # BoundKernel of the Hopper kernel (``config kernel="ws"``), or None
 
 
 @device_cache(maxsize=4096)
@@ -375,20 +377,22 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
 
 @functools.lru_cache(maxsize=4096)
 def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-             has_extra_len: bool, has_sink: bool, split: bool) -> _Variant:
+             has_extra_len: bool, has_sink: bool, split: bool, q_async: bool = True) -> _Variant:
     """The kernels (constexprs and launch options bound) of one variant, built once."""
     cfg = dict(cfg_items)
     if cfg["kernel"] == "ws":
         comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=True,
                                             num_warps=4) if split else None
-        return _Variant(None, comb, h // 64, 0, _ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra, has_len,
-                                                               has_extra_len, has_sink))
+        ws = launch(_ws._sparse_mla_ws_kernel).bind(**_ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra,
+                                                                        has_len, has_extra_len, has_sink, q_async))
+        return _Variant(None, comb, h // 64, 0, ws)
     in_kernel = split and cfg["split_combine"] == "kernel"
     main = launch(_sparse_mla_paged_kernel).bind(
         MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=has_extra_len,
         HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, COMBINE=in_kernel,
         FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h, MERGE_H=min(MERGE_H, cfg["BLOCK_H"]),
-        THREADS=cfg["num_warps"] * cfg["warp_size"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        THREADS=cfg["num_warps"] * cfg["warp_size"], XCDS=cfg.get("XCDS", 0), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     comb = None
     if split and not in_kernel:
         comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=False,
@@ -433,6 +437,8 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     ebs = extra_k_cache.shape[1] if has_extra else 1
     split = parts > 1
     var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split)
+    if var.ws is not None and not _ws.q_rows_aligned(q):      # the Hopper kernel loads such a Q by registers
+        var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, False)
     count = indices                     # an int32 placeholder (never read) when nothing is counted
     if split:
         ws = scratch(dev, parts * T * h * 513)
@@ -462,11 +468,11 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     comb_grid = (T, h // min(MERGE_H, h))
     comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns, m)
     if var.ws is not None:                 # the Hopper kernel: the same arguments but the counters
-        ws_args = args[:32] + args[33:]
+        ws_args = args[:32] + args[33:] + (lse,)     # lse: the max-logits pointer, not written
         if compile_only:
-            _ws._sparse_mla_ws_kernel.warmup(*ws_args, grid=grid, **var.ws)
+            var.ws.warmup(*ws_args, grid=grid)
         else:
-            _ws._sparse_mla_ws_kernel[grid](*ws_args, **var.ws)
+            var.ws[grid](*ws_args)
     elif compile_only:
         var.main.warmup(*args, grid=grid)
     else:
@@ -484,8 +490,8 @@ def _matrix_constexprs(arch, split=False):
     return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
                 SPLIT=split, COMBINE=split, FNUZ=arch == "gfx942",
-                DEQ_INT=c.get("DEQ_INT", False), HEADS=64, MERGE_H=MERGE_H,
-                THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32))
+                DEQ_INT=c.get("DEQ_INT", False), HEADS=128 if split else 64, MERGE_H=MERGE_H,
+                THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32), XCDS=c.get("XCDS", 0))
 
 
 def _matrix_options(arch):
