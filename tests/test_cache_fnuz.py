@@ -15,6 +15,7 @@ from dsv4_rocm import layout as L
 from dsv4_rocm import ops
 from dsv4_rocm.reference import cache as rc
 from helpers import every_cache_view, page_records, random_k
+from test_quantize_and_insert_k_cache import _k as wide_range_k
 
 VIEWS = sorted(every_cache_view(1, 2))
 
@@ -175,13 +176,8 @@ def _hip(name):
 
 
 def _wide_k(n, seed, device):
-    """bf16 [n, 512] over a wide exponent range, with zero, -0, tiny and non-finite blocks."""
-    g = torch.Generator().manual_seed(seed)
-    blk = torch.exp2(torch.randint(-20, 12, (n, 8), generator=g).float()).repeat_interleave(64, 1)
-    k = torch.randn(n, 512, generator=g) * blk
-    k[::7, :64] = 0.0
-    k[1::11, 64:128] = -0.0
-    k[2::13, 128:192] *= 1e-6
+    """The OCP writer tests' K (wide exponent range, zero, -0 and tiny blocks) with non-finite blocks too."""
+    k = wide_range_k(n, seed, "cpu").float()
     k[3::17, 200] = float("nan")
     k[4::19, 300] = float("inf")
     return k.bfloat16().to(device)
