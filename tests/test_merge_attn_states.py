@@ -178,8 +178,8 @@ def _strided(t, strided):
     if not strided:
         return t
     T, H, D = t.shape
-    big = torch.full((T, H + 2, D + 8), float("nan"), dtype=t.dtype) if t.dtype.is_floating_point and \
-        t.dtype != torch.float8_e4m3fn else torch.zeros((T, H + 2, D + 8), dtype=t.dtype)
+    big = torch.full((T, H + 2, D + 8), float("nan"), dtype=t.dtype, device=t.device) if t.dtype.is_floating_point \
+        and t.dtype != torch.float8_e4m3fn else torch.zeros((T, H + 2, D + 8), dtype=t.dtype, device=t.device)
     v = big[:, 1:H + 1, 4:D + 4]
     v.copy_(t)
     return v
