@@ -218,6 +218,9 @@ BAD_DECODE = [
     (dict(swa_k_cache=D0["swa"].view(6, -1)), "swa_k_cache must be an fp8_ds_mla cache"),
     (dict(attn_sink=D0["sink"][:4]), "attn_sink has 4 entries"),
     (dict(inv_rope_positions=torch.zeros(6, dtype=torch.long)), "inv_rope_cos_sin_cache is required"),
+    (dict(inv_rope_positions=torch.zeros(6, dtype=torch.long), inv_rope_cos_sin_cache=CS[:, :32]),
+     "inv_rope_cos_sin_cache must have shape"),
+    (dict(inv_rope_positions=torch.full((6,), 10 ** 6), inv_rope_cos_sin_cache=CS), "inv_rope_positions must lie"),
     (dict(output=None), "output is required"),
     (dict(swa_only=1), "swa_only must be a bool"),
 ]

@@ -79,22 +79,28 @@ def rocm_inverse_rope_rows_(o, positions, cos_sin_cache, rope_head_dim: int) -> 
     strides, unit last stride), positions int [T], cos_sin_cache fp32 or bf16 [P, rope_head_dim] (cos |
     sin); the last ``rope_head_dim`` dims of each (token, head) are rotated back, the others untouched.
     Math: dsv4_rocm.reference.rope.rocm_inverse_rope_rows_."""
-    C.tensor("o", o, dtype=torch.bfloat16, dim=3)
+    _check_rotation(o, positions, cos_sin_cache, rope_head_dim)
+    _run("rocm_inverse_rope_rows_", o.device, o, positions, cos_sin_cache, rope_head_dim)
+
+
+def _check_rotation(o, positions, cos_sin_cache, rope_head_dim, names=("o", "positions", "cos_sin_cache")):
+    o_name, p_name, cs_name = names
+    C.tensor(o_name, o, dtype=torch.bfloat16, dim=3)
     D = o.shape[2]
     if not isinstance(rope_head_dim, int) or isinstance(rope_head_dim, bool) or rope_head_dim <= 0 \
             or rope_head_dim % 2 or rope_head_dim > D:
-        raise ValueError(f"rope_head_dim must be a positive even int <= {D} (o's last dim), got {rope_head_dim!r}")
+        raise ValueError(f"rope_head_dim must be a positive even int <= {D} ({o_name}'s last dim), got "
+                         f"{rope_head_dim!r}")
     if D > 1 and o.stride(2) != 1:
-        raise ValueError(f"o must have a contiguous last dimension, got strides {o.stride()}")
-    C.tensor("cos_sin_cache", cos_sin_cache, dtype=(torch.float32, torch.bfloat16), shape=(None, rope_head_dim))
+        raise ValueError(f"{o_name} must have a contiguous last dimension, got strides {o.stride()}")
+    C.tensor(cs_name, cos_sin_cache, dtype=(torch.float32, torch.bfloat16), shape=(None, rope_head_dim))
     if cos_sin_cache.stride(1) != 1:
-        raise ValueError("cos_sin_cache must have contiguous rows")
-    C.tensor("positions", positions, dtype=C.INDEX, shape=(o.shape[0],))
-    C.same_device(o=o, positions=positions, cos_sin_cache=cos_sin_cache)
+        raise ValueError(f"{cs_name} must have contiguous rows")
+    C.tensor(p_name, positions, dtype=C.INDEX, shape=(o.shape[0],))
+    C.same_device(**{o_name: o, p_name: positions, cs_name: cos_sin_cache})
     if positions.numel() and value_checks(positions) and (
             int(positions.min()) < 0 or int(positions.max()) >= cos_sin_cache.shape[0]):
-        raise ValueError(f"positions must lie in [0, {cos_sin_cache.shape[0]}) (rows of cos_sin_cache)")
-    _run("rocm_inverse_rope_rows_", o.device, o, positions, cos_sin_cache, rope_head_dim)
+        raise ValueError(f"{p_name} must lie in [0, {cos_sin_cache.shape[0]}) (rows of {cs_name})")
 
 
 # ---- the call-form adapters ------------------------------------------------------------------------------
@@ -218,10 +224,11 @@ def rocm_sparse_attn_decode(q, kv_cache, swa_k_cache, swa_only: bool, topk_indic
         extra_idx, extra_len = _index_set(("topk_indices", "topk_lens", "topk_ragged_indices", "topk_ragged_indptr"),
                                           topk_indices, topk_lens, topk_ragged_indices, topk_ragged_indptr, T, dev)
     rotate = inv_rope_positions is not None
-    if rotate:
+    if rotate:                       # checked before the attention writes anything
         if inv_rope_cos_sin_cache is None:
             raise ValueError("inv_rope_cos_sin_cache is required with inv_rope_positions")
-        C.tensor("inv_rope_positions", inv_rope_positions, dtype=C.INDEX, shape=(T,), device=dev)
+        _check_rotation(output, inv_rope_positions, inv_rope_cos_sin_cache, rope_head_dim,
+                        ("output", "inv_rope_positions", "inv_rope_cos_sin_cache"))
     qk, out, sink, copy_back = _padded(q, output, attn_sink)
     sparse_mla_decode(qk.unsqueeze(1), swa_k_cache, main_idx, main_len, sink, extra_cache, extra_idx, extra_len,
                       scale, out.unsqueeze(1))
@@ -229,7 +236,7 @@ def rocm_sparse_attn_decode(q, kv_cache, swa_k_cache, swa_only: bool, topk_indic
         copy_back(out)
     if not rotate:
         return 0
-    rocm_inverse_rope_rows_(output, inv_rope_positions, inv_rope_cos_sin_cache, rope_head_dim)
+    _run("rocm_inverse_rope_rows_", dev, output, inv_rope_positions, inv_rope_cos_sin_cache, rope_head_dim)
     return T
 
 
