@@ -48,8 +48,9 @@ def _cos_sin(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == (64, 1) else t.contiguous()
 
 
-def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int):
-    load().quantize_and_insert_k_cache(_rows(k), V.pages(k_cache, block_size), _index(slot_mapping), block_size)
+def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int, use_fnuz: bool = False):
+    load().quantize_and_insert_k_cache(_rows(k), V.pages(k_cache, block_size), _index(slot_mapping), block_size,
+                                       use_fnuz)
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
@@ -82,12 +83,13 @@ def fused_q_kv_rmsnorm(qr, kv, q_weight, kv_weight, eps: float):
     return qr_out, kv_out
 
 
-def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size: int, offset: int):
+def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size: int, offset: int,
+                                  use_fnuz: bool = False):
     pages = V.pages(k_cache, block_size)
     seq_lens, block_table = _index(seq_lens), block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     gather_lens = None if gather_lens is None else _index(gather_lens)
     _into(out, lambda o: load().dequantize_and_gather_k_cache(o, pages, seq_lens, gather_lens, block_table,
-                                                             block_size, offset))
+                                                             block_size, offset, use_fnuz))
 
 
 def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int):

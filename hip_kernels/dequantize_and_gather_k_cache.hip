@@ -4,12 +4,14 @@
 // gather_len_b = gather_lens[b], or seq_lens[b] when gather_lens is NULL. Rows past out's `rows` are not
 // written; a row whose position is negative or whose block-table entry is missing, negative or past the
 // cache is written as zeros. The blocks of one request (gridDim.y of them, 8 row groups each) stride over
-// its rows; each 32-lane group gathers ROWS rows with all loads issued before the first store.
+// its rows; each 32-lane group gathers ROWS rows with all loads issued before the first store. FNUZ: the
+// cache holds records of the FNUZ flavour (dsv4/record.h).
 #include "dsv4/args.h"
 #include "dsv4/record.h"
 
 #define ROWS 2
 
+template <bool FNUZ>
 __global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_gather_block_table_kernel(dsv4_gather_args a) {
   const int b = blockIdx.x;
   const int lane = threadIdx.x % DSV4_GROUP;
@@ -34,7 +36,7 @@ __global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_gather_block_table_kernel(dsv4_gath
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
-      if (i0 + r < n) dsv4_store_record_lane(out + (i0 + r) * a.out_s1, p[r], sb[r], lane, ok[r]);
+      if (i0 + r < n) dsv4_store_record_lane<FNUZ>(out + (i0 + r) * a.out_s1, p[r], sb[r], lane, ok[r]);
   }
 }
 
@@ -46,7 +48,8 @@ extern "C" int dsv4_dequantize_and_gather_k_cache(const dsv4_gather_args* a, voi
   int64_t need = (a->rows - a->offset + per_block - 1) / per_block;
   int64_t want = (1024 + a->R - 1) / a->R;
   int64_t y = need < want ? need : want;
-  hipLaunchKernelGGL(dsv4_gather_block_table_kernel, dim3((unsigned)a->R, (unsigned)(y > 65535 ? 65535 : y)),
-                     dim3(threads), 0, (hipStream_t)stream, *a);
+  auto kernel = a->fnuz ? dsv4_gather_block_table_kernel<true> : dsv4_gather_block_table_kernel<false>;
+  hipLaunchKernelGGL(kernel, dim3((unsigned)a->R, (unsigned)(y > 65535 ? 65535 : y)), dim3(threads), 0,
+                     (hipStream_t)stream, *a);
   return (int)hipGetLastError();
 }

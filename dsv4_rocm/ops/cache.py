@@ -3,10 +3,11 @@
 Caches are accepted in every view vLLM holds (``dsv4_rocm.cache_views``); index tensors are int32 or
 int64. Bad input is a ValueError naming the argument before anything is written (docs/conventions.md).
 
-Two vLLM flags select cache encodings that dsv4_rocm does not write, and are rejected rather than
-honoured with other bytes: ``is_ue8m0=False`` (vLLM has no other scale encoding either) and
-``use_fnuz=True`` (gfx942's FNUZ e4m3 bytes; dsv4_rocm's caches hold OCP e4m3fn bytes on every GPU,
-gfx942 included, so a reader must not be told to decode FNUZ).
+``use_fnuz=True`` writes / reads the FNUZ flavour of the record, byte for byte as vLLM's gfx942 path
+does for its sliding-window cache (docs/cache_format.md#fnuz-flavour); it is accepted on every device,
+so a cache written by vLLM on an MI300 can be read anywhere. The default (``False``) is dsv4_rocm's own
+OCP flavour on every vendor. ``is_ue8m0=False`` is rejected: no other scale encoding exists (in vLLM
+either).
 """
 import torch
 
@@ -30,15 +31,16 @@ def encoding_flags(is_ue8m0=True, use_fnuz=False):
     if is_ue8m0 is not True:
         raise ValueError(f"is_ue8m0={is_ue8m0!r}: the fp8_ds_mla cache stores UE8M0 (power-of-two) scales "
                          "only; no other scale encoding is implemented")
-    if use_fnuz is not False:
-        raise ValueError(f"use_fnuz={use_fnuz!r}: dsv4_rocm caches hold OCP e4m3fn bytes on every GPU (gfx942 "
-                         "included); FNUZ-encoded caches are not written or read (docs/conventions.md)")
+    if not isinstance(use_fnuz, bool):
+        raise ValueError(f"use_fnuz must be a bool (True: the FNUZ flavour of the record, vLLM's gfx942 sliding-"
+                         f"window cache), got {use_fnuz!r}")
 
 
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int = 64, is_ue8m0: bool = True,
                                 use_fnuz: bool = False) -> None:
     """k bf16 [T, 512] (RoPE applied) -> UE8M0 fp8_ds_mla records at slot_mapping[:n] (n =
-    len(slot_mapping) <= T; vLLM passes fewer slots than rows under DP padding). A slot < 0 is padding."""
+    len(slot_mapping) <= T; vLLM passes fewer slots than rows under DP padding). A slot < 0 is padding.
+    ``use_fnuz``: records of the FNUZ flavour."""
     C.tensor("k", k, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM))
     encoding_flags(is_ue8m0, use_fnuz)
     C.positive_int("block_size", block_size)
@@ -49,7 +51,7 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int = 64, 
     C.same_device(k=k, k_cache=k_cache, slot_mapping=slot_mapping)
     C.slots_inside("slot_mapping", slot_mapping, V.capacity(pages, block_size),
                    f"({pages.shape[0]} pages x {block_size})")
-    _run("quantize_and_insert_k_cache", k.device, k, k_cache, slot_mapping, block_size)
+    _run("quantize_and_insert_k_cache", k.device, k, k_cache, slot_mapping, block_size, use_fnuz)
 
 
 def _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_size, offset):
@@ -77,7 +79,9 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     """vLLM's op: for request b and i < gather_lens[b] (seq_lens[b] when gather_lens is None),
     ``out[b, offset + i]`` = bf16 K of request b's token at position ``seq_lens[b] - gather_lens[b] + i``,
     read through ``block_table[b]`` (exact: the dequantized values are bf16). Other rows of out are not
-    written. out bf16 [R, M, 512]; seq_lens, gather_lens [R]; block_table [R, max_blocks]."""
+    written. out bf16 [R, M, 512]; seq_lens, gather_lens [R]; block_table [R, max_blocks]. ``use_fnuz``
+    must say which flavour the cache holds (as in vLLM: its sliding-window cache is FNUZ on gfx942, its
+    compressed cache OCP)."""
     encoding_flags(True, use_fnuz)
     C.tensor("seq_lens", seq_lens, dtype=C.INDEX, dim=1)
     R = seq_lens.shape[0]
@@ -92,7 +96,7 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     C.same_device(out=out, k_cache=k_cache, seq_lens=seq_lens, gather_lens=gather_lens, block_table=block_table)
     _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_size, offset)
     _run("dequantize_and_gather_k_cache", out.device, out, k_cache, seq_lens, gather_lens, block_table, block_size,
-         offset)
+         offset, use_fnuz)
 
 
 def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int) -> None:

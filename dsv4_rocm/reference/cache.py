@@ -1,6 +1,8 @@
 """fp8_ds_mla records and paged caches (docs/cache_format.md): encode, insert, gather, dequantize.
 
 A record is 584 bytes: [448 e4m3 NoPE][64 bf16 RoPE as 128 bytes][7 UE8M0 scales][1 pad byte = 0].
+The e4m3 bytes are OCP e4m3fn; with ``fnuz=True`` / ``use_fnuz=True`` they are the FNUZ flavour
+vLLM writes into its sliding-window cache on gfx942 (``quant.quantize_blocks``, docs/cache_format.md).
 In a page the first 576 bytes of every record sit at ``off*576`` and the last 8 at
 ``bs*576 + off*8`` (see ``dsv4_rocm.layout``). The indexer-K cache (C4 layers) stores 128 e4m3 bytes at
 ``off*128`` and the fp32 scale 2^e at ``bs*128 + off*4``. Caches come in any view of
@@ -46,20 +48,21 @@ def _valid(slots: torch.Tensor, cap: int) -> torch.Tensor:
 
 
 # ---- 584-byte records -----------------------------------------------------------------------------
-def encode_k_records(k: torch.Tensor) -> torch.Tensor:
-    """bf16 [T, 512] (RoPE already applied) -> uint8 [T, 584] records."""
+def encode_k_records(k: torch.Tensor, fnuz: bool = False) -> torch.Tensor:
+    """bf16 [T, 512] (RoPE already applied) -> uint8 [T, 584] records (FNUZ flavour when ``fnuz``)."""
     if k.dim() != 2 or k.shape[1] != L.HEAD_DIM or k.dtype != torch.bfloat16:
         raise ValueError(f"k must be bf16 [T, 512], got {k.dtype} {tuple(k.shape)}")
-    q, e = quantize_blocks(k[:, :L.NOPE_DIM].float(), L.QUANT_BLOCK, KV_EPS)
+    q, e = quantize_blocks(k[:, :L.NOPE_DIM].float(), L.QUANT_BLOCK, KV_EPS, fnuz)
     rope = k[:, L.NOPE_DIM:].contiguous().view(torch.uint8)
     scales = torch.cat([exponent_to_ue8m0(e), torch.zeros_like(e[:, :1], dtype=torch.uint8)], dim=1)
     return torch.cat([q, rope, scales], dim=1)
 
 
-def decode_k_records(rec: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, 584] -> fp32 [N, 512]: the K (= V) values every attention kernel sees."""
+def decode_k_records(rec: torch.Tensor, fnuz: bool = False) -> torch.Tensor:
+    """uint8 [N, 584] -> fp32 [N, 512]: the K (= V) values every attention kernel sees (``fnuz``: records
+    of the FNUZ flavour)."""
     nope = dequantize_blocks(rec[:, :L.NOPE_DIM], ue8m0_to_exponent(rec[:, L.DATA_BYTES:L.DATA_BYTES + 7]),
-                             L.QUANT_BLOCK)
+                             L.QUANT_BLOCK, fnuz)
     rope = rec[:, L.NOPE_DIM:L.DATA_BYTES].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope, rope], dim=1)
 
@@ -101,21 +104,22 @@ def gather_k_records(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int
     return _read_records(k_cache, slots, block_size, V.FP8_DS_MLA)
 
 
-def _decoded_bf16(k_cache, slots, block_size):
+def _decoded_bf16(k_cache, slots, block_size, fnuz=False):
     """bf16 [*slots.shape, 512] values at slots, zero rows for invalid slots. Exact: an fp8 value times a
     power of two is a bf16 value (the one fp32 -> bf16 rounding only touches results below 2^-126)."""
     rec = gather_k_records(k_cache, slots, block_size)
-    out = decode_k_records(rec.reshape(-1, L.TOKEN_BYTES)).to(torch.bfloat16)
+    out = decode_k_records(rec.reshape(-1, L.TOKEN_BYTES), fnuz).to(torch.bfloat16)
     ok = _valid(slots.reshape(-1), V.capacity(V.pages(k_cache, block_size), block_size))
     out = torch.where(ok.unsqueeze(1), out, torch.zeros_like(out))
     return out.reshape(*slots.shape, L.HEAD_DIM)
 
 
 def quantize_and_insert_k_cache(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                                block_size: int = L.SWA_BLOCK_SIZE) -> None:
-    """vLLM's op: UE8M0-quantize bf16 k [T, 512] (RoPE applied) and write it at slot_mapping."""
+                                block_size: int = L.SWA_BLOCK_SIZE, use_fnuz: bool = False) -> None:
+    """vLLM's op: UE8M0-quantize bf16 k [T, 512] (RoPE applied) and write it at slot_mapping (FNUZ
+    flavour when ``use_fnuz``)."""
     n = slot_mapping.shape[0]
-    insert_k_records(encode_k_records(k[:n]), k_cache, slot_mapping, block_size)
+    insert_k_records(encode_k_records(k[:n], use_fnuz), k_cache, slot_mapping, block_size)
 
 
 def gather_rows_and_slots(seq_lens, gather_lens, block_table, block_size: int, offset: int, rows: int):
@@ -139,13 +143,14 @@ def gather_rows_and_slots(seq_lens, gather_lens, block_table, block_size: int, o
 
 
 def dequantize_and_gather_k_cache(out: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor, gather_lens,
-                                  block_table: torch.Tensor, block_size: int, offset: int) -> None:
+                                  block_table: torch.Tensor, block_size: int, offset: int,
+                                  use_fnuz: bool = False) -> None:
     """vLLM's op: ``out[b, offset + i]`` = the bf16 K of request b's token at position
     ``seq_lens[b] - gather_lens[b] + i`` for ``i < gather_lens[b]`` (all ``seq_lens[b]`` tokens when
     gather_lens is None), through ``block_table``. Other rows of ``out`` are not written; a row whose
-    position or page is invalid is written as zeros."""
+    position or page is invalid is written as zeros. ``use_fnuz``: the cache holds FNUZ-flavour records."""
     written, slot = gather_rows_and_slots(seq_lens, gather_lens, block_table, block_size, offset, out.shape[1])
-    vals = _decoded_bf16(k_cache, slot, block_size)
+    vals = _decoded_bf16(k_cache, slot, block_size, use_fnuz)
     R = seq_lens.shape[0]
     out[:R][written] = vals[written]
 

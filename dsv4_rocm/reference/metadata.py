@@ -339,3 +339,26 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     ci.copy_(val)
     cl.copy_(tlen + slen)
     return ci, cl
+
+
+def ragged_indices_to_dense(ragged_indices: torch.Tensor, ragged_indptr: torch.Tensor, out_indices: torch.Tensor,
+                            out_lens: torch.Tensor):
+    """A ragged index stream (vLLM's ROCm form: row t is ``ragged_indices[indptr[t]:indptr[t + 1]]``) as the
+    dense rows FlashMLA's kernels read: ``out_indices[t, :n_t]`` = row t's entries, ``out_indices[t, n_t:]``
+    = -1, ``out_lens[t] = n_t``, with n_t = the row's length clamped to [0, W] (W = out_indices.shape[1]).
+    Offsets are clamped to [0, len(ragged_indices)]: a stream shorter than its offsets say gives shorter
+    rows, never a read past it. Entries are copied as they are (-1 or past the cache stays absent for the
+    attention). out_indices int32 [T, W], out_lens int32 [T], T = len(ragged_indptr) - 1."""
+    T, W = out_indices.shape
+    N = ragged_indices.shape[0]
+    dev = out_indices.device
+    ptr = ragged_indptr.long().clamp(0, N)
+    start, end = ptr[:-1], torch.maximum(ptr[1:], ptr[:-1])
+    n = torch.clamp(end - start, max=W)
+    col = torch.arange(W, device=dev).unsqueeze(0)
+    take = col < n.unsqueeze(1)
+    src = torch.where(take, start.unsqueeze(1) + col, torch.zeros_like(col))
+    vals = ragged_indices.long()[src] if N else torch.zeros_like(src)
+    out_indices.copy_(torch.where(take, vals, torch.full_like(vals, -1)))
+    out_lens.copy_(n)
+    return out_indices, out_lens

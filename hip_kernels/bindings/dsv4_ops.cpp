@@ -20,10 +20,11 @@ static int cs_bf16(const at::Tensor& cs) {
   return cs.scalar_type() == at::kBFloat16 ? 1 : 0;
 }
 
-void quantize_and_insert_k_cache(const at::Tensor& k, at::Tensor& pages, const at::Tensor& slots, int64_t block_size) {
+void quantize_and_insert_k_cache(const at::Tensor& k, at::Tensor& pages, const at::Tensor& slots, int64_t block_size,
+                                 bool use_fnuz) {
   const c10::cuda::OptionalCUDAGuard guard(k.device());
   dsv4_insert_args a = {k.data_ptr(), k.stride(0), pages.data_ptr(), pages.stride(0), pages.size(0), (int)block_size,
-                        slots.data_ptr(), is64(slots), (int)slots.size(0)};
+                        slots.data_ptr(), is64(slots), (int)slots.size(0), (int)use_fnuz};
   check(dsv4_quantize_and_insert_k_cache(&a, current_stream()), "quantize_and_insert_k_cache");
 }
 
@@ -63,7 +64,7 @@ void qnorm_rope_and_insert_full_k_cache(const at::Tensor& q, const at::Tensor& k
 
 void dequantize_and_gather_k_cache(at::Tensor& out, const at::Tensor& pages, const at::Tensor& seq_lens,
                                    const c10::optional<at::Tensor>& gather_lens, const at::Tensor& block_table,
-                                   int64_t block_size, int64_t offset) {
+                                   int64_t block_size, int64_t offset, bool use_fnuz) {
   const c10::cuda::OptionalCUDAGuard guard(out.device());
   const bool has_gl = gather_lens.has_value();
   dsv4_gather_args a = {pages.data_ptr(), pages.stride(0), pages.size(0), (int)block_size,
@@ -71,7 +72,7 @@ void dequantize_and_gather_k_cache(at::Tensor& out, const at::Tensor& pages, con
                         seq_lens.data_ptr(), is64(seq_lens),
                         has_gl ? gather_lens->data_ptr() : nullptr, has_gl ? is64(*gather_lens) : 0,
                         block_table.data_ptr(), is64(block_table), block_table.stride(0), block_table.size(1),
-                        (int)seq_lens.size(0), offset};
+                        (int)seq_lens.size(0), offset, (int)use_fnuz};
   check(dsv4_dequantize_and_gather_k_cache(&a, current_stream()), "dequantize_and_gather_k_cache");
 }
 
@@ -95,7 +96,8 @@ void fused_q_kv_rmsnorm(const at::Tensor& qr, const at::Tensor& kv, const at::Te
 }
 
 TORCH_LIBRARY(dsv4_rocm_hip, m) {
-  m.def("quantize_and_insert_k_cache(Tensor k, Tensor(a!) pages, Tensor slots, int block_size) -> ()");
+  m.def("quantize_and_insert_k_cache(Tensor k, Tensor(a!) pages, Tensor slots, int block_size, bool use_fnuz) "
+        "-> ()");
   m.def("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(Tensor q, Tensor kv, Tensor(a!) q_out, "
         "Tensor(b!) pages, Tensor slots, Tensor positions, Tensor cos_sin_cache, float eps, int block_size, "
         "bool apply_q_norm) -> ()");
@@ -103,7 +105,7 @@ TORCH_LIBRARY(dsv4_rocm_hip, m) {
         "Tensor slots, Tensor positions, Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, "
         "float eps, int block_size) -> ()");
   m.def("dequantize_and_gather_k_cache(Tensor(a!) out, Tensor pages, Tensor seq_lens, Tensor? gather_lens, "
-        "Tensor block_table, int block_size, int offset) -> ()");
+        "Tensor block_table, int block_size, int offset, bool use_fnuz) -> ()");
   m.def("dequantize_global_slots_k_cache(Tensor(a!) out, Tensor pages, Tensor slot_ids, int block_size) -> ()");
   m.def("fused_q_kv_rmsnorm(Tensor qr, Tensor kv, Tensor q_weight, Tensor kv_weight, Tensor(a!) qr_out, "
         "Tensor(b!) kv_out, float eps) -> ()");

@@ -12,6 +12,7 @@ typedef struct {
   const void* k; int64_t k_stride;                       // bf16 [n, 512] rows
   void* cache; int64_t page_stride, num_blocks; int bs;  // fp8_ds_mla pages
   const void* slots; int slots64; int n;                 // [n] slots, < 0 or past the cache: skipped
+  int fnuz;                                              // write the FNUZ flavour of the record
 } dsv4_insert_args;
 
 typedef struct {
@@ -45,6 +46,7 @@ typedef struct {
   const void* gather_lens; int gl64;                     // [R] or NULL (= seq_lens)
   const void* block_table; int bt64; int64_t bt_s0, bt_cols;  // [R, bt_cols]
   int R; int64_t offset;
+  int fnuz;                                              // the cache holds the FNUZ flavour of the record
 } dsv4_gather_args;
 
 typedef struct {

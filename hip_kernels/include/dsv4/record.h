@@ -3,6 +3,12 @@
 // A 512-d vector is held by a group of 32 lanes, 16 consecutive values per lane: lanes 0..27 hold the
 // 448 NoPE dims (4 lanes = one 64-value quant block), lanes 28..31 the 64 RoPE dims. The record goes to
 // page + off*576 (448 e4m3 bytes, then 64 bf16) and page + bs*576 + off*8 (7 UE8M0 bytes, 1 pad byte 0).
+//
+// FNUZ (template parameter of the writer and the reader, false by default): the FNUZ flavour of the record,
+// vLLM's gfx942 sliding-window cache (docs/cache_format.md#fnuz-flavour). Its e4m3fnuz bytes are the OCP
+// bytes of the same block and each scale byte is one higher, so the writer and the reader differ from the
+// OCP ones only in the scale byte, a poisoned block's fill byte (0x80, fnuz NaN) and the bytes fnuz reads
+// differently (0x80 NaN; 0x7F / 0xFF +-240, which an FNUZ writer never emits).
 #pragma once
 #include "dsv4/portable.h"
 
@@ -68,6 +74,7 @@ __device__ __forceinline__ void dsv4_rmsnorm512(float v[16], float eps) {
 }
 
 // v: bf16-exact values of the whole group's vector (16 per lane). All 32 lanes must call this.
+template <bool FNUZ = false>
 __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, uint8_t* page, int64_t off,
                                                   int bs) {
   float amax = 0.0f;
@@ -82,7 +89,7 @@ __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, u
   uint8_t* data = page + off * 576;
   int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
   // the 8 scale bytes (7 UE8M0 + pad 0) leave in one 8-byte store from lane 0, not 8 byte stores
-  int sbyte = lane < DSV4_NOPE_LANES ? (bad ? 0xff : e + 127) : 0;
+  int sbyte = lane < DSV4_NOPE_LANES ? (bad ? 0xff : e + 127 + FNUZ) : 0;
   uint32_t lo = 0, hi = 0;
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
@@ -97,7 +104,7 @@ __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, u
       uint32_t word = 0;
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        uint8_t q = bad ? (uint8_t)0x7f : dsv4_fp8_encode(dsv4_mul(v[4 * j + b], inv));
+        uint8_t q = bad ? (uint8_t)(FNUZ ? 0x80 : 0x7f) : dsv4_fp8_encode(dsv4_mul(v[4 * j + b], inv));
         word |= (uint32_t)q << (8 * b);
       }
       w[j] = word;
@@ -127,9 +134,20 @@ __device__ __forceinline__ void dsv4_load_record_lane(const uint8_t* page, int64
   }
 }
 
+// Twice the value of an e4m3fnuz byte (integer path): the OCP value of the same byte, except 0x80 (fnuz
+// NaN) and 0x7F / 0xFF (fnuz +-240, twice that 480 where OCP has NaN).
+__device__ __forceinline__ float dsv4_fp8_decode_fnuz_x2(uint8_t b) {
+  if (b == 0x80) return __uint_as_float(0x7fc00000u);
+  uint32_t e = (b >> 3) & 0xf, m = b & 7;
+  float mag = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+  return (b & 0x80) ? -mag : mag;
+}
+
 // Store this lane's 16 bf16 values of a row loaded by dsv4_load_record_lane (dst = the row's first value):
 // NoPE lanes dequantize (fp8 * 2^(sb - 127), exact in bf16; sb 0xFF gives NaN), RoPE lanes copy their bf16
-// verbatim; an invalid row is all zeros (its loads were zero).
+// verbatim; an invalid row is all zeros (its loads were zero). FNUZ: fnuz(byte) * 2^(sb - 127), computed
+// as 2 fnuz(byte) * 2^(sb - 128).
+template <bool FNUZ = false>
 __device__ __forceinline__ void dsv4_store_record_lane(uint16_t* dst, const uint4 p[2], uint8_t sb, int lane,
                                                        bool valid) {
   uint4* d4 = reinterpret_cast<uint4*>(dst + lane * 16);
@@ -139,11 +157,16 @@ __device__ __forceinline__ void dsv4_store_record_lane(uint16_t* dst, const uint
     return;
   }
   uint32_t w[4] = {p[0].x, p[0].y, p[0].z, p[0].w};
-  // 2^(sb - 127): sb 0 is the one subnormal scale (2^-127); sb 0xFF is UE8M0 NaN
-  float scale = sb == 0xff ? __uint_as_float(0x7fc00000u) : sb == 0 ? __uint_as_float(1u << 22) : dsv4_exp2i((int)sb - 127);
+  // 2^(sb - 127 - FNUZ): the scales below 2^-126 are subnormal (sb 0, and sb 1 for FNUZ); sb 0xFF is UE8M0 NaN
+  const int se = (int)sb - 127 - FNUZ;
+  float scale = sb == 0xff ? __uint_as_float(0x7fc00000u) : se < -126 ? __uint_as_float(1u << (se + 149))
+                                                                       : dsv4_exp2i(se);
   float v[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(dsv4_fp8_decode((uint8_t)(w[i / 4] >> (8 * (i % 4)))), scale);
+  for (int i = 0; i < 16; ++i) {
+    uint8_t b = (uint8_t)(w[i / 4] >> (8 * (i % 4)));
+    v[i] = dsv4_mul(FNUZ ? dsv4_fp8_decode_fnuz_x2(b) : dsv4_fp8_decode(b), scale);
+  }
   dsv4_store_bf16x16(dst + lane * 16, v);
 }
 
