@@ -4,7 +4,9 @@
 # does not). vLLM is installed with --no-deps beside torch 2.13 CPU and the packages its imports need
 # (ci/engine_requirements.txt); its wheel's own dependencies would bring a CUDA torch and ~7.7 GB. Then
 # pytest over tests/engines (or the paths given) with vLLM on its CPU platform and Triton kernels, vLLM's
-# and ours, under the interpreter. Where the package index refuses vLLM the tier says so and skips.
+# and ours, under the interpreter, and, with no paths given, vLLM's own DeepSeek-V4 tests from its sdist
+# (unpacked into .vllm-tests/) against dsv4_rocm's ops (tests/engines/with_vllm/vllm_suite.py). Where the
+# package index refuses vLLM, or its sdist cannot be fetched, the tier says so and skips that part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "ci/engine_tier.sh: $*"; }
@@ -24,5 +26,16 @@ say "installed in $(( $(date +%s) - start )) s"
 status=0
 TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= "$V/bin/python" -m pytest -q -p no:cacheprovider \
   "${@:-tests/engines}" || status=$?
+if [ $# -eq 0 ]; then
+  hooks="$PWD/tests/engines/with_vllm"
+  if files=$("$V/bin/python" "$hooks/vllm_sdist.py" .vllm-tests); then
+    say "vLLM 0.33.0's DeepSeek-V4 tests against dsv4_rocm's ops"
+    (cd .vllm-tests && TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= HF_HUB_OFFLINE=1 \
+      PYTHONPATH="$PWD:$hooks" "../$V/bin/python" -m pytest -q -p no:cacheprovider -p vllm_suite -c pyproject.toml \
+      $files) || status=$?
+  else
+    say "SKIPPED vLLM's own tests: its sdist could not be fetched"
+  fi
+fi
 say "done in $(( $(date +%s) - start )) s"
 exit $status
