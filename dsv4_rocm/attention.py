@@ -21,6 +21,7 @@ import contextlib
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import layout as L
 from . import ops
@@ -36,6 +37,13 @@ from .weights import LayerWeights
 _CURRENT_STEP: Optional[StepMetadata] = None
 INDEXER_PREFILL_ROWS = 2048     # query rows per prefill logits launch: bounds the [rows, entries] fp32 buffer
 MAX_DECODE_QUERY_LEN = MAX_NEXT_N   # decode rows per request the paged indexer logits take (DeepGEMM's next_n)
+
+
+def padded_q(q: torch.Tensor, padded_heads: int) -> torch.Tensor:
+    """q [T, H, 512] as the sparse kernels take it, [T, padded_heads, 512] with the heads past H zero,
+    without normalizing, rotating or writing any cache: the q of a profile run (vLLM's memory-profiling
+    forward, which has no metadata), here and in the vLLM plugin's layer hooks."""
+    return F.pad(q, (0, 0, 0, padded_heads - q.shape[1]))
 
 
 @contextlib.contextmanager
@@ -96,7 +104,11 @@ class DeepseekV4Attention(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 step: Optional[StepMetadata] = None) -> torch.Tensor:
-        """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches."""
+        """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches.
+        Without a step (none passed, none set by ``step_context``) it is vLLM's memory-profiling run:
+        ``profile_run``."""
+        if step is None and _CURRENT_STEP is None:
+            return self.profile_run(positions, hidden_states)
         step = _current_step(step)
         x, w = hidden_states, self.w
         self._check_inputs(positions, x, step)
@@ -129,12 +141,32 @@ class DeepseekV4Attention(torch.nn.Module):
         self._mark("output")
         return y
 
-    def _check_inputs(self, positions, x, step: StepMetadata) -> int:
-        """hidden_states bf16 [T, hidden], positions [T] and the step's T tokens (ValueError otherwise); T."""
+    def profile_run(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """vLLM's memory-profiling forward (no metadata; vLLM passes dummy positions): every projection of a
+        step runs (q and kv, the compressors', the indexer's query and its quantization, the output path) so
+        their memory is counted, nothing is written to any cache, and attention contributes zeros, as in
+        vLLM's layer; the result is therefore zeros, bf16 [T, hidden]."""
+        x = hidden_states
+        T = self._check_inputs(positions, x, None)
+        qr, _, q = self._projections(x)
+        padded_q(q, self.padded_heads)          # allocated as in a step; attention does not read it
+        if self.ratio > 1:
+            ops.compressor_kv_score(x, self.w.comp_w)
+        if self.ratio == 4:
+            ops.compressor_kv_score(x, self.w.idx_comp_w)
+            self._indexer_query(x, qr, positions)
+        o = torch.zeros(T, self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
+        return self._o_proj(o[:, :self.n_local_heads], positions)
+
+    def _check_inputs(self, positions, x, step: Optional[StepMetadata]) -> int:
+        """hidden_states bf16 [T, hidden], positions [T] and the step's T tokens, if there is a step
+        (ValueError otherwise); T."""
         T = x.shape[0]
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or x.dtype != torch.bfloat16:
             raise ValueError(f"hidden_states must be bf16 [T, {self.cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
-        if positions.shape != (T,) or step.num_tokens != T:
+        if step is None and positions.shape != (T,):
+            raise ValueError(f"positions ({tuple(positions.shape)}) must cover the {T} tokens of hidden_states")
+        if step is not None and (positions.shape != (T,) or step.num_tokens != T):
             raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
                              f"cover the {T} tokens of hidden_states")
         return T
@@ -208,9 +240,7 @@ class DeepseekV4Attention(torch.nn.Module):
         idx_kv = self._idx
         self._compress(x, w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm, positions, step, self.cache.idx_state,
                        idx_kv, step.compressed_slots[4], 128, ratio=4)
-        qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(T, nh, 128)
-        wi = torch.matmul(x, w.idx_wproj.t())
-        q8, wq = ops.fused_indexer_q_rope_quant(positions, qi, self.cos_sin_cache, wi, 128 ** -0.5, nh ** -0.5)
+        q8, wq = self._indexer_query(x, qr, positions)
         topk = torch.empty(T, K, dtype=torch.int32, device=x.device)
         n_entries = -(-self.max_model_len // 4)
         nd, ndr, nn = step.num_decode_tokens, step.num_decodes, step.decode_query_len
@@ -225,6 +255,13 @@ class DeepseekV4Attention(torch.nn.Module):
         if nd < T:
             self._indexer_prefill(q8, wq, idx_kv, step, topk, K, first_request=ndr)
         return topk
+
+    def _indexer_query(self, x, qr, positions):
+        """The indexer's query heads and weights, RoPE'd and quantized: (q fp8 [T, nh, 128], w fp32 [T, nh])."""
+        w, nh = self.w, self.cfg.index_n_heads
+        qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(x.shape[0], nh, 128)
+        wi = torch.matmul(x, w.idx_wproj.t())
+        return ops.fused_indexer_q_rope_quant(positions, qi, self.cos_sin_cache, wi, 128 ** -0.5, nh ** -0.5)
 
     def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int, first_request: int,
                          ratio: int = 4, lens=None, logits_hook=None):

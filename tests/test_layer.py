@@ -201,6 +201,28 @@ def test_module_shape_of_vllms_layer():
         DeepseekV4Attention.get_padded_num_q_heads(129)
     s = SyntheticServer(CFG, LayerType.C4, 1, MAX_LEN)
     assert s.layer.layer_type == LayerType.C4 and s.layer.padded_heads == 64
-    x = _xs([20], 51)[0]
-    with pytest.raises(ValueError, match="no StepMetadata"):
-        s.layer(torch.arange(20), x)
+
+
+@pytest.mark.parametrize("lt", [LayerType.SWA, LayerType.C4, LayerType.C128])
+def test_profile_run_without_step_writes_no_cache_and_returns_zeros(lt, monkeypatch):
+    """vLLM's memory-profiling forward: no StepMetadata, padded dummy positions. Every projection runs,
+    no byte of any cache changes, the result is bf16 zeros [T, hidden] (vLLM's layer zeroes attention)."""
+    s = SyntheticServer(CFG, lt, 1, MAX_LEN)
+    s.step({0: _xs([40], 52)[0]})                  # caches hold a request's records before the profile run
+    caches = {k: v.clone() for k, v in vars(s.layer.cache).items() if isinstance(v, torch.Tensor)}
+    calls = []
+    for name in ("fp8_linear", "compressor_kv_score", "fused_indexer_q_rope_quant", "fused_inv_rope_fp8_quant",
+                 "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", "save_partial_states"):
+        monkeypatch.setattr(ops, name, lambda *a, _f=getattr(ops, name), _n=name, **k: calls.append(_n) or _f(*a, **k))
+    T = 24
+    y = s.layer(torch.zeros(T, dtype=torch.int64), _xs([T], 53)[0])
+    assert y.dtype == torch.bfloat16 and y.shape == (T, CFG.hidden_size) and not y.any()
+    for k, v in caches.items():
+        assert torch.equal(getattr(s.layer.cache, k), v), k
+    ratio = {LayerType.SWA: 1, LayerType.C4: 4, LayerType.C128: 128}[lt]
+    assert calls.count("fp8_linear") == 3 + (ratio == 4)      # wqkv, wq_b, (indexer wq_b), wo_b
+    assert calls.count("compressor_kv_score") == (ratio > 1) + (ratio == 4)
+    assert calls.count("fused_indexer_q_rope_quant") == (ratio == 4) and "fused_inv_rope_fp8_quant" in calls
+    assert "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert" not in calls and "save_partial_states" not in calls
+    with pytest.raises(ValueError, match="positions"):
+        s.layer(torch.zeros(T - 1, dtype=torch.int64), _xs([T], 53)[0])
