@@ -50,6 +50,21 @@ class _Geometry:
     def page_bytes(block_size: int) -> int:
         return L.page_bytes(block_size)
 
+    @classmethod
+    def check_kv_cache_dtype(cls, cache_dtype: str) -> None:
+        """Refuse, by name, a ``--kv-cache-dtype`` without an fp8_ds_mla meaning. In vLLM 0.33.0 ``bfloat16``
+        (and ``fp8_e4m3``) select the plain-row caches of FLASHINFER_MLA_SPARSE_DSV4 (Blackwell): each token's
+        512 values as bf16 (or per-tensor e4m3) rows [num_blocks, block_size, 512], a layout none of
+        dsv4_rocm's kernels reads or writes."""
+        if cache_dtype in cls.supported_kv_cache_dtypes:
+            return
+        plain = " (vLLM's plain-row layout of FLASHINFER_MLA_SPARSE_DSV4: whole rows of 512 values, no " \
+                "fp8_ds_mla records)" if cache_dtype in ("bfloat16", "fp8_e4m3") else ""
+        raise ValueError(f"--kv-cache-dtype {cache_dtype}{plain} is not supported by --attention-backend "
+                         f"{BACKEND_NAME}: dsv4_rocm keeps DeepSeek-V4's KV caches as fp8_ds_mla records of "
+                         f"{L.TOKEN_BYTES} bytes. Use --kv-cache-dtype {' / '.join(cls.supported_kv_cache_dtypes)} "
+                         "(each means fp8_ds_mla here), or another attention backend.")
+
     @staticmethod
     def get_impl_cls():
         raise NotImplementedError("DeepSeek-V4 attention runs inside vLLM's DeepseekV4Attention layer, through "

@@ -13,13 +13,15 @@ attention hooks with dsv4_rocm's and otherwise is the base class unchanged:
   visible entries), with the sink, straight from the fp8 pages (no bf16 workspace, no prefill chunks);
 - ``backend_cls`` / ``swa_backend_cls``: dsv4_rocm's backends, whose builders make the step's metadata.
 
+Building a layer with our backend selected first refuses a ``--kv-cache-dtype`` that has no fp8_ds_mla
+meaning (``SparseMLABackend.check_kv_cache_dtype``), before vLLM allocates anything for it.
+
 The projections, the compressors, the indexer and the output projection stay vLLM's. A profile run (vLLM
 runs the layer once with no metadata to size memory) writes no cache and leaves the output zero.
 """
-import torch.nn.functional as F
-
 from ... import layout as L
 from ... import ops
+from ...attention import padded_q
 from .backend import BACKEND_NAME, SparseMLABackend, SWABackend
 
 from vllm.forward_context import get_forward_context
@@ -38,6 +40,8 @@ class _Hooks:
     def __init__(self, vllm_config, *args, **kwargs):
         # decided before the base constructor runs: it reads the padded head count and the backends
         object.__setattr__(self, "_dsv4_rocm", selected(vllm_config))
+        if self._dsv4_rocm:
+            SparseMLABackend.check_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
         super().__init__(vllm_config, *args, **kwargs)
 
     @property
@@ -63,7 +67,7 @@ class _Hooks:
             return super()._fused_qnorm_rope_kv_insert(q, kv, positions, attn_metadata)
         if not isinstance(attn_metadata, dict):
             # profile run: no cache write, q padded to the kernels' head count
-            return F.pad(q, (0, 0, 0, self.padded_heads - q.shape[1]))
+            return padded_q(q, self.padded_heads)
         swa = attn_metadata[self.swa_cache_layer.prefix]
         cache = self.swa_cache_layer.kv_cache
         n = swa.step.num_tokens

@@ -314,3 +314,32 @@ def test_hooked_class_is_the_base_class_when_not_selected():
     assert layer.get_padded_num_q_heads(8) == 64 and layer.get_padded_num_q_heads(65) == 128
     from dsv4_rocm.integrations.vllm.layer import selected
     assert selected(vllm_config()) and not selected(VllmConfig())
+
+
+def test_bfloat16_kv_cache_is_refused_by_name():
+    """vLLM 0.33.0 accepts --kv-cache-dtype bfloat16 for DeepSeek-V4 only on FLASHINFER_MLA_SPARSE_DSV4, as
+    plain bf16 rows instead of fp8_ds_mla records; a layer built with DSV4_ROCM refuses it before vLLM's
+    constructor allocates anything."""
+    from vllm.models.deepseek_v4.attention import _resolve_dsv4_kv_cache_dtype
+    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import DeepseekV4FlashInferMLASparseBackend
+    assert "bfloat16" in DeepseekV4FlashInferMLASparseBackend.supported_kv_cache_dtypes
+    assert "bfloat16" not in DeepseekV4FlashMLABackend.supported_kv_cache_dtypes
+    assert _resolve_dsv4_kv_cache_dtype(False, "bfloat16", None) == ("bfloat16", torch.bfloat16)
+    with pytest.raises(ValueError, match="fp8_ds_mla layout only supports fp8"):
+        _resolve_dsv4_kv_cache_dtype(True, "bfloat16", None)
+    for ok in ("auto", "fp8", "fp8_ds_mla"):
+        SparseMLABackend.check_kv_cache_dtype(ok)
+    for bad in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):
+        with pytest.raises(ValueError, match=f"--kv-cache-dtype {bad}.*--attention-backend DSV4_ROCM"):
+            SparseMLABackend.check_kv_cache_dtype(bad)
+    import vllm.models.deepseek_v4.cpu.cpu_sparse as cpu_sparse
+    base = cpu_sparse.DeepseekV4CPUAttention
+    hooked = attention_class(base.__mro__[2] if is_hooked(base) else base)
+    cfg = vllm_config()
+    cfg.cache_config.cache_dtype = "bfloat16"
+    with pytest.raises(ValueError, match="plain-row layout of FLASHINFER_MLA_SPARSE_DSV4"):
+        hooked(cfg, "model.layers.0.attn", None, None)
+    object.__setattr__(cfg, "attention_config", AttentionConfig())      # not selected: vLLM's constructor runs
+    with pytest.raises(Exception) as e:
+        hooked(cfg, "model.layers.0.attn", None, None)
+    assert "DSV4_ROCM" not in str(e.value)
