@@ -88,7 +88,9 @@ def _parser():
     pr.add_argument("--only", default=None, help="with --write-golden: only the cases whose name contains this")
     pr.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present, else cpu)")
     pr.add_argument("--report", default=None, help="write a JSON parity report of this device")
-    pr.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two parity reports")
+    pr.add_argument("--compare", nargs="+", metavar="REPORT",
+                    help="compare two or more parity reports: fails on an output that failed anywhere, on bytes "
+                         "that differ between devices, and on reports of different golden vectors")
     sub.add_parser("info", help="platform, backends and the state of the HIP extension")
     return p
 
