@@ -30,6 +30,23 @@ def _may_run_compile_tests(config):
     return False
 
 
+def pytest_addoption(parser):
+    parser.addoption("--one-case", action="store_true",
+                     help="run each test function once, with its first parameter set (the compute-sanitizer pass "
+                          "of ci/gpu_sanitize.sh: every test, at the cost of one case)")
+
+
+def _first_case_each(config, items):
+    keep, drop, seen = [], [], set()
+    for item in items:
+        key = (str(item.fspath), getattr(item, "originalname", item.name))
+        (drop if key in seen else keep).append(item)
+        seen.add(key)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_configure(config):
     xdist_controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
     if xdist_controller and MATRIX_DIR_VAR not in os.environ and _may_run_compile_tests(config):
@@ -41,6 +58,8 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)          # after -k / -m deselection: start only what the selected tests read
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--one-case"):
+        _first_case_each(config, items)
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a GPU (run with -m gpu on a GPU machine)")
         for item in items:
