@@ -189,8 +189,12 @@ def cmd_bench(a):
         return cmd_bench_merge(a)
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if ranks > 1 and a.device.split(":")[0] == "cuda" and _gpu_count():
-        from .tp import init_from_env          # torchrun's rank: its own GPU, cuda:LOCAL_RANK
-        a.device = str(init_from_env(None if a.device == "cuda" else a.device)[2])
+        # torchrun's rank: its own GPU (cuda:LOCAL_RANK); the ranks exchange only their reports, over gloo
+        from .tp import init_from_env
+        a.device = str(init_from_env(a.device, backend="gloo")[2])
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > _gpu_count():
+            print(f"bench: {os.environ['LOCAL_WORLD_SIZE']} ranks share this machine's {_gpu_count()} GPU(s): "
+                  "a rank's times include the others' work", file=sys.stderr)
     if a.device.split(":")[0] == "cpu":
         raise UsageError("bench times GPU kernels and cannot run on --device cpu (Triton has no CPU driver); "
                          "run it on a GPU machine, or time a CPU run with python -m dsv4_rocm run --device cpu")

@@ -37,24 +37,25 @@ def rank_and_size(group=None) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def init_from_env(device: Optional[str] = None) -> Tuple[int, int, torch.device]:
-    """Join the process group torchrun (or Slurm through torchrun) describes in the environment, if any:
-    NCCL/RCCL when this rank has a GPU, else gloo. Returns (rank, world size, this rank's device:
-    ``cuda:LOCAL_RANK`` on a GPU machine, or for ``device="cuda"``; ``device`` with an index is taken as
-    given; else cpu). Without torchrun's
-    variables it starts nothing and returns (0, 1, device)."""
+def init_from_env(device: Optional[str] = None, backend: Optional[str] = None) -> Tuple[int, int, torch.device]:
+    """Join the process group torchrun (or Slurm through torchrun) describes in the environment, if any.
+    Returns (rank, world size, this rank's device): ``cuda:LOCAL_RANK`` on a GPU machine, or for
+    ``device="cuda"`` (ranks past the GPU count share them round robin); ``device`` with an index is taken
+    as given; else cpu. ``backend``: NCCL (RCCL on ROCm) when the rank has a GPU, else gloo; gloo also
+    serves GPU ranks that only exchange Python objects (the benchmark's reports), and lets them share a GPU.
+    Without torchrun's variables it starts nothing and returns (0, 1, device)."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
-        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", local)
+        dev = torch.device("cuda", local % max(1, torch.cuda.device_count()))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
         return (*rank_and_size(), dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                            device_id=dev if dev.type == "cuda" else None)
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
     return dist.get_rank(), dist.get_world_size(), dev
 
 
