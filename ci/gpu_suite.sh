@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU machine runs: environment, the install with the HIP extension (the README's GPU command), GPU
-# tests, a memcheck pass, the parity report, the main job, FlashMLA's own cases through our API, the
-# benchmarks; a short summary last.
+# tests, a compute-sanitizer pass (memcheck, racecheck, initcheck: ci/gpu_sanitize.sh), the parity
+# report, the main job, FlashMLA's own cases through our API, the benchmarks; a short summary last.
 #
 # Usage: bash ci/gpu_suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
 #   stages: build tests memcheck parity main flashmla host bench perf   (default: all but perf, in that order)
@@ -62,20 +62,10 @@ if want tests; then
 fi
 
 if want memcheck; then
-  if command -v compute-sanitizer >/dev/null; then
-    stamp "compute-sanitizer memcheck"
-    compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_mla.py tests/test_quantize_and_insert_k_cache.py \
-        tests/test_dequantize_and_gather_k_cache.py tests/test_dequantize_global_slots_k_cache.py \
-        tests/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py tests/test_qnorm_rope_and_insert_full_k_cache.py \
-        tests/test_step_validation.py \
-        -k "all_invalid or smoke or (reference_bytes and 3-100) or garbage or 2-5-400 or 2-37-2048 or 17-16-64-0 or 300-16-64 or never_touches" \
-        > "$OUT/memcheck.log" 2>&1
-    record memcheck $?
-    grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
-  else
-    record memcheck skipped
-  fi
+  stamp "compute-sanitizer memcheck, racecheck, initcheck over every gpu test function (ci/gpu_sanitize.sh)"
+  bash ci/gpu_sanitize.sh "$OUT/sanitize"
+  record memcheck $?
+  command -v compute-sanitizer >/dev/null || RC[memcheck]=skipped
 fi
 
 if want parity; then
@@ -149,5 +139,7 @@ for s in build tests memcheck parity main flashmla host bench perf; do
   extra=""
   [ "$s" = tests ] && extra=" ($(grep -Eo '[0-9]+ (passed|failed|error)' "$OUT/pytest_gpu.log" 2>/dev/null | tr '\n' ' '))"
   printf '%-9s rc=%s%s\n' "$s" "${RC[$s]:-?}" "$extra"
+  # the sanitizer pass: one line per tool
+  if [ "$s" = memcheck ]; then cat "$OUT"/sanitize/*.summary 2>/dev/null | sed 's/^/  /'; fi
 done
 exit $status

@@ -5,6 +5,7 @@ line on stderr naming what is wrong and what to do, with exit status 2 and no tr
 """
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -81,13 +82,20 @@ def _parser():
                    help="PNG of fraction of floor and ratio to peers (default: beside --json, else dsv4_bench.png)")
     b.add_argument("--only", default=None, help="substring of the case names to run")
     b.add_argument("--sweep", action="store_true", help="time every tile configuration, not only the default")
+    b.add_argument("--every-case", action="store_true",
+                   help="under torchrun: every rank times every case (to compare GPUs), not its share of them")
+    b.add_argument("--merge", nargs="+", metavar="REPORT",
+                   help="join bench JSON reports (GPUs, machines, vendors) into one table, --json and --plot; "
+                        "needs no GPU")
     pr = sub.add_parser("parity", help="golden vectors and cross-vendor parity reports")
     pr.add_argument("--write-golden", action="store_true", help="regenerate tests/golden from the reference")
     pr.add_argument("--golden-dir", default=None)
     pr.add_argument("--only", default=None, help="with --write-golden: only the cases whose name contains this")
     pr.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present, else cpu)")
     pr.add_argument("--report", default=None, help="write a JSON parity report of this device")
-    pr.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two parity reports")
+    pr.add_argument("--compare", nargs="+", metavar="REPORT",
+                    help="compare two or more parity reports: fails on an output that failed anywhere, on bytes "
+                         "that differ between devices, and on reports of different golden vectors")
     sub.add_parser("info", help="platform, backends and the state of the HIP extension")
     return p
 
@@ -170,7 +178,48 @@ def _default_layers(cfg):
     return [str(x) for x in range(cfg.num_hidden_layers)]
 
 
+def _load_bench_report(path):
+    try:
+        with open(path) as f:
+            rep = json.load(f)
+    except OSError as e:
+        raise UsageError(f"--merge: cannot read {path} ({e.strerror}); give reports written by bench --json")
+    except ValueError as e:
+        raise UsageError(f"--merge: {path} is not JSON ({e}); give reports written by bench --json")
+    if not isinstance(rep, dict) or not isinstance(rep.get("rows"), list):
+        raise UsageError(f"--merge: {path} is not a bench report (no 'rows'); give reports written by bench --json")
+    return rep
+
+
+def cmd_bench_merge(a):
+    from .bench import merge
+    from .bench.plot import write_plot
+    reps = [_load_bench_report(p) for p in a.merge]
+    if a.json:
+        _check_writable("--json", a.json)
+    plot = a.plot or (os.path.splitext(a.json)[0] + ".png" if a.json else "dsv4_bench_merged.png")
+    _check_writable("--plot", plot)
+    rep = merge.merge(reps, [os.path.basename(p) for p in a.merge])
+    merge.print_table(rep)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    if rep["rows"]:
+        write_plot(rep, plot)
+    return 0
+
+
 def cmd_bench(a):
+    if a.merge:
+        return cmd_bench_merge(a)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 and a.device.split(":")[0] == "cuda" and _gpu_count():
+        # torchrun's rank: its own GPU (cuda:LOCAL_RANK); the ranks exchange only their reports, over gloo
+        from .tp import init_from_env
+        a.device = str(init_from_env(a.device, backend="gloo")[2])
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > _gpu_count():
+            print(f"bench: {os.environ['LOCAL_WORLD_SIZE']} ranks share this machine's {_gpu_count()} GPU(s): "
+                  "a rank's times include the others' work", file=sys.stderr)
     if a.device.split(":")[0] == "cpu":
         raise UsageError("bench times GPU kernels and cannot run on --device cpu (Triton has no CPU driver); "
                          "run it on a GPU machine, or time a CPU run with python -m dsv4_rocm run --device cpu")
@@ -181,10 +230,11 @@ def cmd_bench(a):
     plot = a.plot or (os.path.splitext(a.json)[0] + ".png" if a.json else "dsv4_bench.png")
     _check_writable("--plot", plot)
     from .bench.run import run
-    rep = run(a.device, a.json, a.only, a.sweep, plot=plot)
-    if not rep["rows"]:
-        raise UsageError(f"--only {a.only!r} matches no benchmark case; run without --only to see the case names")
-    return 0
+    rep = run(a.device, a.json, a.only, a.sweep, plot=plot, every_case=a.every_case)
+    if "devices" in rep or ranks == 1:      # rank 0 of several (the merged report), or a run of one GPU
+        if not rep["rows"]:
+            raise UsageError(f"--only {a.only!r} matches no benchmark case; run without --only to see the case names")
+    return 1 if rep.get("errors") else 0
 
 
 BUILD_AT_INSTALL = "pip install --no-deps --no-build-isolation -e . with the ROCm or CUDA torch installed first"

@@ -4,8 +4,10 @@
 reference outputs under ``tests/golden/`` (one ``.pt`` per case). ``parity --report R.json`` runs every
 case on this device with the default backend and records, per output, whether it matches the golden
 values (bytes and integers exactly; floats within the case's tolerance), the error, and a SHA-256 of
-integer/byte outputs. ``parity --compare A.json B.json`` checks that two devices (say an MI300 and an
-H100) produced the same bytes and both passed.
+integer/byte outputs. ``parity --compare A.json B.json ...`` checks that every device (say an MI300, an
+MI355 and an H100) passed, that they produced the same bytes, and that they ran the same golden vectors
+(a report records each case's golden file by its SHA-256). ``.github/workflows/parity.yml`` runs the
+reports on one runner per target and the compare over all of them (docs/cluster.md#parity).
 """
 import hashlib
 import json
@@ -440,10 +442,16 @@ def check_case(name, device="cpu", directory=GOLDEN_DIR):
     return res
 
 
+def golden_sha256(name, directory=GOLDEN_DIR):
+    with open(os.path.join(directory, f"{name}.pt"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def report(device="cpu", directory=GOLDEN_DIR):
     from .platform import detect
     out = dict(device=str(detect(device)), backends={n: ops.backend_for(n, device) for n in
-                                                      ("sparse_mla_decode", "sparse_mla_prefill")}, cases={})
+                                                      ("sparse_mla_decode", "sparse_mla_prefill")}, cases={},
+               golden={name: golden_sha256(name, directory) for name in sorted(CASES)})
     for name in sorted(CASES):
         out["cases"][name] = {k: dict(ok=v[0], err=v[1], sha256=v[2]) for k, v in check_case(name, device,
                                                                                             directory).items()}
@@ -451,19 +459,38 @@ def report(device="cpu", directory=GOLDEN_DIR):
     return out
 
 
-def compare(a, b):
-    """Lines describing where two parity reports differ; empty when both passed with the same bytes."""
+def compare(*reports, labels=None):
+    """Lines describing where parity reports (two or more) differ; empty when every output passed on every
+    device with the same bytes, from the same golden vectors. A float output passed when it lay within its
+    case's tolerance of the golden value; bytes and integers when they equal it, and they must then hash
+    alike everywhere. ``labels`` (the reports' file names) make the lines say which report is which."""
+    if len(reports) < 2:
+        raise ValueError("compare needs two or more parity reports")
+    who = list(labels) if labels else [f"report {i + 1}" for i in range(len(reports))]
     lines = []
-    for name in sorted(set(a["cases"]) | set(b["cases"])):
-        ca, cb = a["cases"].get(name, {}), b["cases"].get(name, {})
-        for k in sorted(set(ca) | set(cb)):
-            x, y = ca.get(k), cb.get(k)
-            if x is None or y is None:
-                lines.append(f"{name}.{k}: missing in one report")
-            elif not (x["ok"] and y["ok"]):
-                lines.append(f"{name}.{k}: ok={x['ok']}/{y['ok']} err={x['err']:.3g}/{y['err']:.3g}")
-            elif x["sha256"] != y["sha256"]:
-                lines.append(f"{name}.{k}: bytes differ")
+    goldens = [r.get("golden") for r in reports]
+    for name in sorted(set().union(*(g for g in goldens if g))):
+        shas = [g.get(name) if g else None for g in goldens]
+        if len({x for x in shas if x is not None}) > 1:
+            lines.append(f"{name}: the reports ran different golden vectors ("
+                         + ", ".join(f"{w}: {x[:12] if x else '?'}" for w, x in zip(who, shas)) + ")")
+    for name in sorted(set().union(*(r["cases"] for r in reports))):
+        cs = [r["cases"].get(name, {}) for r in reports]
+        for k in sorted(set().union(*cs)):
+            xs = [c.get(k) for c in cs]
+            if any(x is None for x in xs):
+                lines.append(f"{name}.{k}: missing in " + (
+                    "one report" if len(xs) == 2 and not labels else ", ".join(w for w, x in zip(who, xs) if x is None)))
+            elif not all(x["ok"] for x in xs):
+                oks = "/".join(str(x["ok"]) for x in xs)
+                errs = "/".join(format(x["err"], ".3g") for x in xs)
+                lines.append(f"{name}.{k}: ok={oks} err={errs}")
+            elif len({x["sha256"] for x in xs}) > 1:
+                groups = {}
+                for w, x in zip(who, xs):
+                    groups.setdefault(x["sha256"], []).append(w)
+                lines.append(f"{name}.{k}: bytes differ" + (
+                    ": " + " | ".join(", ".join(g) for g in groups.values()) if labels else ""))
     return lines
 
 
@@ -497,9 +524,16 @@ def cli(a):
         print(f"wrote {len(names)} golden cases to {d}")
         return 0
     if a.compare:
-        ra_, rb_ = (_load_report(p) for p in a.compare)
-        diff = compare(ra_, rb_)
-        print("\n".join(diff) if diff else f"parity: {a.compare[0]} and {a.compare[1]} agree")
+        if len(a.compare) < 2:
+            raise ReportError("--compare needs two or more reports written by parity --report")
+        reps = [_load_report(p) for p in a.compare]
+        diff = compare(*reps, labels=[os.path.basename(p) for p in a.compare])
+        for p, r in zip(a.compare, reps):
+            n = sum(len(c) for c in r["cases"].values())
+            print(f"{os.path.basename(p)}: {r.get('device', '?')}, {n} outputs, "
+                  f"{'all ok' if r.get('all_ok') else 'NOT all ok'}")
+        print("\n".join(diff) if diff else f"parity: the {len(reps)} reports agree (every output passed on every "
+                                           f"device, bytes and integers identical)")
         return 1 if diff else 0
     missing = [n for n in sorted(CASES) if not os.path.exists(os.path.join(d, f"{n}.pt"))]
     if missing:
