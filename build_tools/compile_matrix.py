@@ -19,16 +19,26 @@ on the targets its spec names (``targets``; the others print as n/a), then check
     ``cvt.rn.satfinite.e4m3x2.f32``); kernels whose fp32 arithmetic must be exact have no fma in their PTX.
 Each target is compiled in a process of its own: Triton 3.6 keeps per-arch lowering decisions for AMD
 targets process-wide (a gfx942 compile after a gfx950 one picks gfx950's fp8 conversions, and fails).
-``python -m build_tools.compile_matrix`` prints kernel x target -> status, registers, LDS/shared, spills,
-and exits non-zero on any failure.
+``python -m build_tools.compile_matrix`` prints kernel x target -> status, registers, LDS/shared, spills
+and the CPU seconds the compile took (compiler processes included), then each target's total and the
+costliest kernels, and exits non-zero on any failure. The targets' processes and the HIP compiles run
+``--jobs`` at a time. ``--out DIR`` writes each task's rows to ``DIR/<task>.json`` as it finishes: the
+compile tests start such a run in the background when they are collected (``Background``) and read it.
+
+On NVIDIA targets the register and spill report is the log of the ptxas run that built the cubin (kept
+beside the kernel in Triton's cache, so a warm cache runs no ptxas).
 """
 import argparse
-import functools
+import contextlib
+import io
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict
 
@@ -93,25 +103,62 @@ def triton_kernels():
     return kernels
 
 
-def _ptxas_report(ptx: str, arch: int, notes: list = None):
-    import tempfile
-    import triton
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    exe = os.path.join(bindir, "ptxas-blackwell" if arch >= 100 and os.path.exists(
-        os.path.join(bindir, "ptxas-blackwell")) else "ptxas")
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and of the child processes it has waited for."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _run_timed(cmd, **kw):
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that also returns the CPU seconds of the child
+    and of its own children, taken from wait4: compiles running side by side in threads each get theirs."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, **kw)
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        r = subprocess.CompletedProcess(cmd, p.returncode, out.read().decode(errors="replace"),
+                                        err.read().decode(errors="replace"))
+    return r, ru.ru_utime + ru.ru_stime
+
+
+PTXAS_LOG = "dsv4_ptxas.log"     # kept beside a kernel in Triton's cache: the log of the ptxas run that built it
+
+
+def _ptxas_log(c, arch: int, printed: str) -> str:
+    """The ``ptxas -v`` log of compiled kernel c's cubin: what Triton printed while building it (``printed``),
+    else the copy kept beside the kernel in Triton's cache (a warm cache), else (a kernel cached before this
+    report existed) a ptxas run with the flags Triton builds the cubin with. Kept in the cache either way."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.runtime.cache import get_cache_manager
+    cache = get_cache_manager(c.hash)
+    if "ptxas" in printed:
+        cache.put(printed, PTXAS_LOG, binary=False)
+        return printed
+    kept = cache.get_file(PTXAS_LOG)
+    if kept:
+        with open(kept) as f:
+            return f.read()
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([exe, f"-arch=sm_{arch}a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True)
+            f.write(c.asm["ptx"])
+        fmad = [] if c.metadata.enable_fp_fusion else ["--fmad=false"]
+        r = subprocess.run([get_ptxas(arch).path, "-lineinfo", *fmad, "-v", f"--gpu-name=sm_{arch}a", src,
+                            "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
-    if notes is not None:
-        notes += [l for l in r.stderr.splitlines() if "wgmma.mma_async instructions are serialized" in l]
-    regs = re.search(r"Used (\d+) registers", r.stderr)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    return int(regs.group(1)) if regs else -1, (int(spill.group(1)) + int(spill.group(2))) if spill else 0
+    cache.put(r.stderr, PTXAS_LOG, binary=False)
+    return r.stderr
+
+
+def _ptxas_report(log: str):
+    """(registers, spilled bytes, notes that ptxas serialized a wgmma) from a ``ptxas -v`` log."""
+    notes = [l for l in log.splitlines() if "wgmma.mma_async instructions are serialized" in l]
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return int(regs.group(1)) if regs else -1, (int(spill.group(1)) + int(spill.group(2))) if spill else 0, notes
 
 
 def _amd_report(asm: str):
@@ -123,43 +170,32 @@ def _amd_report(asm: str):
                 lds=get("group_segment_fixed_size"))
 
 
-def compile_triton(k: TritonKernel, target: str, only: str = None) -> dict:
-    """The matrix row of kernel k on target, compiled in that target's own process (with every kernel
-    whose name contains ``only``)."""
-    if not k.applies_to(target):
-        return dict(kernel=k.name, target=target, regs="-", smem=0, spills="-", problems=[], applies=False)
-    rows = _target_rows(target, only)
-    if k.name not in rows:
-        raise RuntimeError(f"{k.name}: not compiled for {target} (worker rows: {sorted(rows)})")
-    return rows[k.name]
+def _selected(name: str, names=None, only=None) -> bool:
+    return (not names or name in names) and (not only or only in name)
 
 
-@functools.lru_cache(maxsize=None)
-def _target_rows(target: str, only: str = None) -> dict:
-    r = subprocess.run([sys.executable, "-m", "build_tools.compile_matrix", "--worker", target]
-                       + (["--only", only] if only else []), cwd=ROOT, capture_output=True, text=True)
-    out = r.stdout.strip().splitlines()
-    if r.returncode or not out:
-        raise RuntimeError(f"compile worker for {target} failed: {r.stderr[-2000:]}")
-    return {row["kernel"]: row for row in json.loads(out[-1])}
-
-
-def _worker(target: str, only: str = None) -> None:
+def _worker(target: str, names=None, only=None) -> None:
+    """Compile the selected Triton kernels for one target in this process; print one JSON line: the rows
+    (each with the CPU and wall seconds its compile took) and the CPU seconds of the process's start-up."""
+    kernels = [k for k in triton_kernels() if _selected(k.name, names, only) and k.applies_to(target)]
+    startup = _cpu_s()
     rows = []
-    for k in triton_kernels():
-        if (only and only not in k.name) or not k.applies_to(target):
-            continue
+    for k in kernels:
+        c0, w0 = _cpu_s(), time.perf_counter()
         try:
-            rows.append(_compile_triton_here(k, target))
+            row = _compile_triton_here(k, target)
         except Exception as e:          # a compile error is a result of the matrix, not a crash of it
-            msg = str(e).splitlines()[-1][:160] if str(e) else type(e).__name__
-            rows.append(dict(kernel=k.name, target=target, regs="-", smem=0, spills="-",
-                             problems=[f"compile error: {msg}"]))
-    print(json.dumps(rows))
+            msg = str(e).strip().splitlines()[-1][:160] if str(e).strip() else type(e).__name__
+            row = dict(kernel=k.name, target=target, regs="-", smem=0, spills="-",
+                       problems=[f"compile error: {msg}"])
+        row.update(cpu_s=round(_cpu_s() - c0, 2), wall_s=round(time.perf_counter() - w0, 2))
+        rows.append(row)
+    print(json.dumps(dict(rows=rows, startup_cpu_s=round(startup, 2))))
 
 
 def _compile_triton_here(k: TritonKernel, target: str) -> dict:
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     backend, arch, warp, plat_arch, limit = TARGETS[target]
@@ -168,7 +204,11 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: F811
         constexprs = dict(constexprs, num_warps=options["num_warps"])
     src = ASTSource(k.fn, k.signature(), constexprs=constexprs, attrs=k.attrs())
-    c = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
+    # Triton prints the log of the ptxas run that builds the cubin when asked: the report reads it
+    # instead of running ptxas a second time
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(io.StringIO()) as printed:
+        knobs.nvidia.dump_ptxas_log = True
+        c = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
     row = dict(kernel=k.name, target=target, problems=[])
     if backend == "hip":
         asm = c.asm["amdgcn"]
@@ -192,8 +232,7 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
             row["problems"].append(f"SGPR spills {rep['sgpr_spill']}")
     else:
         ptx = c.asm["ptx"]
-        notes = []
-        regs, spill = _ptxas_report(ptx, arch, notes)
+        regs, spill, notes = _ptxas_report(_ptxas_log(c, arch, printed.getvalue()))
         if k.wgmma_pipelined and notes:
             row["problems"].append("ptxas serialized the wgmma")
         # a warp-specialized kernel: the cap, then the register counts its partitions switch to
@@ -235,13 +274,27 @@ def hip_sources():
     return sorted(f for f in os.listdir(HIP_DIR) if f.endswith(".hip"))
 
 
+def pip_nvcc():
+    """nvcc from NVIDIA's ``nvidia-cuda-nvcc`` wheel, which installs it off PATH, or None."""
+    import sysconfig
+    exe = os.path.join(sysconfig.get_paths()["platlib"], "nvidia", "cu13", "bin", "nvcc")
+    return exe if os.path.isfile(exe) else None
+
+
+def find_nvcc():
+    from .rocm_root import find_tool
+    return find_tool(["nvcc"]) or pip_nvcc()
+
+
 def compile_hip(name: str, target: str, workdir: str) -> dict:
+    """The matrix row of hip_kernels/<name> on target, with the compiler's CPU and wall seconds."""
     from .hip2cuda import translate_file
     from .rocm_root import find_tool, make_rocm_root
     backend, arch, _, _, limit = TARGETS[target]
     src = os.path.join(HIP_DIR, name)
     stem = name[:-4]
     row = dict(kernel=stem + ".hip", target=target, problems=[], regs="-", smem=0, spills="-")
+    w0 = time.perf_counter()
     if backend == "hip":
         clang = find_tool(["clang++-22"])
         if clang is None:
@@ -249,12 +302,14 @@ def compile_hip(name: str, target: str, workdir: str) -> dict:
             return row
         root = make_rocm_root(os.path.join(workdir, "rocm_root"))
         out = os.path.join(workdir, f"{stem}.{arch}.s")
-        r = subprocess.run([clang, *CLANG_FLAGS, f"--offload-arch={arch}", f"--rocm-path={root}",
-                            f"-I{HIP_INCLUDE}", "-S", src, "-o", out], capture_output=True, text=True)
+        r, cpu = _run_timed([clang, *CLANG_FLAGS, f"--offload-arch={arch}", f"--rocm-path={root}",
+                             f"-I{HIP_INCLUDE}", "-S", src, "-o", out])
+        row.update(cpu_s=round(cpu, 2), wall_s=round(time.perf_counter() - w0, 2))
         if r.returncode:
             row["problems"].append("compile error: " + r.stderr.strip().splitlines()[0][:200])
             return row
-        asm = open(out).read()
+        with open(out) as f:
+            asm = f.read()
         rep = _amd_report(asm)
         row.update(regs=f"v{rep['vgpr']}/s{rep['sgpr']}", smem=rep["lds"],
                    spills=f"v{rep['vgpr_spill']}/s{rep['sgpr_spill']}")
@@ -265,14 +320,16 @@ def compile_hip(name: str, target: str, workdir: str) -> dict:
         if stem in FP8_WRITERS and "v_cvt_pk_fp8_f32" not in asm:
             row["problems"].append("no hardware fp8 convert")
     else:
-        nvcc = find_tool(["nvcc"])
+        nvcc = find_nvcc()
         if nvcc is None:
             row["problems"].append("nvcc not found")
             return row
-        cu = translate_file(src, os.path.join(workdir, "cuda"))
-        r = subprocess.run([nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch}a,code=sm_{arch}a", f"-I{HIP_INCLUDE}",
-                            "-Xptxas", "-v", "-c", cu, "-o", os.path.join(workdir, f"{stem}.{arch}.o")],
-                           capture_output=True, text=True)
+        cu = translate_file(src, os.path.join(workdir, f"cuda_{arch}"))
+        env = dict(os.environ, PATH=os.path.dirname(nvcc) + os.pathsep + os.environ.get("PATH", ""))
+        r, cpu = _run_timed([nvcc, *NVCC_FLAGS, f"-gencode=arch=compute_{arch}a,code=sm_{arch}a",
+                             f"-I{HIP_INCLUDE}", "-Xptxas", "-v", "-c", cu,
+                             "-o", os.path.join(workdir, f"{stem}.{arch}.o")], env=env)
+        row.update(cpu_s=round(cpu, 2), wall_s=round(time.perf_counter() - w0, 2))
         if r.returncode:
             err = [l for l in r.stderr.splitlines() if "error" in l] or r.stderr.splitlines()[:1]
             row["problems"].append("compile error: " + err[0][:200])
@@ -288,41 +345,228 @@ def compile_hip(name: str, target: str, workdir: str) -> dict:
     return row
 
 
-def run(targets=None, only=None, quiet=False, workdir=None):
-    import tempfile
-    rows = []
-    workdir = workdir or os.path.join(tempfile.gettempdir(), "dsv4_compile_matrix")
+# ---- tasks: a Triton target (one process) or the HIP sources of a target ---------------------------------
+def tasks(targets=None, triton=True, hip=True):
+    """Task names (``triton-<target>``, ``hip-<target>``), the costliest first so that parallel jobs end
+    together: Triton's NVIDIA targets run ptxas on top of LLVM."""
+    ts = [t for t in TARGETS if not targets or t in targets]
+    order = sorted(ts, key=lambda t: TARGETS[t][0] != "cuda")
+    return [f"triton-{t}" for t in order if triton] + [f"hip-{t}" for t in order if hip]
+
+
+def run_task(task: str, workdir: str, names=None, only=None) -> dict:
+    """One task (HIP compiles write in ``workdir``): dict(task, rows, cpu_s (the task's processes, start-up
+    included), startup_cpu_s, wall_s, error (a crash of the task itself; a compile error is a row's problem))."""
+    kind, target = task.split("-", 1)
+    w0 = time.perf_counter()
+    res = dict(task=task, rows=[], cpu_s=0.0, startup_cpu_s=0.0, error=None)
+    if kind == "triton":
+        cmd = [sys.executable, "-m", "build_tools.compile_matrix", "--worker", target]
+        cmd += [a for n in names or () for a in ("--kernel", n)] + (["--only", only] if only else [])
+        r, cpu = _run_timed(cmd, cwd=ROOT)
+        out = r.stdout.strip().splitlines()
+        res["cpu_s"] = round(cpu, 2)
+        if r.returncode or not out:
+            res["error"] = f"compile worker for {target} failed (exit {r.returncode}): {r.stderr[-2000:]}"
+        else:
+            w = json.loads(out[-1])
+            res.update(rows=w["rows"], startup_cpu_s=w["startup_cpu_s"])
+    else:
+        res["rows"] = [compile_hip(n, target, workdir) for n in hip_sources() if _selected(n, names, only)]
+        res["cpu_s"] = round(sum(r.get("cpu_s", 0.0) for r in res["rows"]), 2)
+    res["wall_s"] = round(time.perf_counter() - w0, 2)
+    return res
+
+
+def _write_json(path: str, obj) -> None:
+    """Write atomically: a reader polling for the file never sees half of it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def run(targets=None, only=None, quiet=False, workdir=None, jobs=None, names=None, out_dir=None,
+        triton=True, hip=True):
+    """Compile the matrix, ``jobs`` tasks at a time; returns the task results in ``tasks()`` order. With
+    ``out_dir``, each task's result is written to ``out_dir/<task>.json`` as soon as it is done."""
+    from concurrent.futures import ThreadPoolExecutor
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="dsv4_compile_matrix_") as d:
+            return run(targets, only, quiet, d, jobs, names, out_dir, triton, hip)
     os.makedirs(workdir, exist_ok=True)
-    for name in hip_sources():
-        if only and only not in name:
-            continue
-        for t in targets or TARGETS:
-            rows.append(compile_hip(name, t, workdir))
-    for k in triton_kernels():
-        if only and only not in k.name:
-            continue
-        for t in targets or TARGETS:
-            rows.append(compile_triton(k, t, only))
+    todo = tasks(targets, triton, hip)
+    amd_hip = [t for t in todo if t.startswith("hip-") and TARGETS[t[4:]][0] == "hip"]
+    if amd_hip:
+        from .rocm_root import find_tool, make_rocm_root
+        if find_tool(["clang++-22"]) and find_tool(["llvm-as-22", "llvm-as"]):
+            make_rocm_root(os.path.join(workdir, "rocm_root"))      # once, before tasks share it
+    jobs = max(1, jobs or min(len(todo), os.cpu_count() or 1))
+
+    def one(task):
+        res = run_task(task, workdir, names, only)
+        if out_dir:
+            _write_json(os.path.join(out_dir, f"{task}.json"), res)
+        return res
+    with ThreadPoolExecutor(jobs) as ex:
+        results = list(ex.map(one, todo))
     if not quiet:
-        print(f"{'kernel':40s} {'target':8s} {'status':6s} {'regs':>10s} {'LDS/smem':>9s} {'spills':>8s}  problems")
-        for r in rows:
-            st = "n/a" if r.get("applies") is False else "ok" if not r["problems"] else "FAIL"
-            print(f"{r['kernel']:40s} {r['target']:8s} {st:6s} {r['regs']:>10s} {r['smem']:9d} {r['spills']:>8s}  "
-                  f"{'; '.join(r['problems'])}")
+        print_matrix(results)
+    return results
+
+
+def matrix_rows(results):
+    """The rows of every task, kernel by kernel (Triton kernels in COMPILE_SPECS order, then HIP sources),
+    target by target; a Triton kernel not written for a target gets an n/a row."""
+    by = {(r["kernel"], r["target"]): r for res in results for r in res["rows"]}
+    ran = {res["task"] for res in results}
+    kernels = [k for k in triton_kernels()]
+    rows = []
+    for k in kernels:
+        for t in TARGETS:
+            if f"triton-{t}" not in ran:
+                continue
+            if (k.name, t) in by:
+                rows.append(by[k.name, t])
+            elif not k.applies_to(t) and any(k.name == r["kernel"] for r in by.values()):
+                rows.append(dict(kernel=k.name, target=t, regs="-", smem=0, spills="-", problems=[], applies=False))
+    hip = sorted({r["kernel"] for (n, _), r in by.items() if n.endswith(".hip")})
+    rows += [by[n, t] for n in hip for t in TARGETS if (n, t) in by]
     return rows
+
+
+def print_matrix(results, top=8):
+    print(f"{'kernel':40s} {'target':8s} {'status':6s} {'regs':>10s} {'LDS/smem':>9s} {'spills':>8s} {'CPU s':>6s}  "
+          f"problems")
+    rows = matrix_rows(results)
+    for r in rows:
+        st = "n/a" if r.get("applies") is False else "ok" if not r["problems"] else "FAIL"
+        cpu = f"{r['cpu_s']:6.1f}" if "cpu_s" in r else f"{'-':>6s}"
+        print(f"{r['kernel']:40s} {r['target']:8s} {st:6s} {r['regs']:>10s} {r['smem']:9d} {r['spills']:>8s} {cpu}  "
+              f"{'; '.join(r['problems'])}")
+    print(f"\n{'task':16s} {'rows':>5s} {'CPU s':>7s} {'start-up':>9s} {'wall s':>7s}")
+    for res in results:
+        print(f"{res['task']:16s} {len(res['rows']):5d} {res['cpu_s']:7.1f} {res['startup_cpu_s']:9.1f} "
+              f"{res['wall_s']:7.1f}" + (f"  {res['error']}" if res["error"] else ""))
+    print(f"{'all':16s} {len(rows):5d} {sum(r['cpu_s'] for r in results):7.1f}")
+    costly = sorted((r for r in rows if "cpu_s" in r), key=lambda r: -r["cpu_s"])[:top]
+    if costly:
+        print("costliest compiles (CPU s): " + ", ".join(f"{r['kernel']} {r['target']} {r['cpu_s']:.1f}"
+                                                         for r in costly))
+
+
+class Background:
+    """The matrix compiled by another process while this one does other work: the test suite starts one
+    when it collects the compile tests and each test reads its row when it runs. Results land in
+    ``out_dir`` (``run(out_dir=...)``), the process's output in ``out_dir/run.log``; ``out_dir/run.json``
+    names the process and its tasks, so that other processes (pytest-xdist's workers) can ``attach``."""
+
+    def __init__(self, out_dir: str, pid: int, tasks: list, proc=None):
+        self.out_dir, self.pid, self.tasks, self.proc = out_dir, pid, tasks, proc
+        self.log = os.path.join(out_dir, "run.log")
+        self.waited = 0.0        # seconds this process spent waiting for results
+
+    @classmethod
+    def start(cls, out_dir: str, names=None, targets=None, jobs: int = 1, niceness: int = 0, triton: bool = True,
+              hip: bool = True) -> "Background":
+        """Start the run: ``jobs`` tasks at a time, ``niceness`` below this process's CPU priority."""
+        os.makedirs(out_dir, exist_ok=True)
+        cmd = [sys.executable, "-m", "build_tools.compile_matrix", "--out", out_dir, "--jobs", str(jobs), "--quiet",
+               "--workdir", os.path.join(out_dir, "work")]
+        cmd += [a for t in targets or () for a in ("--target", t)]
+        cmd += [a for n in names or () for a in ("--kernel", n)]
+        cmd += [] if triton else ["--no-triton"]
+        cmd += [] if hip else ["--no-hip"]
+        with open(os.path.join(out_dir, "run.log"), "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+        todo = tasks(targets, triton, hip)
+        _write_json(os.path.join(out_dir, "run.json"), dict(pid=proc.pid, tasks=todo))
+        return cls(out_dir, proc.pid, todo, proc)
+
+    @classmethod
+    def attach(cls, out_dir: str) -> "Background":
+        """The run another process started in ``out_dir``."""
+        with open(os.path.join(out_dir, "run.json")) as f:
+            meta = json.load(f)
+        return cls(out_dir, meta["pid"], meta["tasks"])
+
+    def running(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        try:                                    # a process this one did not start: alive and not a zombie
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def result(self, task: str, timeout: float = 3600) -> dict:
+        """Task's result, waiting for it; raises RuntimeError if the run ended without it."""
+        path = os.path.join(self.out_dir, f"{task}.json")
+        t0 = time.perf_counter()
+        while not os.path.exists(path):
+            if not self.running() and not os.path.exists(path):
+                with open(self.log) as f:
+                    tail = f.read()[-2000:]
+                raise RuntimeError(f"the compile matrix run ended without {task}: {tail}")
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"no result for {task} after {timeout:.0f} s (see {self.log})")
+            time.sleep(0.2)
+        self.waited += time.perf_counter() - t0
+        with open(path) as f:
+            res = json.load(f)
+        if res["error"]:
+            raise RuntimeError(res["error"])
+        return res
+
+    def row(self, kernel: str, target: str) -> dict:
+        """The row of a Triton kernel (by its matrix name) or of a HIP source (``name.hip``) on target."""
+        res = self.result(f"{'hip' if kernel.endswith('.hip') else 'triton'}-{target}")
+        for r in res["rows"]:
+            if r["kernel"] == kernel:
+                return r
+        raise RuntimeError(f"{kernel}: not compiled for {target} (rows: {sorted(r['kernel'] for r in res['rows'])})")
+
+    def done(self):
+        """The results present now, in task order."""
+        out = []
+        for t in self.tasks:
+            p = os.path.join(self.out_dir, f"{t}.json")
+            if os.path.exists(p):
+                with open(p) as f:
+                    out.append(json.load(f))
+        return out
+
+    def stop(self):
+        """End the run (its process group: the driver and its compile workers) if this process started it."""
+        if self.proc is not None and self.proc.poll() is None:
+            import signal
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait()
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", action="append", choices=sorted(TARGETS))
     p.add_argument("--only", default=None, help="substring of kernel names")
+    p.add_argument("--kernel", action="append", default=None,
+                   help="a kernel's exact matrix name (a Triton entry or NAME.hip); repeat for several")
+    p.add_argument("--jobs", type=int, default=None, help="tasks compiled at once (default: one per CPU)")
+    p.add_argument("--out", default=None, help="write each task's rows to OUT/<task>.json as it finishes")
+    p.add_argument("--no-triton", action="store_true", help="only the HIP sources")
+    p.add_argument("--no-hip", action="store_true", help="only the Triton kernels")
+    p.add_argument("--quiet", action="store_true", help="print no table")
+    p.add_argument("--workdir", default=None, help="where HIP compiles write (default: a temporary directory)")
     p.add_argument("--worker", choices=sorted(TARGETS), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        _worker(a.worker, a.only)
+        _worker(a.worker, a.kernel, a.only)
         return 0
-    rows = run(a.target, a.only)
-    return 1 if any(r["problems"] for r in rows) else 0
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+    results = run(a.target, a.only, quiet=a.quiet, workdir=a.workdir, jobs=a.jobs, names=a.kernel, out_dir=a.out,
+                  triton=not a.no_triton, hip=not a.no_hip)
+    return 1 if any(r["error"] or any(row["problems"] for row in r["rows"]) for r in results) else 0
 
 
 if __name__ == "__main__":

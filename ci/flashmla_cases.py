@@ -254,12 +254,22 @@ TIMED_DECODE = [   # (label, h, b, s_q, extra topk, extra block size, extra leng
     ("V4-Flash h64 128(bs256)+512(bs64) b148", 64, 148, 2, 512, 64, False),
     ("V4-Pro h128 128+1024(bs64) b64", 128, 64, 2, 1024, 64, False),
     ("V4-Pro h128 128+1024(bs64) b148", 128, 148, 2, 1024, 64, False),
+    ("h64 128+1024(bs2, extra lengths) b64", 64, 64, 2, 1024, 2, True),
     ("h64 128+1024(bs2, extra lengths) b148", 64, 148, 2, 1024, 2, True),
+    ("h128 128+1024(bs2, extra lengths) b64", 128, 64, 2, 1024, 2, True),
     ("h128 128+1024(bs2, extra lengths) b148", 128, 148, 2, 1024, 2, True),
+    ("h64 s_q1 128+512 b1", 64, 1, 1, 512, 64, False),
+    ("h64 s_q1 128+512 b32", 64, 32, 1, 512, 64, False),
     ("h64 s_q1 128+512 b128", 64, 128, 1, 512, 64, False),
     ("h64 128+512 b2 (host path)", 64, 2, 2, 512, 64, False),
+    ("h128 128+1024 b2 (host path)", 128, 2, 2, 1024, 64, False),
 ]
-TIMED_PREFILL = [("prefill h64 topk512 s_q4096 s_kv65536", 64, 512), ("prefill h128 topk1024 s_q4096 s_kv65536", 128, 1024)]
+TIMED_PREFILL = [  # (label, h, topk, s_kv): s_q 4096
+    ("prefill h64 topk512 s_q4096 s_kv8192", 64, 512, 8192),
+    ("prefill h64 topk512 s_q4096 s_kv65536", 64, 512, 65536),
+    ("prefill h128 topk1024 s_q4096 s_kv8192", 128, 1024, 8192),
+    ("prefill h128 topk1024 s_q4096 s_kv65536", 128, 1024, 65536),
+]
 
 
 def _recorded_call(lib, run, p, t, *extra):
@@ -299,14 +309,15 @@ def time_rows(lib, ours, peer):
                 row[f"{name}_span_us"] = gpu_span_us(fn)
         rows.append(row)
         del t
-    for label, h, topk in TIMED_PREFILL:
-        p = lib.TestParam(4096, 65536, topk, h_q=h, d_qk=512, have_attn_sink=True, seed=1)
+    for label, h, topk, s_kv in TIMED_PREFILL:
+        p = lib.TestParam(4096, s_kv, topk, h_q=h, d_qk=512, have_attn_sink=True, seed=1)
         t = lib.generate_testcase(p)
         a, k = _recorded_call(lib, lib.run_flash_mla_sparse_fwd, p, t, False)
         row = dict(case=label)
         for name, mod in (("dsv4_rocm", ours), ("FlashMLA", peer)):
             fn = lambda: mod.flash_mla_sparse_fwd(*a, **k)         # noqa: E731
             row[f"{name}_eager_us"] = time_ms(fn) * 1e3
+        row["flop"] = 2 * 4096 * h * topk * 1024
         rows.append(row)
         del t
     return rows
@@ -322,6 +333,9 @@ def print_rows(rows):
             line += (f"{f:15.1f} {o:8.1f} {f / o:6.2f}   " if f and o else f"{'':15s} {'':8s} {'':6s}   ")
         if "dsv4_rocm_span_us" in r:
             line += f"span {r['FlashMLA_span_us']:.1f} / {r['dsv4_rocm_span_us']:.1f} us"
+        if "flop" in r and r.get("FlashMLA_eager_us") and r.get("dsv4_rocm_eager_us"):
+            line += (f"TFLOP/s {r['flop'] / r['FlashMLA_eager_us'] / 1e6:.0f} / "
+                     f"{r['flop'] / r['dsv4_rocm_eager_us'] / 1e6:.0f}")
         print(line)
     print("ratio = FlashMLA time / dsv4_rocm time (> 1: dsv4_rocm faster)")
 
@@ -336,6 +350,7 @@ def main(argv=None):
     ap.add_argument("--no-peer", action="store_true", help="do not run FlashMLA even if it imports")
     ap.add_argument("--timing", action="store_true", help="time the comparison table's rows beside FlashMLA "
                                                          "(skipped when flash_mla does not import)")
+    ap.add_argument("--timing-only", action="store_true", help="time the comparison table's rows, run no case")
     ap.add_argument("--list", action="store_true", help="print the case counts and stop")
     ap.add_argument("--cpu", action="store_true", help="run the prefill cases on the CPU (checks the harness)")
     ap.add_argument("--max-size", type=int, help="leave out cases with s_q * topk * h_q above this")
@@ -365,6 +380,8 @@ def main(argv=None):
     print(f"FlashMLA package: {'importable, run beside ours' if peer is not None else 'not importable'}")
     if args.list:
         return 0
+    if args.timing_only:
+        picked, args.timing = [], True
     if args.cpu:
         picked = [x for x in picked if x[0] == "prefill"]
     elif not torch.cuda.is_available():

@@ -1,19 +1,25 @@
-"""The warp-specialized Hopper decode kernel (dsv4_rocm/triton/sparse_mla_decode_ws.py) on an H100: checked
-against the reference, then timed beside the Triton decode kernel and FlashMLA on identical tensors.
+"""The warp-specialized Hopper kernel (dsv4_rocm/triton/sparse_mla_decode_ws.py) on an H100, decode and prefill
+over bf16 rows: checked against the reference, then timed beside the Triton kernels and FlashMLA on identical
+tensors.
 
     PYTHONPATH=$PWD:$PWD/tests python ci/gpu_decode_ws.py [--flashmla /path/to/FlashMLA] [--smoke] [--json out.json]
 
+0. Every variant's kernels are compiled first, in parallel (one worker thread per CPU).
 1. Correctness (tolerances of tests/sparse_mla_inputs.py): the default configuration on the GPU cases of
    tests/test_sparse_mla.py (block sizes 2 to 576, lengths [b] and [b, s_q], no extra set, sinks +-inf, h 64
    and 128, s_q 1 to 3, b up to 321), with the default persistent schedule and with 3 parts per query;
    strided inputs and an out buffer (same bits as the contiguous call, nothing else written); all-invalid and
    zero-length queries (out 0, lse +inf); the public op's default on this GPU. Every other variant on two
-   cases; the default again on every timed case (the schedules of the large batches), against the reference.
+   cases (timing probes, whose outputs are wrong on purpose, on none); the default again on every timed case
+   (the schedules of the large batches); the prefill kernel over bf16 rows on the prefill GPU cases with every
+   kind of sink (out, lse, max logits, lonely queries).
 2. Compile report of each variant (registers, spills, shared memory of the compiled kernels).
 3. Timing, CUDA-graph replay (median) and eager: FlashMLA (when ``import flash_mla`` works, or from the
-   ``--flashmla`` checkout built in place), the Triton kernel, the Hopper kernel and its variants.
-4. A table: per case the times and FlashMLA / ours, and a verdict per case (which of ws and triton is
-   faster) and overall: the value ``sparse_mla_decode.DEFAULT_SM90_KERNEL`` should hold.
+   ``--flashmla`` checkout built in place), the Triton kernel, the Hopper kernel, its variants and its timing
+   probes (``PROBE``: no record loads, no matrix products, neither); prefill (eager, s_q 4096, s_kv 8K / 64K,
+   h 64 / 128) for both kernels, the probes and FlashMLA.
+4. Tables: per case the times and FlashMLA / ours, the probes, a verdict per case (which of ws and triton is
+   faster) and overall: the value ``sparse_mla_decode.DEFAULT_SM90_KERNEL`` should hold; the prefill TFLOP/s.
 
 A kernel that hangs ends the run (exit 3) with the case named, so the machine is not held. Exit 1 after the
 timing of what passed when any check failed; 2 when the device is not Hopper (sm_90). ``--smoke`` compiles
@@ -34,22 +40,26 @@ SMOKE_CASE = (4, 2, 64, 256, 128, 64, 512, "random", "b")
 # (name, config, num_splits): the default first; the others change one thing each
 VARIANTS = [
     ("ws", dict(kernel="ws"), None),
-    ("ws rk8 rs4", dict(kernel="ws", RAW_KEYS=8, RAW_STAGES=4), None),     # 8-key chunks, three in flight
-    ("ws noL2", dict(kernel="ws", L2_AHEAD=False), None),                  # no L2 requests a tile ahead
-    ("ws 1/cta", dict(kernel="ws"), 1),                                    # one unit per CTA (no persistence)
+    ("ws noL2", dict(kernel="ws", L2_AHEAD=False), None),                  # no L2 requests ahead
+    ("ws probe nogather", dict(kernel="ws", PROBE=1), None),               # timing probes: outputs wrong
+    ("ws probe nomma", dict(kernel="ws", PROBE=2), None),
+    ("ws probe neither", dict(kernel="ws", PROBE=3), None),
 ]
+FULL = ("ws",)      # checked on every case (the default and the candidates for it)
+PROBES = ("ws probe nogather", "ws probe nomma", "ws probe neither")     # timed, never checked
 TRITON = ("triton", dict(kernel="triton"), None)
 
 # (label, b, s_q, h, main topk, main bs, extra topk, extra bs, random extra lengths, time the variants)
 TIMED = [
+    ("h64 128(bs256)+512(bs64) s_q2 b2", 2, 2, 64, 128, 256, 512, 64, False, True),
     ("V4-Flash h64 128(bs256)+512(bs64) s_q2 b64", 64, 2, 64, 128, 256, 512, 64, False, True),
     ("V4-Flash h64 128(bs256)+512(bs64) s_q2 b148", 148, 2, 64, 128, 256, 512, 64, False, True),
     ("V4-Pro h128 128+1024(bs64) s_q2 b64", 64, 2, 128, 128, 256, 1024, 64, False, True),
-    ("V4-Pro h128 128+1024(bs64) s_q2 b148", 148, 2, 128, 128, 256, 1024, 64, False, False),
-    ("h64 s_q1 128+512 b128", 128, 1, 64, 128, 256, 512, 64, False, False),
-    ("h64 s_q1 128+512 b256", 256, 1, 64, 128, 256, 512, 64, False, False),
+    ("V4-Pro h128 128+1024(bs64) s_q2 b148", 148, 2, 128, 128, 256, 1024, 64, False, True),
+    ("h64 s_q1 128+512 b128", 128, 1, 64, 128, 256, 512, 64, False, True),
+    ("h64 s_q1 128+512 b256", 256, 1, 64, 128, 256, 512, 64, False, True),
     ("h64 128+1024(bs2, extra lengths) s_q2 b148", 148, 2, 64, 128, 256, 1024, 2, True, True),
-    ("h128 128+1024(bs2, extra lengths) s_q2 b148", 148, 2, 128, 128, 256, 1024, 2, True, False),
+    ("h128 128+1024(bs2, extra lengths) s_q2 b148", 148, 2, 128, 128, 256, 1024, 2, True, True),
 ]
 
 FAILURES = []
@@ -144,6 +154,24 @@ def check_all_invalid(cfg):
             assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all(), (sink, ns)
 
 
+def check_prefill(case, sink):
+    """The Hopper kernel over bf16 rows (``sparse_mla_prefill`` config kernel="ws") against the reference."""
+    from dsv4_rocm.reference import attention as ra
+    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from sparse_mla_inputs import check_lonely, check_lse, check_out, prefill_case, prefill_key_amax
+    s_q, h, topk, s_kv = case
+    q, kv, idx, lens, sk = prefill_case(s_q, h, topk, s_kv, "cuda", s_q * 7 + topk, sink)
+    ref = ra.flash_mla_sparse_fwd(q, kv, idx, 512 ** -0.5, 512, sk, lens)
+    out = torch.full((s_q, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    res = sparse_mla_prefill(q, kv, idx, 512 ** -0.5, 512, sk, lens, out, config=dict(kernel="ws"))
+    check_out(out, ref[0], f"ws prefill {case} {sink}", prefill_key_amax(kv, idx, lens))
+    check_lse(res[2], ref[2])
+    check_lonely(out, res[2], [0, 1] if s_q > 1 else [0], res[1])
+    fin = torch.isfinite(ref[1])
+    assert torch.equal(torch.isneginf(res[1]), torch.isneginf(ref[1]))
+    torch.testing.assert_close(res[1][fin], ref[1][fin], atol=1e-5, rtol=1e-5)
+
+
 def check_public_default():
     from dsv4_rocm import ops
     from dsv4_rocm.reference import attention as ra
@@ -163,24 +191,64 @@ def correctness(smoke):
         ok["ws"] = all([check(f"ws {SMOKE_CASE} splits={ns}", lambda ns=ns: check_case(
             SMOKE_CASE, dict(kernel="ws"), ns, f"ws {SMOKE_CASE} splits={ns}")) for ns in (None, 3)])
         return ok
+    precompile(DECODE_CASES)
+    for name, cfg, _ in VARIANTS:
+        if name not in FULL:
+            continue
+        good = True
+        for case in DECODE_CASES:
+            for ns in (None, 3):
+                good &= check(f"{name} {case} splits={ns}", lambda case=case, ns=ns, cfg=cfg, name=name: check_case(
+                    case, cfg, ns, f"{name} {case} splits={ns}"))
+        for ns in (1, 4):
+            good &= check(f"{name} call forms splits={ns}", lambda ns=ns, cfg=cfg: check_call_forms(cfg, ns))
+        good &= check(f"{name} all-invalid and zero lengths", lambda cfg=cfg: check_all_invalid(cfg))
+        ok[name] = good
+    ok["ws"] &= check("ops default on this GPU is DEFAULT_SM90_KERNEL", check_public_default)
+    from test_sparse_mla import PREFILL_CASES
     good = True
-    for case in DECODE_CASES:
-        for ns in (None, 3):
-            good &= check(f"ws {case} splits={ns}",
-                          lambda case=case, ns=ns: check_case(case, dict(kernel="ws"), ns, f"ws {case} splits={ns}"))
-    for ns in (1, 4):
-        good &= check(f"ws call forms splits={ns}", lambda ns=ns: check_call_forms(dict(kernel="ws"), ns))
-    good &= check("ws all-invalid and zero lengths", lambda: check_all_invalid(dict(kernel="ws")))
-    good &= check("ops default on this GPU is DEFAULT_SM90_KERNEL", check_public_default)
-    ok["ws"] = good
+    for case in PREFILL_CASES:
+        for sink in ("random", "none", "+inf", "-inf"):
+            good &= check(f"ws prefill {case} {sink}", lambda case=case, sink=sink: check_prefill(case, sink))
+    ok["ws prefill"] = good
     # each variant: the timed cases' kernel (V4-Flash pages; 600 units of 10 tiles, so the default schedule
     # puts four to five units in a CTA and cuts some) and the odd-page case of FlashMLA's tests (h 128,
     # [b, s_q] lengths, planned schedule)
     picks = [((300, 2, 64, 256, 128, 64, 512, "random", "b"), None), (DECODE_CASES[-1], None)]
-    for name, cfg, ns in VARIANTS[1:] + [TRITON]:
+    for name in PROBES:
+        ok[name] = True
+    for name, cfg, ns in [v for v in VARIANTS if v[0] not in FULL + PROBES] + [TRITON]:
         ok[name] = all([check(f"{name} {case}", lambda case=case, cfg=cfg, n=ns or pns: check_case(
             case, cfg, n, f"{name} {case} splits={n}")) for case, pns in picks])
     return ok
+
+
+def precompile(cases):
+    """Compile every variant's kernels for the checked and timed configurations in parallel (one worker
+    thread per CPU, Triton's asynchronous compiles), so the checks and timings that follow find them."""
+    from dsv4_rocm.flash_mla import _compile_all
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from sparse_mla_inputs import decode_args, decode_case
+    t0 = time.perf_counter()
+    shapes = [(2, 1, h, bs, topk, ebs, etopk, sink, lshape) for b, s_q, h, bs, topk, ebs, etopk, sink, lshape in cases]
+    shapes += [(2, 1, h, bs, topk, ebs, etopk, "random", "b") for _, b, s_q, h, topk, bs, etopk, ebs, _, _ in TIMED]
+    jobs = []
+    for case in shapes:
+        args = decode_args(decode_case(*case[:7], "cuda", 1, *case[7:]))
+        for _, cfg, _ in VARIANTS + [TRITON]:
+            jobs += [(sparse_mla_decode, args, dict(config=cfg, num_splits=ns)) for ns in (1, 3)]
+    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from sparse_mla_inputs import prefill_case
+    for h in (64, 128):
+        q, kv, idx, lens, sk = prefill_case(2, h, 64, 16, "cuda", 1)
+        for cfg in [dict(kernel="ws")] + [c for _, c in PREFILL_VARIANTS]:
+            for ln, sn in ((lens, sk), (lens, None), (None, None)):
+                jobs.append((sparse_mla_prefill, (q, kv, idx, 512 ** -0.5, 512, sn, ln), dict(config=cfg)))
+    try:
+        _compile_all(jobs, None)
+    except Exception as e:  # noqa: BLE001  (a variant that does not compile fails its own checks below)
+        log(f"  precompile: {type(e).__name__}: {str(e)[:300]}")
+    log(f"precompiled {len(jobs)} launches in {time.perf_counter() - t0:.0f} s")
 
 
 # ---- compile report -------------------------------------------------------------------------------------------
@@ -262,6 +330,67 @@ def timing(ok, peer):
     return rows
 
 
+PREFILL_TIMED = [("prefill h64 topk512 s_q4096 s_kv8192", dict(s_q=4096, s_kv=8192, h=64, topk=512)),
+                 ("prefill h64 topk512 s_q4096 s_kv65536", dict(s_q=4096, s_kv=65536, h=64, topk=512)),
+                 ("prefill h128 topk1024 s_q4096 s_kv8192", dict(s_q=4096, s_kv=8192, h=128, topk=1024)),
+                 ("prefill h128 topk1024 s_q4096 s_kv65536", dict(s_q=4096, s_kv=65536, h=128, topk=1024))]
+PREFILL_VARIANTS = [("triton", dict(kernel="triton")), ("ws", dict(kernel="ws")),
+                    ("ws probe nogather", dict(kernel="ws", PROBE=1)), ("ws probe nomma", dict(kernel="ws", PROBE=2))]
+
+
+def prefill_timing(ok, peer):
+    """Prefill over bf16 rows (eager, as engines call it): TFLOP/s of the Triton and the Hopper kernel (and
+    FlashMLA's when built), the Hopper kernel's output checked against the Triton kernel's first."""
+    from dsv4_rocm.bench.sparse_mla import count_prefill, make_prefill_inputs
+    from dsv4_rocm.bench.timing import time_ms
+    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    log("\n== prefill (eager, TFLOP/s = 2 h topk 1024 s_q / time)")
+    rows = []
+    for label, c in PREFILL_TIMED:
+        q, kv, idx = make_prefill_inputs(c, "cuda")
+        flop = count_prefill(c)[0]
+        row = dict(case=label, us={})
+        base = None
+        for name, cfg in PREFILL_VARIANTS:
+            if name.startswith("ws") and not ok.get("ws prefill"):
+                continue
+            fn = (lambda cfg=cfg: sparse_mla_prefill(q, kv, idx, 512 ** -0.5, config=cfg))
+            try:
+                with watchdog(240, f"prefill {name} on {label}"):
+                    res = fn()
+                    torch.cuda.synchronize()
+                    if name == "triton":
+                        base = res
+                    elif name == "ws" and base is not None:
+                        err = (res[0].float() - base[0].float()).abs().max().item()
+                        assert err <= 2e-2 * base[0].float().abs().max().item(), f"ws prefill differs by {err}"
+                    row["us"][name] = time_ms(fn) * 1e3
+            except Exception as e:  # noqa: BLE001
+                FAILURES.append((f"prefill timing {name} {label}", f"{type(e).__name__}: {e}"))
+                log(f"  FAIL prefill {name} on {label}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            log(f"  {label:44s} {name:18s} {row['us'][name]:9.1f} us  {flop / row['us'][name] / 1e6:6.1f} TFLOP/s")
+        if peer is not None:
+            try:
+                with watchdog(240, f"FlashMLA prefill on {label}"):
+                    row["us"]["FlashMLA"] = time_ms(lambda: peer.flash_mla_sparse_fwd(q, kv, idx, 512 ** -0.5)) * 1e3
+                log(f"  {label:44s} {'FlashMLA':18s} {row['us']['FlashMLA']:9.1f} us  "
+                    f"{flop / row['us']['FlashMLA'] / 1e6:6.1f} TFLOP/s")
+            except Exception as e:  # noqa: BLE001
+                log(f"  FlashMLA prefill failed on {label}: {type(e).__name__}: {str(e)[:300]}")
+        row["flop"] = flop
+        rows.append(row)
+        del q, kv, idx, base
+        torch.cuda.empty_cache()
+    log(f"\n{'prefill case':44s} " + " ".join(f"{n[:12]:>12s}" for n in ["FlashMLA"] + [v[0] for v in PREFILL_VARIANTS])
+        + "   (TFLOP/s)")
+    for r in rows:
+        log(f"{r['case']:44s} " + " ".join(
+            f"{r['flop'] / r['us'][n] / 1e6:12.1f}" if n in r["us"] else f"{'-':>12s}"
+            for n in ["FlashMLA"] + [v[0] for v in PREFILL_VARIANTS]))
+    return rows
+
+
 def check_timed(args, label):
     """The default Hopper kernel on a timed case (its persistent schedule at full size) against the
     reference."""
@@ -295,7 +424,7 @@ def table(rows):
     for r in rows:
         g, e = r["graph"], r["eager"]
         f = g.get("FlashMLA")
-        wsv = {k: v for k, v in g.items() if k.startswith("ws")}
+        wsv = {k: v for k, v in g.items() if k.startswith("ws") and k not in PROBES}
         best = min(wsv, key=wsv.get) if wsv else None
 
         def num(x, w=8):
@@ -306,6 +435,14 @@ def table(rows):
         log(f"{r['case']:46s} {num(f, 9)} {num(g.get('triton'))} {num(g.get('ws'))} {ratio(f, g.get('ws'))}  "
             f"{(best or '-'):>15s} {num(wsv.get(best))} {ratio(f, wsv.get(best))}   "
             f"       {num(e.get('FlashMLA'), 9)} {num(e.get('ws'))} {ratio(e.get('FlashMLA'), e.get('ws'))}")
+    if any(p in r["graph"] for r in rows for p in PROBES):
+        log("\n== timing probes of the Hopper kernel, graph us (nogather: no record loads; nomma: no matrix "
+            "products; neither: both off; outputs wrong)")
+        log(f"{'case':46s} {'ws':>8s} " + " ".join(f"{p[9:]:>9s}" for p in PROBES))
+        for r in rows:
+            g = r["graph"]
+            log(f"{r['case']:46s} {g.get('ws', float('nan')):8.1f} "
+                + " ".join(f"{g.get(p, float('nan')):9.1f}" for p in PROBES))
     return verdict(rows)
 
 
@@ -363,6 +500,7 @@ def main(argv=None):
         log("FlashMLA: " + ("timed beside ours" if peer is not None else "not importable (timing without it)"))
         rows = timing(ok, peer)
         pick = table(rows)
+        rows.append(dict(prefill=prefill_timing(ok, peer)))
     else:
         from dsv4_rocm.triton import sparse_mla_decode_ws as W
         log(f"compiled: {compile_report({}, compiled_kernels(W._sparse_mla_ws_kernel))}")

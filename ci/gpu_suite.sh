@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# What a GPU machine runs: environment, the HIP extension build, GPU tests, a memcheck pass, the parity
+# What a GPU machine runs: environment, the install with the HIP extension (the README's GPU command), GPU
+# tests, a compute-sanitizer pass (memcheck, racecheck, initcheck: ci/gpu_sanitize.sh), the parity
 # report, the main job, FlashMLA's own cases through our API, the benchmarks; a short summary last.
 #
 # Usage: bash ci/gpu_suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
-#   stages: build tests memcheck parity main flashmla host bench   (default: all, in that order)
+#   stages: build tests memcheck parity main flashmla host bench perf   (default: all but perf, in that order)
+#   perf: the speed report of the sparse attention kernels beside FlashMLA (ci/gpu_decode_ws.py: every decode
+#   and prefill row with the Hopper kernel's variants and timing probes; ci/flashmla_cases.py --timing-only:
+#   the comparison table on FlashMLA's own tensors) and the layer step, einsum, top-k and start-up rows of
+#   `python -m dsv4_rocm bench`; it builds FlashMLA first when it is not built.
 #   e.g. `bash ci/gpu_suite.sh build tests` then `bash ci/gpu_suite.sh build flashmla bench` fit two calls
 #   of ten minutes each on an H100.
 # Environment: PYTEST_WORKERS (default 4, with pytest-xdist), FLASHMLA_DIR (default .peers/FlashMLA, see
@@ -26,17 +31,25 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 FLASHMLA_DIR=${FLASHMLA_DIR:-$PWD/.peers/FlashMLA}
 fm_built() { python3 -c "import sys; sys.path.insert(0, '$FLASHMLA_DIR'); import flash_mla.cuda" 2>/dev/null; }
-if want flashmla && [ -f "$FLASHMLA_DIR/setup.py" ] && ! fm_built; then
+if { want flashmla || want perf; } && [ -f "$FLASHMLA_DIR/setup.py" ] && ! fm_built; then
   stamp "building FlashMLA in the background (log: $OUT/flashmla_build.log)"
   ( FLASHMLA_DIR=$FLASHMLA_DIR bash ci/flashmla_peer.sh build > "$OUT/flashmla_build.log" 2>&1 ) &
   FM_BUILD=$!
 fi
 
 if want build; then
-  stamp "dsv4_rocm._C"
-  python3 -m dsv4_rocm info
-  python3 -c "from dsv4_rocm._build import load; load()" 2>&1 | tail -5
-  record build "${PIPESTATUS[0]}"
+  # the README's GPU install, as a user types it, for the GPU this machine has; then the extension imports
+  arch=$(python3 -m build_tools.extension --arch-env)
+  stamp "dsv4_rocm._C: $arch pip install --no-deps --no-build-isolation -e . (log: $OUT/install.log)"
+  env "$arch" python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+  rc=$?
+  tail -3 "$OUT/install.log"
+  if [ "$rc" = 0 ]; then
+    python3 -c "import dsv4_rocm._C as c; print('dsv4_rocm._C imported:', c.__file__)"
+    rc=$?
+  fi
+  python3 -m dsv4_rocm info | grep "HIP extension"
+  record build "$rc"
 fi
 
 if want tests; then
@@ -49,19 +62,10 @@ if want tests; then
 fi
 
 if want memcheck; then
-  if command -v compute-sanitizer >/dev/null; then
-    stamp "compute-sanitizer memcheck"
-    compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 5 \
-      python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_mla.py tests/test_quantize_and_insert_k_cache.py \
-        tests/test_dequantize_and_gather_k_cache.py tests/test_dequantize_global_slots_k_cache.py \
-        tests/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py tests/test_qnorm_rope_and_insert_full_k_cache.py \
-        -k "all_invalid or smoke or (reference_bytes and 3-100) or garbage or 2-5-400 or 2-37-2048 or 17-16-64-0 or 300-16-64" \
-        > "$OUT/memcheck.log" 2>&1
-    record memcheck $?
-    grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
-  else
-    record memcheck skipped
-  fi
+  stamp "compute-sanitizer memcheck, racecheck, initcheck over every gpu test function (ci/gpu_sanitize.sh)"
+  bash ci/gpu_sanitize.sh "$OUT/sanitize"
+  record memcheck $?
+  command -v compute-sanitizer >/dev/null || RC[memcheck]=skipped
 fi
 
 if want parity; then
@@ -74,7 +78,10 @@ fi
 if want main; then
   stamp "main job"
   python3 -m dsv4_rocm run --device cuda 2>&1 | tail -8
-  record main "${PIPESTATUS[0]}"
+  rc=${PIPESTATUS[0]}
+  python3 -m dsv4_rocm run --device cuda --config v4.1-flash 2>&1 | tail -12   # a V4.1 stack sharing caches
+  v41=${PIPESTATUS[0]}
+  record main "$(( rc != 0 ? rc : v41 ))"
 fi
 
 if want flashmla; then
@@ -107,12 +114,32 @@ if want bench; then
   record bench "${PIPESTATUS[0]}"
 fi
 
+if want perf; then
+  if [ -n "${FM_BUILD:-}" ]; then stamp "waiting for the FlashMLA build"; wait "$FM_BUILD"; FM_BUILD=""; fi
+  stamp "speed report: decode and prefill beside FlashMLA, layer step, einsum, top-k, start-up"
+  fm_arg=""; [ -d "$FLASHMLA_DIR/flash_mla" ] && fm_arg="--flashmla $FLASHMLA_DIR"
+  python3 ci/gpu_decode_ws.py $fm_arg --json "$OUT/decode_ws.json" > "$OUT/decode_ws.log" 2>&1
+  rc=$?
+  sed -n '/== decode, us/,/^VERDICT/p; /^prefill case/,/^$/p' "$OUT/decode_ws.log"
+  if [ -n "$fm_arg" ]; then
+    python3 ci/flashmla_cases.py $fm_arg --timing-only --json "$OUT/flashmla_timing.json" > "$OUT/flashmla_timing.log" 2>&1
+    rc=$(( rc | $? ))
+    sed -n '/^case  /,/^ratio = /p' "$OUT/flashmla_timing.log"
+  fi
+  for only in "C4 decode step" fp8_einsum "topk k=512 n=256K" "start-up"; do
+    PYTHONPATH="$PYTHONPATH${fm_arg:+:$FLASHMLA_DIR}" python3 -m dsv4_rocm bench --only "$only" 2>&1 | tail -12
+  done
+  record perf "$rc"
+fi
+
 echo
 stamp "gpu_suite summary"
-for s in build tests memcheck parity main flashmla host bench; do
+for s in build tests memcheck parity main flashmla host bench perf; do
   want "$s" || continue
   extra=""
   [ "$s" = tests ] && extra=" ($(grep -Eo '[0-9]+ (passed|failed|error)' "$OUT/pytest_gpu.log" 2>/dev/null | tr '\n' ' '))"
   printf '%-9s rc=%s%s\n' "$s" "${RC[$s]:-?}" "$extra"
+  # the sanitizer pass: one line per tool
+  if [ "$s" = memcheck ]; then cat "$OUT"/sanitize/*.summary 2>/dev/null | sed 's/^/  /'; fi
 done
 exit $status

@@ -5,7 +5,9 @@
 #      apt-get), nvcc from NVIDIA's pip wheels (tests/test_hip_compile.py finds it there). A compiler
 #      that cannot be installed makes its compile tests skip, with the reason in pytest's summary; under
 #      CI (CI set) it is an error instead, so CI always runs them;
-#   3. pytest over tests/, or over the paths given as arguments (GPU tests skip on a CPU machine).
+#   3. pytest over tests/, or over the paths given as arguments (GPU tests skip on a CPU machine), on every
+#      core (pytest-xdist); the compile-matrix tests read a compile run that starts in the background with
+#      the suite (tests/conftest.py), so a cold Triton cache costs CPU time on the cores, not wall time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DSV4_EXTRAS=test . ci/setup.sh
@@ -30,4 +32,4 @@ if ! command -v nvcc >/dev/null; then
     || cannot "pip could not install nvcc; those tests will skip"
 fi
 
-exec python3 -m pytest -q "${@:-tests}"
+exec python3 -m pytest -q -n auto --durations=15 "${@:-tests}"

@@ -5,6 +5,7 @@ line on stderr naming what is wrong and what to do, with exit status 2 and no tr
 """
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -40,16 +41,19 @@ def _positive(text):
 
 def _layers(text):
     names = [t.strip() for t in text.split(",")]
+    if all(t.isdigit() for t in names):           # DeepSeek-V4.1: layer ids of the stack
+        return names
     bad = [t for t in names if t not in LAYER_TYPES]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown layer type {bad[0]!r} in {text!r}; give a comma-separated "
-                                         f"list of {', '.join(LAYER_TYPES)}")
+                                         f"list of {', '.join(LAYER_TYPES)} (DeepSeek-V4: layer types) or of "
+                                         "layer ids (DeepSeek-V4.1: the stack)")
     return names
 
 
 def _config_names():
     from .config import PRESETS
-    return sorted(PRESETS) + ["tiny"]
+    return sorted(PRESETS) + ["tiny", "tiny-v4.1"]
 
 
 def _parser():
@@ -66,7 +70,9 @@ def _parser():
     r.add_argument("--decode-steps", type=_positive, default=8)
     r.add_argument("--heads", type=_positive, default=None,
                    help="local heads (default: the config's; CPU default 8)")
-    r.add_argument("--layers", type=_layers, default=list(LAYER_TYPES), help="comma-separated: swa,c4a,c128a")
+    r.add_argument("--layers", type=_layers, default=None,
+                   help="comma-separated: swa,c4a,c128a (DeepSeek-V4; default all three) or layer ids (DeepSeek-V4.1: "
+                        "the stack; default one layer of each kind with the sources they read)")
     r.add_argument("--chunk", type=_positive, default=512,
                    help="tokens a step may hold (decode tokens first, then prefill chunks); default 512")
     b = sub.add_parser("bench", help="time the kernels against the measured floor and FlashMLA (needs a GPU)")
@@ -76,13 +82,20 @@ def _parser():
                    help="PNG of fraction of floor and ratio to peers (default: beside --json, else dsv4_bench.png)")
     b.add_argument("--only", default=None, help="substring of the case names to run")
     b.add_argument("--sweep", action="store_true", help="time every tile configuration, not only the default")
+    b.add_argument("--every-case", action="store_true",
+                   help="under torchrun: every rank times every case (to compare GPUs), not its share of them")
+    b.add_argument("--merge", nargs="+", metavar="REPORT",
+                   help="join bench JSON reports (GPUs, machines, vendors) into one table, --json and --plot; "
+                        "needs no GPU")
     pr = sub.add_parser("parity", help="golden vectors and cross-vendor parity reports")
     pr.add_argument("--write-golden", action="store_true", help="regenerate tests/golden from the reference")
     pr.add_argument("--golden-dir", default=None)
     pr.add_argument("--only", default=None, help="with --write-golden: only the cases whose name contains this")
     pr.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present, else cpu)")
     pr.add_argument("--report", default=None, help="write a JSON parity report of this device")
-    pr.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two parity reports")
+    pr.add_argument("--compare", nargs="+", metavar="REPORT",
+                    help="compare two or more parity reports: fails on an output that failed anywhere, on bytes "
+                         "that differ between devices, and on reports of different golden vectors")
     sub.add_parser("info", help="platform, backends and the state of the HIP extension")
     return p
 
@@ -140,12 +153,73 @@ def cmd_run(a):
         if name is not None and name not in have:
             raise UsageError(f"{flag} {name} is not available on {device} here (available: {', '.join(have)}); "
                              f"pick one of those or leave {flag} unset")
+    a.layers = a.layers or _default_layers(cfg)
+    if cfg.is_v41 != all(t.isdigit() for t in a.layers):
+        takes = "layer ids (a DeepSeek-V4.1 stack)" if cfg.is_v41 else f"layer types ({', '.join(LAYER_TYPES)})"
+        raise UsageError(f"--layers {','.join(a.layers)}: {a.config} takes {takes}")
+    if cfg.is_v41:
+        from .serving_v41 import check_stack
+        try:
+            check_stack(cfg, [int(t) for t in a.layers])
+        except ValueError as e:
+            raise UsageError(f"--layers {','.join(a.layers)}: {e}")
     a.device, a.heads, a.layers = device, heads, ",".join(a.layers)
     from .main_job import main_job
     return main_job(a)
 
 
+def _default_layers(cfg):
+    """V4.0: every layer type. V4.1: V4.1-Flash's one layer of each kind, or every layer of a smaller config."""
+    if not cfg.is_v41:
+        return list(LAYER_TYPES)
+    from .serving_v41 import FLASH_LAYERS
+    if cfg.num_hidden_layers > max(FLASH_LAYERS):
+        return [str(x) for x in FLASH_LAYERS]
+    return [str(x) for x in range(cfg.num_hidden_layers)]
+
+
+def _load_bench_report(path):
+    try:
+        with open(path) as f:
+            rep = json.load(f)
+    except OSError as e:
+        raise UsageError(f"--merge: cannot read {path} ({e.strerror}); give reports written by bench --json")
+    except ValueError as e:
+        raise UsageError(f"--merge: {path} is not JSON ({e}); give reports written by bench --json")
+    if not isinstance(rep, dict) or not isinstance(rep.get("rows"), list):
+        raise UsageError(f"--merge: {path} is not a bench report (no 'rows'); give reports written by bench --json")
+    return rep
+
+
+def cmd_bench_merge(a):
+    from .bench import merge
+    from .bench.plot import write_plot
+    reps = [_load_bench_report(p) for p in a.merge]
+    if a.json:
+        _check_writable("--json", a.json)
+    plot = a.plot or (os.path.splitext(a.json)[0] + ".png" if a.json else "dsv4_bench_merged.png")
+    _check_writable("--plot", plot)
+    rep = merge.merge(reps, [os.path.basename(p) for p in a.merge])
+    merge.print_table(rep)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    if rep["rows"]:
+        write_plot(rep, plot)
+    return 0
+
+
 def cmd_bench(a):
+    if a.merge:
+        return cmd_bench_merge(a)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 and a.device.split(":")[0] == "cuda" and _gpu_count():
+        # torchrun's rank: its own GPU (cuda:LOCAL_RANK); the ranks exchange only their reports, over gloo
+        from .tp import init_from_env
+        a.device = str(init_from_env(a.device, backend="gloo")[2])
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > _gpu_count():
+            print(f"bench: {os.environ['LOCAL_WORLD_SIZE']} ranks share this machine's {_gpu_count()} GPU(s): "
+                  "a rank's times include the others' work", file=sys.stderr)
     if a.device.split(":")[0] == "cpu":
         raise UsageError("bench times GPU kernels and cannot run on --device cpu (Triton has no CPU driver); "
                          "run it on a GPU machine, or time a CPU run with python -m dsv4_rocm run --device cpu")
@@ -156,13 +230,14 @@ def cmd_bench(a):
     plot = a.plot or (os.path.splitext(a.json)[0] + ".png" if a.json else "dsv4_bench.png")
     _check_writable("--plot", plot)
     from .bench.run import run
-    rep = run(a.device, a.json, a.only, a.sweep, plot=plot)
-    if not rep["rows"]:
-        raise UsageError(f"--only {a.only!r} matches no benchmark case; run without --only to see the case names")
-    return 0
+    rep = run(a.device, a.json, a.only, a.sweep, plot=plot, every_case=a.every_case)
+    if "devices" in rep or ranks == 1:      # rank 0 of several (the merged report), or a run of one GPU
+        if not rep["rows"]:
+            raise UsageError(f"--only {a.only!r} matches no benchmark case; run without --only to see the case names")
+    return 1 if rep.get("errors") else 0
 
 
-BUILD_AT_INSTALL = "pip install --no-build-isolation -e . with the ROCm or CUDA torch installed first"
+BUILD_AT_INSTALL = "pip install --no-deps --no-build-isolation -e . with the ROCm or CUDA torch installed first"
 
 
 def extension_status():

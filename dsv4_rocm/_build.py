@@ -26,8 +26,7 @@ def load():
         from build_tools import extension as ext
         from torch.utils.cpp_extension import load as jit_load
         if torch.version.cuda is not None and "TORCH_CUDA_ARCH_LIST" not in os.environ:
-            major, minor = torch.cuda.get_device_capability()      # build for this GPU only
-            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}" + ("a" if major in (9, 10) else "")
+            os.environ["TORCH_CUDA_ARCH_LIST"] = ext.cuda_arch(*torch.cuda.get_device_capability())  # this GPU only
         build = os.path.join(ROOT, "build", "jit")
         os.makedirs(build, exist_ok=True)
         jit_load(name="dsv4_rocm_C", sources=ext.sources(build), extra_include_paths=[ext.INCLUDE],

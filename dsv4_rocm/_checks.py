@@ -46,6 +46,43 @@ def same_device(**tensors):
                 raise ValueError("tensors on different devices: " + ", ".join(f"{n}={d}" for n, d in devs.items()))
 
 
+EXACT_OVERLAP_LIMIT = 1 << 24     # elements: beyond this an unusual layout is rejected instead of enumerated
+
+
+def no_overlap(name, t):
+    """Structure check of a buffer an op writes (``out=``, an in-place output, a cache): no two of its
+    elements share memory, so no two results land in one place (``buf[:1].expand(2, ...)`` would put every
+    request's rows in the same memory). Contiguous buffers and the strided slices engines pass (a column
+    slice of a workspace: each stride beyond the span of the smaller ones) cost a handful of comparisons;
+    any other layout is settled by enumerating its element offsets (or, past EXACT_OVERLAP_LIMIT elements,
+    rejected as unprovable)."""
+    if t.is_contiguous():
+        return t
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    span = 0                               # the largest offset the smaller strides reach
+    for st, n in dims:
+        if st <= span:
+            break
+        span += st * (n - 1)
+    else:
+        return t
+    if t.numel() == 0:
+        return t
+    overlap = dims[0][0] == 0
+    if not overlap:
+        if t.numel() > EXACT_OVERLAP_LIMIT:
+            raise ValueError(f"{name}: cannot show that its elements do not overlap (shape {tuple(t.shape)}, "
+                             f"strides {t.stride()}); pass a buffer whose strides nest (e.g. a contiguous one)")
+        off = torch.zeros((), dtype=torch.int64)
+        for st, n in zip(t.stride(), t.shape):
+            off = (off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st)
+        overlap = torch.unique(off.flatten()).numel() < t.numel()
+    if overlap:
+        raise ValueError(f"{name}: elements overlap in memory (shape {tuple(t.shape)}, strides {t.stride()}), so "
+                         "two results would be written to one place; pass a buffer with distinct elements")
+    return t
+
+
 def fp8_bytes(name, t):
     """Accept fp8 e4m3fn tensors or raw uint8 bytes."""
     return tensor(name, t, dtype=(torch.uint8, torch.float8_e4m3fn))

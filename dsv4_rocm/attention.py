@@ -21,11 +21,13 @@ import contextlib
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import layout as L
 from . import ops
 from .config import AttentionConfig, LayerType
 from .kv_cache import LayerCache
+from .ops.indexer import MAX_NEXT_N
 from .platform import detect
 from .reference.compressor import coff, state_block_size
 from .reference.rope import build_cos_sin_cache
@@ -34,6 +36,14 @@ from .weights import LayerWeights
 
 _CURRENT_STEP: Optional[StepMetadata] = None
 INDEXER_PREFILL_ROWS = 2048     # query rows per prefill logits launch: bounds the [rows, entries] fp32 buffer
+MAX_DECODE_QUERY_LEN = MAX_NEXT_N   # decode rows per request the paged indexer logits take (DeepGEMM's next_n)
+
+
+def padded_q(q: torch.Tensor, padded_heads: int) -> torch.Tensor:
+    """q [T, H, 512] as the sparse kernels take it, [T, padded_heads, 512] with the heads past H zero,
+    without normalizing, rotating or writing any cache: the q of a profile run (vLLM's memory-profiling
+    forward, which has no metadata), here and in the vLLM plugin's layer hooks."""
+    return F.pad(q, (0, 0, 0, padded_heads - q.shape[1]))
 
 
 @contextlib.contextmanager
@@ -45,6 +55,14 @@ def step_context(step: StepMetadata):
         yield step
     finally:
         _CURRENT_STEP = prev
+
+
+def _current_step(step: Optional[StepMetadata]) -> StepMetadata:
+    """The step a forward runs: the one passed, else the one of the enclosing ``step_context``."""
+    step = step or _CURRENT_STEP
+    if step is None:
+        raise ValueError("no StepMetadata: pass step= or run inside dsv4_rocm.attention.step_context(step)")
+    return step
 
 
 class DeepseekV4Attention(torch.nn.Module):
@@ -86,22 +104,21 @@ class DeepseekV4Attention(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 step: Optional[StepMetadata] = None) -> torch.Tensor:
-        """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches."""
-        step = step or _CURRENT_STEP
-        if step is None:
-            raise ValueError("no StepMetadata: pass step= or run inside dsv4_rocm.attention.step_context(step)")
-        x, cfg, w = hidden_states, self.cfg, self.w
-        T = x.shape[0]
-        if x.dim() != 2 or x.shape[1] != cfg.hidden_size or x.dtype != torch.bfloat16:
-            raise ValueError(f"hidden_states must be bf16 [T, {cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
-        if positions.shape != (T,) or step.num_tokens != T:
-            raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
-                             f"cover the {T} tokens of hidden_states")
+        """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches.
+        Without a step (none passed, none set by ``step_context``) it is vLLM's memory-profiling run:
+        ``profile_run``."""
+        if step is None and _CURRENT_STEP is None:
+            return self.profile_run(positions, hidden_states)
+        step = _current_step(step)
+        x, w = hidden_states, self.w
+        self._check_inputs(positions, x, step)
+        if self.ratio == 4 and step.num_decodes and step.decode_query_len > MAX_DECODE_QUERY_LEN:
+            raise ValueError(f"the step's decode requests have {step.decode_query_len} tokens each; the C4 indexer "
+                             f"takes at most {MAX_DECODE_QUERY_LEN} (1 + speculative tokens)")
+        # the whole step against this layer's caches before the first write: a rejected step writes nothing
+        step.validate(self.cache, built=True)
         self._mark("start")
-        qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
-        qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
-                                        w.kv_norm, self.eps)
-        q = ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(T, self.n_local_heads, 512)
+        qr, kv, q = self._projections(x)
         self._mark("projections")
         q = ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
             q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
@@ -113,12 +130,54 @@ class DeepseekV4Attention(torch.nn.Module):
             self._mark("compressor")
         self._topk = self._indexer(x, qr, positions, step) if self.ratio == 4 else None
         self._mark("indexer")
-        o_padded = torch.empty(T, self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
+        return self._attend_and_project(q, kv, positions, step)
+
+    def _attend_and_project(self, q, kv, positions, step: StepMetadata) -> torch.Tensor:
+        """Sparse attention (``forward_mqa``) into the padded output, then the output path."""
+        o_padded = torch.empty(q.shape[0], self.padded_heads, 512, dtype=torch.bfloat16, device=q.device)
         self.forward_mqa(q, kv, positions, o_padded, step)
         self._mark("attention")
         y = self._o_proj(o_padded[:, :self.n_local_heads], positions)
         self._mark("output")
         return y
+
+    def profile_run(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """vLLM's memory-profiling forward (no metadata; vLLM passes dummy positions): every projection of a
+        step runs (q and kv, the compressors', the indexer's query and its quantization, the output path) so
+        their memory is counted, nothing is written to any cache, and attention contributes zeros, as in
+        vLLM's layer; the result is therefore zeros, bf16 [T, hidden]."""
+        x = hidden_states
+        T = self._check_inputs(positions, x, None)
+        qr, _, q = self._projections(x)
+        padded_q(q, self.padded_heads)          # allocated as in a step; attention does not read it
+        if self.ratio > 1:
+            ops.compressor_kv_score(x, self.w.comp_w)
+        if self.ratio == 4:
+            ops.compressor_kv_score(x, self.w.idx_comp_w)
+            self._indexer_query(x, qr, positions)
+        o = torch.zeros(T, self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
+        return self._o_proj(o[:, :self.n_local_heads], positions)
+
+    def _check_inputs(self, positions, x, step: Optional[StepMetadata]) -> int:
+        """hidden_states bf16 [T, hidden], positions [T] and the step's T tokens, if there is a step
+        (ValueError otherwise); T."""
+        T = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or x.dtype != torch.bfloat16:
+            raise ValueError(f"hidden_states must be bf16 [T, {self.cfg.hidden_size}], got {x.dtype} {tuple(x.shape)}")
+        if step is None and positions.shape != (T,):
+            raise ValueError(f"positions ({tuple(positions.shape)}) must cover the {T} tokens of hidden_states")
+        if step is not None and (positions.shape != (T,) or step.num_tokens != T):
+            raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
+                             f"cover the {T} tokens of hidden_states")
+        return T
+
+    def _projections(self, x):
+        """(qr, kv, q [T, H, 512]): the fused wq_a + wkv projection, the q / kv RMSNorms, wq_b."""
+        cfg, w = self.cfg, self.w
+        qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
+        qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
+                                        w.kv_norm, self.eps)
+        return qr, kv, ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(x.shape[0], self.n_local_heads, 512)
 
     def _mark(self, stage: str):
         """End of a stage, for a timer the main job attaches (``timer.mark(stage)``); nothing otherwise."""
@@ -153,7 +212,7 @@ class DeepseekV4Attention(torch.nn.Module):
         a8, sa = ops.fused_inv_rope_fp8_quant(o, positions, self.cos_sin_cache, G, self.n_local_heads // G)
         z = torch.empty(o.shape[0], G, self.cfg.o_lora_rank, dtype=torch.bfloat16, device=o.device)
         ops.fp8_einsum("bhr,hdr->bhd", (a8, sa), (w.wo_a8.view(torch.float8_e4m3fn), w.wo_a_s), z)
-        return ops.fp8_linear(z.view(o.shape[0], -1), w.wo_b8, w.wo_b_s)
+        return ops.fp8_linear(z.view(o.shape[0], G * self.cfg.o_lora_rank), w.wo_b8, w.wo_b_s)  # 0 rows too
 
     # ---- compressor and indexer --------------------------------------------------------------------------
     def _compress(self, x, w_kv_gate, ape, norm_w, positions, step, state, kv_cache, kslots, dim: int,
@@ -181,32 +240,43 @@ class DeepseekV4Attention(torch.nn.Module):
         idx_kv = self._idx
         self._compress(x, w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm, positions, step, self.cache.idx_state,
                        idx_kv, step.compressed_slots[4], 128, ratio=4)
-        qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(T, nh, 128)
-        wi = torch.matmul(x, w.idx_wproj.t())
-        q8, wq = ops.fused_indexer_q_rope_quant(positions, qi, self.cos_sin_cache, wi, 128 ** -0.5, nh ** -0.5)
+        q8, wq = self._indexer_query(x, qr, positions)
         topk = torch.empty(T, K, dtype=torch.int32, device=x.device)
         n_entries = -(-self.max_model_len // 4)
-        nd, ndr = step.num_decode_tokens, step.num_decodes
+        nd, ndr, nn = step.num_decode_tokens, step.num_decodes, step.decode_query_len
+        if not nn:
+            nd = ndr = 0    # decode requests of different query lengths are scored as prefill rows are
         if nd:
-            nn = step.decode_query_len
             lens = step.indexer_lens[:nd].view(ndr, nn)
             logits = ops.fp8_paged_mqa_logits(q8[:nd].view(ndr, nn, nh, 128), idx_kv.unsqueeze(-2), wq[:nd], lens,
                                               step.compressed_block_table[:ndr],
                                               ops.get_paged_mqa_logits_metadata(lens, 64, 1), n_entries)
             ops.top_k_per_row_decode(logits, nn, lens, topk[:nd], nd, logits.stride(0), logits.stride(1), K)
         if nd < T:
-            self._indexer_prefill(q8, wq, idx_kv, step, topk, K)
+            self._indexer_prefill(q8, wq, idx_kv, step, topk, K, first_request=ndr)
         return topk
 
-    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int):
-        """Prefill rows: each request's indexer-K entries gathered once, logits over them in row chunks."""
+    def _indexer_query(self, x, qr, positions):
+        """The indexer's query heads and weights, RoPE'd and quantized: (q fp8 [T, nh, 128], w fp32 [T, nh])."""
+        w, nh = self.w, self.cfg.index_n_heads
+        qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(x.shape[0], nh, 128)
+        wi = torch.matmul(x, w.idx_wproj.t())
+        return ops.fused_indexer_q_rope_quant(positions, qi, self.cos_sin_cache, wi, 128 ** -0.5, nh ** -0.5)
+
+    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int, first_request: int,
+                         ratio: int = 4, lens=None, logits_hook=None):
+        """Rows of the requests from ``first_request`` on: each request's indexer-K entries gathered once,
+        logits over them in row chunks. ``lens``: the entries each token sees (default the step's C4
+        indexer_lens), ``ratio`` the positions an entry stands for; ``logits_hook(logits, ends, first_row)``
+        runs on each chunk's logits before its top-k (DeepSeek-V4.1's candidate blocks)."""
+        lens = step.indexer_lens if lens is None else lens
         dev = q8.device
         qsl = step.query_start_loc_cpu if getattr(step, "query_start_loc_cpu", None) is not None \
             else step.query_start_loc.cpu()
         seq = step.seq_lens_cpu if getattr(step, "seq_lens_cpu", None) is not None else step.seq_lens.cpu()
-        for b in range(step.num_decodes, step.num_requests):
+        for b in range(first_request, step.num_requests):
             a, e = int(qsl[b]), int(qsl[b + 1])
-            n = int(seq[b]) // 4
+            n = int(seq[b]) // ratio
             if e == a:
                 continue
             k8 = torch.empty(max(n, 1), 128, dtype=torch.float8_e4m3fn, device=dev)
@@ -215,8 +285,10 @@ class DeepseekV4Attention(torch.nn.Module):
                                                 torch.tensor([0, n], dtype=torch.int32, device=dev))
             for r0 in range(a, e, INDEXER_PREFILL_ROWS):
                 r1 = min(e, r0 + INDEXER_PREFILL_ROWS)
-                ends = step.indexer_lens[r0:r1]
+                ends = lens[r0:r1]
                 starts = torch.zeros_like(ends)
                 logits = ops.fp8_mqa_logits(q8[r0:r1], (k8, ks), wq[r0:r1], starts, ends)
+                if logits_hook is not None:
+                    logits_hook(logits, ends, r0)
                 ops.top_k_per_row_prefill(logits, starts, ends, topk[r0:r1], r1 - r0, logits.stride(0),
                                           logits.stride(1), K)

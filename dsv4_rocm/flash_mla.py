@@ -16,7 +16,8 @@ DeepSeek-V4 and V4.1 (d_qk 512) paths, plus the ``out=`` buffer vLLM's FlashMLA 
   the result does not depend on the batch.
 * ``flash_mla_sparse_fwd(q, kv, indices, sm_scale=None, d_v=512, attn_sink=None, topk_length=None, *,
   out=None) -> (out bf16 [s_q, h, 512], max_logits fp32 [s_q, h], lse fp32 [s_q, h])``: sparse prefill.
-* ``warmup(device=None, configs=None)``: compile ahead of time the kernels a model's calls select.
+* ``warmup(device=None, configs=None, model=None)``: compile ahead of time the kernels a model's calls select,
+  persisted for later processes (dsv4_rocm's kernel cache), its cost printed.
 
 What is accepted beyond FlashMLA (a superset: every call FlashMLA accepts runs here): caches as uint8,
 int8 or float8_e4m3fn views, also 3-D ``[nb, bs, R]`` (R = 584, 528 or 288); q / indices / lengths / out
@@ -37,6 +38,7 @@ state: the split plan is cached per device and shape inside the launcher.
 import dataclasses
 import itertools
 import os
+import sys
 import time
 from typing import NamedTuple, Optional, Tuple
 
@@ -47,7 +49,7 @@ from . import ops
 from . import _checks as C
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "warmup",
-           "WarmupConfig", "model_warmup_configs"]
+           "WarmupConfig", "model_warmup_configs", "model_heads"]
 
 
 class SchedConfig(NamedTuple):
@@ -163,12 +165,25 @@ class WarmupConfig(NamedTuple):
     formats: tuple = (L.V40_584, L.V40_584)  # record formats (layout.RecordFormat) of the main and extra caches
 
 
+def model_heads(model) -> tuple:
+    """The head counts the attention kernels see for a model (a ``dsv4_rocm.config`` preset name such as
+    "v4-flash" / "v4-pro", or an ``AttentionConfig``) at any tensor-parallel size: its local heads, padded
+    to 64 below 64 (``ops.sparse_mla_decode`` takes 64 or 128)."""
+    from .config import get_config
+    cfg = get_config(model) if isinstance(model, str) else model
+    n = cfg.num_heads
+    return tuple(sorted({128 if n // tp > 64 else 64 for tp in (1, 2, 4, 8, 16) if n % tp == 0}))
+
+
 def model_warmup_configs(heads=(64, 128), block_sizes=(64, 256), extra_block_sizes=(None, 64, 2),
-                         lengths=(True, False), sinks=(True,), formats=((L.V40_584, L.V40_584),)):
+                         lengths=(True, False), sinks=(True,), model=None, formats=((L.V40_584, L.V40_584),)):
     """Every combination of the given values: by default the shapes DeepSeek-V4's layers call with
-    (window pages of 64 in vLLM, 256 in FlashMLA's tests; compressed pages of 64 (C4) and 2 (C128));
-    ``formats``: (main, extra) record formats, e.g. ((L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288))
-    for DeepSeek-V4.1's caches."""
+    (window pages of 64 in vLLM, 256 in FlashMLA's tests; compressed pages of 64 (C4) and 2 (C128)).
+    ``model`` (a preset name or an ``AttentionConfig``) replaces ``heads`` by that model's
+    (``model_heads``): one model's configurations. ``formats``: (main, extra) record formats, e.g.
+    ((L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288)) for DeepSeek-V4.1's caches."""
+    if model is not None:
+        heads = model_heads(model)
     return [WarmupConfig(h, bs, ebs, ln, sk, None, f) for h, bs, ebs, ln, sk, f in
             itertools.product(heads, block_sizes, extra_block_sizes, lengths, sinks, formats)]
 
@@ -190,17 +205,23 @@ def _warmup_inputs(cfg: WarmupConfig, device):
             lens if extra and extra_lengths else None, 512 ** -0.5)
 
 
-def warmup(device=None, configs=None, prefill: bool = True, threads: Optional[int] = None) -> dict:
-    """Compile the Triton kernels that calls of ``configs`` (default ``model_warmup_configs()``) select on
+def warmup(device=None, configs=None, prefill: bool = True, threads: Optional[int] = None, model=None,
+           cache_dir: Optional[str] = None, verbose: bool = True) -> dict:
+    """Compile the Triton kernels that calls of ``configs`` (default ``model_warmup_configs(model=model)``:
+    one model's configurations when ``model`` is given, every DeepSeek-V4 one otherwise) select on
     ``device``, split and unsplit, and the prefill kernel with and without lengths, so that no compilation
     happens inside a serving step. Compiles run in ``threads`` worker threads (default: one per CPU) and
-    land in Triton's on-disk cache too. Returns {"kernels": variants requested, "seconds": wall time};
-    a device whose backend has no Triton kernel (CPU, reference) compiles nothing."""
+    persist in ``cache_dir`` (default: dsv4_rocm's kernel cache, ``triton._launch.kernel_cache_dir``), where a
+    later process finds them and compiles nothing. Returns {"kernels": variants requested, "compiled": kernels
+    compiled here (the rest were loaded), "seconds": wall time, "cache_dir": the directory}, and prints that
+    line to stderr unless ``verbose`` is False; a device whose backend has no Triton kernel (CPU, reference)
+    compiles nothing."""
+    from .triton._launch import kernel_cache
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     jobs = []
     if ops.backend_for("sparse_mla_decode", device) == "triton":
         from .triton.sparse_mla_decode import sparse_mla_decode
-        for cfg in (configs if configs is not None else model_warmup_configs()):
+        for cfg in (configs if configs is not None else model_warmup_configs(model=model)):
             args = _warmup_inputs(cfg, device)
             fmts = (cfg.formats[0], cfg.formats[1] if cfg.extra_block_size is not None else None)
             jobs += [(sparse_mla_decode, args, dict(num_splits=ns, formats=fmts)) for ns in (1, 2)]
@@ -214,10 +235,26 @@ def warmup(device=None, configs=None, prefill: bool = True, threads: Optional[in
         for ln, sk in itertools.product((lens, None), (sink, None)):
             jobs.append((sparse_mla_prefill, (q, kv, idx, 512 ** -0.5, 512, sk, ln), {}))
     if not jobs:
-        return dict(kernels=0, seconds=0.0)
+        return dict(kernels=0, compiled=0, seconds=0.0, cache_dir=None)
     t0 = time.perf_counter()
-    _compile_all(jobs, threads)
-    return dict(kernels=len(jobs), seconds=time.perf_counter() - t0)
+    with kernel_cache(cache_dir) as path:
+        before = _entries(path)
+        _compile_all(jobs, threads)
+        compiled = len(_entries(path) - before) if path is not None else None
+    rep = dict(kernels=len(jobs), compiled=compiled, seconds=time.perf_counter() - t0, cache_dir=path)
+    if verbose:
+        done = f"{compiled} compiled, the rest loaded" if compiled is not None else "Triton's cache"
+        print(f"dsv4_rocm.flash_mla.warmup: {rep['kernels']} kernel variants on {device} in {rep['seconds']:.1f} s "
+              f"({done}; kernel cache {path or 'of Triton'})", file=sys.stderr, flush=True)
+    return rep
+
+
+def _entries(path) -> set:
+    """The kernels (entry directories) of a Triton cache directory."""
+    try:
+        return set(os.listdir(path)) if path else set()
+    except FileNotFoundError:
+        return set()
 
 
 def _compile_all(jobs, threads):

@@ -16,6 +16,11 @@ from ._build import load
 FORMAT_CODES = {L.V40_584.name: 0, L.V41_528.name: 1, L.V41_FP4_288.name: 2}
 
 
+def _format(fmt: L.RecordFormat) -> tuple:
+    """The launch arguments naming a record format: (code, FNUZ flavour, interleaved page layout)."""
+    return FORMAT_CODES[fmt.name], fmt.fnuz, fmt.interleaved
+
+
 def _aligned(t: torch.Tensor) -> bool:
     """Unit inner stride, every row (all dims but the last) starting at a multiple of 16 bytes."""
     shape, st = t.shape, t.stride()
@@ -54,7 +59,7 @@ def _cos_sin(t: torch.Tensor) -> torch.Tensor:
 
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int, fmt: L.RecordFormat = L.V40_584):
     load().quantize_and_insert_k_cache(_rows(k), V.pages(k_cache, block_size, "k_cache", fmt), _index(slot_mapping),
-                                       block_size, FORMAT_CODES[fmt.name], fmt.interleaved)
+                                       block_size, *_format(fmt))
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
@@ -70,8 +75,8 @@ def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mappi
     q, kv, slot_mapping, positions, cos_sin_cache = (_rows(q), _rows(kv), _index(slot_mapping), _index(positions),
                                                      _cos_sin(cos_sin_cache))
     return _into(q_out, lambda o: load().fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-        q, kv, o, pages, slot_mapping, positions, cos_sin_cache, eps, block_size, FORMAT_CODES[fmt.name],
-        fmt.interleaved, apply_q_norm, apply_q_rope, is_q_interleaved))
+        q, kv, o, pages, slot_mapping, positions, cos_sin_cache, eps, block_size, *_format(fmt), apply_q_norm,
+        apply_q_rope, is_q_interleaved))
 
 
 def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
@@ -98,8 +103,7 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     seq_lens, block_table = _index(seq_lens), block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     gather_lens = None if gather_lens is None else _index(gather_lens)
     _into(out, lambda o: load().dequantize_and_gather_k_cache(o, pages, seq_lens, gather_lens, block_table,
-                                                             block_size, offset, FORMAT_CODES[fmt.name],
-                                                             fmt.interleaved))
+                                                             block_size, offset, *_format(fmt)))
 
 
 def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int, fmt: L.RecordFormat = L.V40_584):
@@ -107,4 +111,4 @@ def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int, fmt
     if slot_ids.dim() == 1:                      # [N] slots into out [N, 512]: one row of N
         out, slot_ids = out.unsqueeze(0), slot_ids.unsqueeze(0)
     _into(out, lambda o: load().dequantize_global_slots_k_cache(o, pages, slot_ids, block_size,
-                                                               FORMAT_CODES[fmt.name], fmt.interleaved))
+                                                               *_format(fmt)))

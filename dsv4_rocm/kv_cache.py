@@ -5,16 +5,23 @@ compressed cache (64 entries a block for C4, 2 for C128) and the compressor's fp
 token positions a block); a C4 layer adds the indexer-K cache (64 entries of 128 fp8 bytes + an fp32
 scale) and the indexer compressor's state. Pages are padded to a multiple of 576 bytes and the layer keeps
 them as ``[num_blocks, page_bytes]``; ``*_view`` give the ``[nb, bs, record]`` views vLLM holds.
+
+DeepSeek-V4.1 (``V41LayerCache``, ``allocate_v41``): every layer has its SWA cache; only kv-source layers
+own a compressed cache (64 entries a page), an indexer-K cache (64 entries of 132 B) and, for ratio 2,
+the compressor's ring (fp32 [blocks, 8, 1024], one block a request); every other compressed layer holds
+references to its kv source's tensors, as vLLM's layers read them through the forward context.
 """
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 
 from . import cache_views as V
 from . import layout as L
-from .config import LayerType
+from .config import AttentionConfig, LayerType
 from .reference.compressor import kv_cache_view, new_state_cache
+from .reference.compressor_v41 import RING_CAPACITY
+from .step import V41_COMPRESSED_BLOCK
 
 
 @dataclass
@@ -54,3 +61,55 @@ class LayerCache:
 
     def idx_view(self) -> torch.Tensor:
         return kv_cache_view(self.idx, 64, L.INDEXER_TOKEN_BYTES)
+
+
+RECORD_FORMATS = ("fp8_ds_mla",)      # the compressed / SWA records a V4.1 layer writes (584 B)
+
+
+@dataclass
+class V41LayerCache:
+    """The caches a DeepSeek-V4.1 layer reads and writes: its own SWA pages, and (ratio > 0) its kv
+    source's compressed pages [nb, page], indexer-K cache [nb, 64, 132] and ring (ratio 2)."""
+    swa: torch.Tensor
+    ratio: int = 0
+    kv_source: Optional[int] = None
+    comp: Optional[torch.Tensor] = None
+    idx: Optional[torch.Tensor] = None
+    ring: Optional[torch.Tensor] = None
+    record_format: str = "fp8_ds_mla"
+
+    def swa_view(self) -> torch.Tensor:
+        return kv_cache_view(self.swa, L.SWA_BLOCK_SIZE, L.TOKEN_BYTES)
+
+    def comp_view(self) -> torch.Tensor:
+        """[nb, 64, 584] (FlashMLA's [nb, 64, 1, 584] is ``.unsqueeze(-2)`` of it)."""
+        return kv_cache_view(self.comp, V41_COMPRESSED_BLOCK, L.TOKEN_BYTES)
+
+
+def allocate_v41(cfg: AttentionConfig, layers: Sequence[int], num_blocks: int, num_ring_blocks: int,
+                 num_swa_blocks: Optional[int] = None, device=None,
+                 record_format: str = "fp8_ds_mla") -> Dict[int, V41LayerCache]:
+    """Zeroed caches of the V4.1 layers ``layers`` (every layer's kv source among them): ``num_blocks`` pages
+    for each compressed and indexer-K cache, ``num_swa_blocks`` (default ``num_blocks``) SWA pages a layer,
+    ``num_ring_blocks`` ring blocks for each ratio-2 source. Layers sharing a kv source share its tensors."""
+    if record_format not in RECORD_FORMATS:
+        raise ValueError(f"record_format must be one of {RECORD_FORMATS}, got {record_format!r}")
+    out: Dict[int, V41LayerCache] = {}
+    for layer in sorted(layers):
+        spec = cfg.v41_layer(layer)
+        c = V41LayerCache(swa=V.new_pages(num_swa_blocks or num_blocks, L.SWA_BLOCK_SIZE, device=device),
+                          ratio=spec.ratio, kv_source=spec.kv_source, record_format=record_format)
+        if spec.ratio and spec.owns_kv:
+            c.comp = V.new_pages(num_blocks, V41_COMPRESSED_BLOCK, device=device)
+            c.idx = kv_cache_view(V.new_pages(num_blocks, V41_COMPRESSED_BLOCK, V.INDEXER_K, device=device),
+                                  V41_COMPRESSED_BLOCK, L.INDEXER_TOKEN_BYTES)
+            if spec.ratio == 2:
+                c.ring = torch.zeros(num_ring_blocks, RING_CAPACITY, 1024, dtype=torch.float32, device=device)
+        elif spec.ratio:
+            if spec.kv_source not in out:
+                raise ValueError(f"layers: layer {layer} reads the caches of layer {spec.kv_source}, which is not "
+                                 "among them")
+            src = out[spec.kv_source]
+            c.comp, c.idx, c.ring = src.comp, src.idx, src.ring
+        out[layer] = c
+    return out

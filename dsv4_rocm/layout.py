@@ -22,6 +22,9 @@ per-token layout):
     V41_FP4_288  DeepSeek-V4.1's compressed cache option: 512 e2m1 (two a byte), 32 e4m3 scales per 16;
                  pages padded to 512 B; only as the extra (compressed) cache beside a V41_528 main cache
 
+``with_fnuz(fmt)``: the same record with e4m3fnuz bytes, as vLLM writes its sliding-window cache on gfx942
+(maximum 224, each UE8M0 scale byte one higher than the e4m3fn record's, poisoned blocks 0x80).
+
 The indexer K cache (C4 layers) is INDEXER_K_132 (128 e4m3 + one fp32 scale). A slot id is
 ``block * block_size + offset``; -1 means "no slot".
 """
@@ -58,6 +61,7 @@ class RecordFormat(NamedTuple):
     scale: str              # "ue8m0": byte b scales by 2^(b - 127); "e4m3": an e4m3fn value; "fp32"
     page_align: int         # page-split pages are padded to a multiple of this many bytes
     interleaved: bool       # False: page-split; True: each record's data then its scales (FlashMLA DS-0930)
+    fp8: str = "e4m3fn"     # what the e4m3 bytes mean: "e4m3fn" (OCP) or "e4m3fnuz" (vLLM's gfx942 flavour)
 
     @property
     def num_scales(self) -> int:
@@ -70,6 +74,15 @@ class RecordFormat(NamedTuple):
     @property
     def layout(self) -> str:
         return "interleaved" if self.interleaved else "page_split"
+
+    @property
+    def fnuz(self) -> bool:
+        return self.fp8 == "e4m3fnuz"
+
+    @property
+    def fp8_max(self) -> float:
+        """The largest magnitude the writers store: 448 (e4m3fn), 224 (vLLM's FNUZ maximum, not the dtype's 240)."""
+        return 224.0 if self.fnuz else 448.0
 
 
 V40_584 = RecordFormat("V40_584", TOKEN_BYTES, DATA_BYTES, SCALE_BYTES, NOPE_DIM, 8, QUANT_BLOCK, "ue8m0",
@@ -84,6 +97,19 @@ KV_FORMATS = (V40_584, V41_528, V41_FP4_288)      # the formats of the attention
 def interleaved(fmt: RecordFormat) -> RecordFormat:
     """``fmt`` in the per-token interleaved page layout (pages are ``bs * token_bytes``, no padding)."""
     return fmt._replace(interleaved=True, page_align=fmt.token_bytes)
+
+
+def with_fnuz(fmt: RecordFormat, fnuz: bool = True) -> RecordFormat:
+    """``fmt`` with e4m3fnuz bytes (``fnuz``; False: e4m3fn), vLLM's gfx942 sliding-window flavour
+    (docs/cache_format.md#fnuz-flavour): the same layout and block rule with a maximum of 224, so each
+    block's bytes are its e4m3fn bytes and its UE8M0 scale byte is one higher; a poisoned block's bytes are
+    0x80 (fnuz NaN). Only formats of e4m3 values with UE8M0 scales have the flavour (V40_584, V41_528)."""
+    if not isinstance(fnuz, bool):
+        raise ValueError(f"use_fnuz must be a bool (True: the FNUZ flavour of the record, vLLM's gfx942 sliding-"
+                         f"window cache), got {fnuz!r}")
+    if fnuz and not (fmt.elem_bits == 8 and fmt.scale == "ue8m0"):
+        raise ValueError(f"use_fnuz: {fmt.name} records have no FNUZ flavour (only e4m3 values with UE8M0 scales)")
+    return fmt._replace(fp8="e4m3fnuz" if fnuz else "e4m3fn")
 
 
 def with_layout(fmt: RecordFormat, layout: str) -> RecordFormat:

@@ -8,6 +8,11 @@ decodes ``--decode-steps`` tokens. The trace runs once to warm up (kernel compil
 on fresh caches. Request 0's outputs are checked against the float reference run on the CPU, and the
 decode step of all requests is timed replayed from a CUDA/HIP graph. The report: prefill and decode
 rates, the check, and the time of each stage of the layer.
+
+A DeepSeek-V4.1 config (``--config v4.1-flash``) runs a stack instead: the layers ``--layers`` (layer ids;
+by default one layer of each kind with the sources they read, ``serving_v41.FLASH_LAYERS``) share their
+caches and top-k as the model does, every step runs them in layer order, request 0's output of every
+layer is checked, and the graph replays the decode step of the whole stack.
 """
 import time
 from collections import defaultdict
@@ -109,11 +114,12 @@ def _check(cfg, lt, srv, xs, total0, y0, device):
     return err, CHECK_TOL["cpu" if ops.backend_for("sparse_mla_decode", device) == "reference" else "gpu"]
 
 
-def _graph_decode_ms(srv, xs, device, reps=20):
-    """Median time of a decode step of every request replayed from a captured graph."""
+def _graph_decode_ms(srv, xs, device, reps=20, layers=None):
+    """Median time of a decode step of every request replayed from a captured graph (of ``layers``, by
+    default the server's layer)."""
     from .graph import DecodeGraph
     B = srv.num_requests
-    dg = DecodeGraph([srv.layer], B, 1, srv.swa_bt.shape[1], srv.comp_bt.shape[1], srv.state_bt.shape[1],
+    dg = DecodeGraph(layers or [srv.layer], B, 1, srv.swa_bt.shape[1], srv.comp_bt.shape[1], srv.state_bt.shape[1],
                      srv.max_model_len, ratios=srv.ratios())
     st = srv.make_step({b: 1 for b in range(B)})
     x = torch.cat([xs[b][srv.done[b]:srv.done[b] + 1] for b in st.order])
@@ -135,6 +141,8 @@ def main_job(a) -> int:
     device = a.device
     cfg = get_config(a.config)
     cfg = cfg.with_tp(cfg.num_heads // a.heads)
+    if cfg.is_v41:
+        return main_job_v41(a, cfg, [int(t) for t in a.layers.split(",")])
     types = [LayerType(t) for t in a.layers.split(",")]
     if a.backend:
         ops.use_backend(a.backend)
@@ -179,4 +187,91 @@ def main_job(a) -> int:
     for lt, st in stage_rows:
         tot = sum(st.values()) or 1.0
         print(f"{lt:7s} " + " ".join(f"{1e3 * st[s]:13.1f} ({st[s] / tot:4.0%})" for s in STAGES))
+    return 0
+
+
+def _run_stack(srv, xs, steps, device, timers=None):
+    """The V4.1 stack over every step: (request 0's outputs per layer, per-step (seconds, prefill, decode))."""
+    for layer, mod in srv.modules.items():
+        mod.timer = timers[layer] if timers else None
+    out0, times = {x: [] for x in srv.layers}, []
+    for step in steps:
+        tokens = {b: xs[b][a:e] for b, (a, e) in step.items()}
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = srv.step_all(tokens)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        for t in (timers or {}).values():
+            t.collect()
+        n_dec = sum(1 for (a, e) in step.values() if e - a == 1 and a > 0)
+        times.append((dt, sum(e - a for a, e in step.values()) - n_dec, n_dec))
+        for layer, ys in y.items():
+            for b, v in ys.items():
+                if not torch.isfinite(v.float()).all():
+                    raise RuntimeError(f"layer {layer}: non-finite output for request {b}")
+            if 0 in ys:
+                out0[layer].append(ys[0].float().cpu())
+    return {x: torch.cat(v) for x, v in out0.items()}, times
+
+
+def _mixed(steps) -> int:
+    """Steps holding both decode and prefill tokens."""
+    return sum(1 for s in steps if len(set(e - x > 1 for x, e in s.values())) > 1)
+
+
+def main_job_v41(a, cfg, layers) -> int:
+    """The main job of a DeepSeek-V4.1 config: a stack of ``layers`` sharing caches (module docstring)."""
+    from .serving_v41 import V41Stack, check_stack
+    device = a.device
+    layers = check_stack(cfg, layers)
+    plat = detect(device)
+    steps, total = trace(a.requests, a.prompt_len, a.decode_steps, a.chunk)
+    max_len = max(total) + 2
+    print(f"dsv4_rocm run: {cfg.name}, {cfg.local_heads} local heads (tp {cfg.tp_size}), device {device} "
+          f"({plat.arch}), sparse attention on {ops.backend_for('sparse_mla_decode', device)}")
+    print("stack: " + ", ".join(f"{x} {cfg.v41_layer(x).label}" for x in layers))
+    print(f"trace: {a.requests} requests, prompts of {min(t - a.decode_steps for t in total)}.."
+          f"{max(t - a.decode_steps for t in total)} tokens, {a.decode_steps} decode steps each, up to {a.chunk} "
+          f"tokens a step: {len(steps)} steps, {_mixed(steps)} of them mixing decode and prefill")
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(max_len, cfg.hidden_size, generator=g).bfloat16().to(device) for _ in range(a.requests)]
+
+    def stack(**kw):
+        return V41Stack(cfg, None, a.requests, max_len, device=device, layers=layers, max_step_tokens=a.chunk, **kw)
+    warm = stack()
+    _run_stack(warm, xs, steps, device)                                 # warm-up: kernel compilation
+    srv = stack(layer_weights=warm.layer_weights)
+    timers = {x: StageTimer(device) for x in layers}
+    y0, times = _run_stack(srv, xs, steps, device, timers)
+    ref_srv = V41Stack(cfg, None, 1, max_len, device="cpu", layers=layers, max_step_tokens=total[0],
+                       layer_weights={x: w.to("cpu") for x, w in srv.layer_weights.items()})
+    with ops.use_backend("reference"):
+        ref = ref_srv.step_all({0: xs[0][:total[0]].cpu()})
+    tol = CHECK_TOL["cpu" if ops.backend_for("sparse_mla_decode", device) == "reference" else "gpu"]
+    errs = {x: float((y0[x] - ref[x][0].float()).norm() / ref[x][0].float().norm().clamp_min(1e-30)) for x in layers}
+    t_all = sum(t for t, _, _ in times)
+    pre_tok = sum(p for _, p, _ in times)
+    dec_steps = [(t, d) for t, p, d in times if p == 0 and d > 0]
+    dec_ms = 1e3 * sum(t for t, _ in dec_steps) / max(len(dec_steps), 1)
+    graph_ms = _graph_decode_ms(srv, xs, device, layers=[srv.modules[x] for x in layers]) if device != "cpu" \
+        else float("nan")
+    graph = f"{graph_ms:.3f}" if graph_ms == graph_ms else "- (no GPU)"
+    rate = a.requests / ((graph_ms if graph_ms == graph_ms else dec_ms) / 1e3)
+    print(f"\nstack of {len(layers)} layers: {len(times)} steps, {1e3 * t_all:.1f} ms, {pre_tok / t_all:.0f} prefill "
+          f"tok/s, decode {dec_ms:.2f} ms/step, graph {graph} ms/step, {rate:.0f} decode tok/s")
+    print(f"\n{'layer':>5s} {'kind':32s} {'check vs reference (request 0)':>32s}   "
+          + " ".join(f"{s:>18s}" for s in STAGES))
+    bad = []
+    for x in layers:
+        st = {s: timers[x].totals.get(s, 0.0) for s in STAGES}
+        verdict = "ok" if errs[x] <= tol else "FAILED"
+        if errs[x] > tol:
+            bad.append(x)
+        print(f"{x:5d} {cfg.v41_layer(x).label:32s} {'rel err ' + f'{errs[x]:.1e} <= {tol:.0e} ' + verdict:>32s}   "
+              + " ".join(f"{1e3 * st[s]:15.1f} ms" for s in STAGES))
+    if bad:
+        raise RuntimeError(f"layers {bad}: request 0 differs from the reference beyond {tol:.0e}")
     return 0

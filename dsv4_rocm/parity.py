@@ -4,8 +4,10 @@
 reference outputs under ``tests/golden/`` (one ``.pt`` per case). ``parity --report R.json`` runs every
 case on this device with the default backend and records, per output, whether it matches the golden
 values (bytes and integers exactly; floats within the case's tolerance), the error, and a SHA-256 of
-integer/byte outputs. ``parity --compare A.json B.json`` checks that two devices (say an MI300 and an
-H100) produced the same bytes and both passed.
+integer/byte outputs. ``parity --compare A.json B.json ...`` checks that every device (say an MI300, an
+MI355 and an H100) passed, that they produced the same bytes, and that they ran the same golden vectors
+(a report records each case's golden file by its SHA-256). ``.github/workflows/parity.yml`` runs the
+reports on one runner per target and the compare over all of them (docs/cluster.md#parity).
 """
 import hashlib
 import json
@@ -297,6 +299,103 @@ def case_layer_c4():
     return inp, run, ("norm", 5e-2)   # H100: 2.1e-2; a wrong index or slot gives O(1)
 
 
+def _v41_compressor_case(ratio, seed):
+    """DeepSeek-V4.1's compressor and indexer-K store: kv_score and k_pre are inputs (their GEMMs' summation
+    order is device-specific); the ring save, pooling, norm, RoPE, records and index keys (FP8 and MXFP4)
+    after them must match bit for bit on every device. Two requests over two steps, so the second step's
+    first tokens pair with ring rows the first step saved (ratio 2)."""
+    from .reference.indexer_v41 import pages_bytes
+    g = _g(seed)
+    n = 37
+    inp = dict(kv_score=torch.randn(2 * n, 512 * ratio, generator=g) * 2, k_pre=(torch.randn(2 * n, 128, generator=g)
+                                                                               * 3).bfloat16(),
+               norm_w=(1 + 0.1 * torch.randn(512, generator=g)).bfloat16(),
+               k_norm=(1 + 0.1 * torch.randn(128, generator=g)).bfloat16(),
+               cos_sin=build_cos_sin_cache(160000.0, 64), comp_bt=torch.tensor([[2, 0], [1, 3]], dtype=torch.int32))
+
+    def run(i):
+        dev = i["kv_score"].device
+        ring = torch.zeros(3, 8, 1024, device=dev)
+        comp = torch.zeros(4, 64, 584, dtype=torch.uint8, device=dev)
+        idx = {fp4: pages_bytes(4, 64, fp4, dev) for fp4 in (False, True)}
+        latent = torch.zeros(2 * n, 512, dtype=torch.bfloat16, device=dev)
+        for lo, hi in ((0, 20), (20, n)):                      # request b's tokens at rows b * n + (lo..hi)
+            pos = torch.cat([torch.arange(lo, hi)] * 2).to(dev)
+            rows = torch.cat([torch.arange(lo, hi), n + torch.arange(lo, hi)]).to(dev)
+            t2r = torch.repeat_interleave(torch.arange(2, device=dev), hi - lo).to(torch.int32)
+            qsl = torch.tensor([0, hi - lo, 2 * (hi - lo)], dtype=torch.int32, device=dev)
+            j = pos // ratio
+            slots = torch.where((pos + 1) % ratio == 0, i["comp_bt"][t2r.long(), j // 64].long() * 64 + j % 64, -1)
+            out = torch.zeros(2 * (hi - lo), 512, dtype=torch.bfloat16, device=dev)
+            ks = i["kv_score"][rows].contiguous()
+            if ratio == 2:
+                ops.fused_save_compress_norm(ks, pos, ring, (t2r.long() + 1) * 8 + pos % 8, qsl, t2r, i["norm_w"],
+                                             1e-6, 2, out)
+            else:
+                ops.fused_save_compress_norm(ks, pos, None, slots, None, None, i["norm_w"], 1e-6, 1, out)
+            ops.rope_quant_insert(out, pos, i["cos_sin"], comp, slots, ratio)
+            for fp4, c in idx.items():
+                ops.indexer_k_norm_rope_store(i["k_pre"][rows].contiguous(), pos, i["cos_sin"], i["k_norm"], 1e-6, c,
+                                              slots, ratio, fp4)
+            closes = (pos + 1) % ratio == 0
+            latent[rows[closes]] = out[closes]
+        return dict(latent=latent.view(torch.int16), ring=ring.view(torch.int32), comp=comp, idx_fp8=idx[False],
+                    idx_mxfp4=idx[True])
+    return inp, run, (0, 0)
+
+
+def case_v41_compressor_ratio1():
+    return _v41_compressor_case(1, 15)
+
+
+def case_v41_compressor_ratio2():
+    return _v41_compressor_case(2, 16)
+
+
+def case_v41_candidates_and_step_sets():
+    """DeepSeek-V4.1's candidate blocks, the candidate mask and the step's index sets: integers and exact
+    floats."""
+    g = _g(17)
+    i32 = dict(dtype=torch.int32)
+    inp = dict(logits=torch.randn(5, 300, generator=g), lens=torch.tensor([300, 150, 0, 9, 400], **i32),
+               pos=torch.randint(-1, 300, (40,), generator=g),
+               t2r=torch.randint(-1, 4, (40,), generator=g).to(torch.int32),
+               valid=torch.rand(40, generator=g) < 0.8, cbt=torch.randint(-1, 9, (3, 5), generator=g).to(torch.int32),
+               sbt=torch.randint(-1, 9, (3, 1), generator=g).to(torch.int32))
+    inp["logits"][:, ::7] = 0.0                                     # ties between blocks
+
+    def run(i):
+        dev = i["logits"].device
+        cand = torch.empty(5, 6, **i32, device=dev)
+        ops.select_candidate_blocks(i["logits"], i["lens"], cand, 4)
+        masked = i["logits"].clone()
+        ops.mask_candidate_logits(masked, i["lens"], cand, 4)
+        e64 = lambda: torch.empty(40, dtype=torch.int64, device=dev)           # noqa: E731
+        e32 = lambda: torch.empty(40, **i32, device=dev)                       # noqa: E731
+        r1, r2 = (e64(), e32()), (e64(), e32(), e64())
+        ops.v41_step_index_sets(i["pos"], i["t2r"], i["valid"], i["cbt"], i["sbt"], 64, 8, r1, r2)
+        return dict(candidates=cand, masked_bits=masked.view(torch.int32), slots1=r1[0], lens1=r1[1], slots2=r2[0],
+                    lens2=r2[1], ring=r2[2])
+    return inp, run, (0, 0)
+
+
+def case_layer_v41_stack():
+    """A DeepSeek-V4.1 stack sharing caches: a ratio-2 kv source and its reader, the ratio-1 kv and candidate
+    source and an index source scoring inside its candidates; prefill, then decode."""
+    from .config import tiny_v41_config
+    from .serving_v41 import V41Stack
+    g = _g(18)
+    cfg = tiny_v41_config()
+    inp = dict(x=torch.randn(44, cfg.hidden_size, generator=g).bfloat16())
+
+    def run(i):
+        s = V41Stack(cfg, None, 1, 128, device=str(i["x"].device), layers=(1, 2, 3, 5))
+        steps = [s.step({0: i["x"][:40]})[0]] + [s.step({0: i["x"][t:t + 1]})[0] for t in range(40, 44)]
+        return dict(y=torch.cat(steps))
+    # as case_layer_c4, and a top-k taken among near-equal logits may pick another entry on another device
+    return inp, run, ("norm", 1.5e-1)
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
@@ -343,10 +442,16 @@ def check_case(name, device="cpu", directory=GOLDEN_DIR):
     return res
 
 
+def golden_sha256(name, directory=GOLDEN_DIR):
+    with open(os.path.join(directory, f"{name}.pt"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def report(device="cpu", directory=GOLDEN_DIR):
     from .platform import detect
     out = dict(device=str(detect(device)), backends={n: ops.backend_for(n, device) for n in
-                                                      ("sparse_mla_decode", "sparse_mla_prefill")}, cases={})
+                                                      ("sparse_mla_decode", "sparse_mla_prefill")}, cases={},
+               golden={name: golden_sha256(name, directory) for name in sorted(CASES)})
     for name in sorted(CASES):
         out["cases"][name] = {k: dict(ok=v[0], err=v[1], sha256=v[2]) for k, v in check_case(name, device,
                                                                                             directory).items()}
@@ -354,19 +459,38 @@ def report(device="cpu", directory=GOLDEN_DIR):
     return out
 
 
-def compare(a, b):
-    """Lines describing where two parity reports differ; empty when both passed with the same bytes."""
+def compare(*reports, labels=None):
+    """Lines describing where parity reports (two or more) differ; empty when every output passed on every
+    device with the same bytes, from the same golden vectors. A float output passed when it lay within its
+    case's tolerance of the golden value; bytes and integers when they equal it, and they must then hash
+    alike everywhere. ``labels`` (the reports' file names) make the lines say which report is which."""
+    if len(reports) < 2:
+        raise ValueError("compare needs two or more parity reports")
+    who = list(labels) if labels else [f"report {i + 1}" for i in range(len(reports))]
     lines = []
-    for name in sorted(set(a["cases"]) | set(b["cases"])):
-        ca, cb = a["cases"].get(name, {}), b["cases"].get(name, {})
-        for k in sorted(set(ca) | set(cb)):
-            x, y = ca.get(k), cb.get(k)
-            if x is None or y is None:
-                lines.append(f"{name}.{k}: missing in one report")
-            elif not (x["ok"] and y["ok"]):
-                lines.append(f"{name}.{k}: ok={x['ok']}/{y['ok']} err={x['err']:.3g}/{y['err']:.3g}")
-            elif x["sha256"] != y["sha256"]:
-                lines.append(f"{name}.{k}: bytes differ")
+    goldens = [r.get("golden") for r in reports]
+    for name in sorted(set().union(*(g for g in goldens if g))):
+        shas = [g.get(name) if g else None for g in goldens]
+        if len({x for x in shas if x is not None}) > 1:
+            lines.append(f"{name}: the reports ran different golden vectors ("
+                         + ", ".join(f"{w}: {x[:12] if x else '?'}" for w, x in zip(who, shas)) + ")")
+    for name in sorted(set().union(*(r["cases"] for r in reports))):
+        cs = [r["cases"].get(name, {}) for r in reports]
+        for k in sorted(set().union(*cs)):
+            xs = [c.get(k) for c in cs]
+            if any(x is None for x in xs):
+                lines.append(f"{name}.{k}: missing in " + (
+                    "one report" if len(xs) == 2 and not labels else ", ".join(w for w, x in zip(who, xs) if x is None)))
+            elif not all(x["ok"] for x in xs):
+                oks = "/".join(str(x["ok"]) for x in xs)
+                errs = "/".join(format(x["err"], ".3g") for x in xs)
+                lines.append(f"{name}.{k}: ok={oks} err={errs}")
+            elif len({x["sha256"] for x in xs}) > 1:
+                groups = {}
+                for w, x in zip(who, xs):
+                    groups.setdefault(x["sha256"], []).append(w)
+                lines.append(f"{name}.{k}: bytes differ" + (
+                    ": " + " | ".join(", ".join(g) for g in groups.values()) if labels else ""))
     return lines
 
 
@@ -400,9 +524,16 @@ def cli(a):
         print(f"wrote {len(names)} golden cases to {d}")
         return 0
     if a.compare:
-        ra_, rb_ = (_load_report(p) for p in a.compare)
-        diff = compare(ra_, rb_)
-        print("\n".join(diff) if diff else f"parity: {a.compare[0]} and {a.compare[1]} agree")
+        if len(a.compare) < 2:
+            raise ReportError("--compare needs two or more reports written by parity --report")
+        reps = [_load_report(p) for p in a.compare]
+        diff = compare(*reps, labels=[os.path.basename(p) for p in a.compare])
+        for p, r in zip(a.compare, reps):
+            n = sum(len(c) for c in r["cases"].values())
+            print(f"{os.path.basename(p)}: {r.get('device', '?')}, {n} outputs, "
+                  f"{'all ok' if r.get('all_ok') else 'NOT all ok'}")
+        print("\n".join(diff) if diff else f"parity: the {len(reps)} reports agree (every output passed on every "
+                                           f"device, bytes and integers identical)")
         return 1 if diff else 0
     missing = [n for n in sorted(CASES) if not os.path.exists(os.path.join(d, f"{n}.pt"))]
     if missing:

@@ -74,6 +74,22 @@ def from_props(p: DeviceProps) -> Platform:
                     smem, p.major >= 9 or (p.major, p.minor) == (8, 9), p.name)
 
 
+# the targets the kernels are written for, as their devices report themselves (shared memory after opt-in)
+TARGET_PROPS = {
+    "gfx942": DeviceProps(True, "gfx942", 9, 4, "MI300X"),
+    "gfx950": DeviceProps(True, "gfx950", 9, 5, "MI355X"),
+    "sm_90": DeviceProps(False, "", 9, 0, "H100", 232448),
+    "sm_100": DeviceProps(False, "", 10, 0, "B200", 232448),
+}
+
+
+def target(arch: str) -> Platform:
+    """The platform of a named target without its device (the AMD execution tier, ``_launch.emulate_target``)."""
+    if arch not in TARGET_PROPS:
+        raise ValueError(f"unknown target {arch!r}; known: {sorted(TARGET_PROPS)}")
+    return from_props(TARGET_PROPS[arch])
+
+
 def device_props(device: Optional[torch.device] = None) -> Optional[DeviceProps]:
     if not torch.cuda.is_available():
         return None

@@ -3,7 +3,10 @@ the layers of a step share.
 
 The batch follows vLLM's conventions: requests are ordered decode-first; the first ``num_decodes``
 requests are decode requests with ``num_decode_tokens // num_decodes`` tokens each (1, or 1 + speculative
-tokens), the rest are prefill (or chunked-prefill) requests; padding tokens have slot -1. Positions are
+tokens), the rest are prefill (or chunked-prefill) requests; padding tokens have slot -1. With
+``uniform_decode=False`` the decode requests' query lengths differ (speculative decode with a draft length
+per request, as vLLM's scheduler makes them): every per-token index set is unchanged, only the layer's
+indexer then scores those rows the way it scores prefill rows. Positions are
 absolute. Block tables are vLLM's: the SWA cache in 64-token blocks, the compressed caches in blocks of 256
 token positions (64 entries of C4, 2 of C128; the indexer-K cache shares the C4 table), the compressor
 state in blocks of 4 (C4) or 8 (C128) token positions.
@@ -22,8 +25,13 @@ import torch
 
 from . import layout as L
 from . import ops
+from .reference import metadata_v41 as _rm41
 from .reference.compressor import state_block_size
+from .reference.compressor_v41 import RING_CAPACITY
 from .reference.metadata import slot_mapping_from_block_table
+
+V41_RATIOS = (1, 2)               # DeepSeek-V4.1's compressed layers (ratio 0 is the sliding window alone)
+V41_COMPRESSED_BLOCK = 64         # V4.1 compressed / indexer-K entries a page (vLLM: cache block_size entries)
 
 
 @dataclass
@@ -33,14 +41,15 @@ class StepMetadata:
     positions: torch.Tensor                # int64 [T]
     slot_mapping: torch.Tensor             # int64 [T]: SWA cache slot of each token, -1 = padding
     swa_block_table: torch.Tensor          # int32 [B, *]
-    compressed_block_table: torch.Tensor   # int32 [B, *]
-    state_block_table: torch.Tensor        # int32 [B, *]
+    compressed_block_table: Optional[torch.Tensor]   # int32 [B, *]; None when no compressed ratio is built
+    state_block_table: Optional[torch.Tensor]        # int32 [B, *]; None likewise
     num_decodes: int                       # decode requests (first in the batch)
     num_decode_tokens: int                 # their tokens (first in the batch)
     max_model_len: int
     window: int = 128
     query_start_loc_cpu: Optional[torch.Tensor] = None   # host copies the scheduler has (prefill planning)
     seq_lens_cpu: Optional[torch.Tensor] = None
+    uniform_decode: bool = True            # False: decode requests of different query lengths
     # built once per step by ``build`` (shared by every layer of the step)
     token_to_req: Optional[torch.Tensor] = None        # int32 [T]
     is_valid_token: Optional[torch.Tensor] = None      # bool [T]
@@ -51,6 +60,9 @@ class StepMetadata:
     c128_indices: Optional[torch.Tensor] = None        # int32 [T, Kmax]: C128 cache slots of each token
     c128_lens: Optional[torch.Tensor] = None           # int32 [T]
     indexer_lens: Optional[torch.Tensor] = None        # int32 [T]: compressed entries each token sees (C4)
+    # DeepSeek-V4.1 (ratios 1, 2): compressed_slots[r] as above (64 entries a page), state_slots[2] the
+    # compressor ring's slots, v41_lens[r] the entries each token sees (dsv4_rocm/reference/metadata_v41.py)
+    v41_lens: Dict[int, torch.Tensor] = field(default_factory=dict)       # ratio -> int32 [T]
 
     @property
     def num_tokens(self) -> int:
@@ -62,14 +74,21 @@ class StepMetadata:
 
     @property
     def decode_query_len(self) -> int:
-        return self.num_decode_tokens // self.num_decodes if self.num_decodes else 0
+        """Query length of every decode request; 0 when there is none or their lengths differ."""
+        if not self.num_decodes or not self.uniform_decode:
+            return 0
+        return self.num_decode_tokens // self.num_decodes
 
-    def build(self, ratios=(4, 128)) -> "StepMetadata":
+    def build(self, ratios=(4, 128), *, caches=None) -> "StepMetadata":
         """Fill the shared index sets for the layer ratios of the model (no host sync): one launch of the
         step's index-set kernel (dsv4_rocm/triton/step_index_sets.py) where the metadata ops run Triton,
         else ``build_from_ops``. The results are the same; the kernel writes into the buffers of the
-        previous build when the step's shape is unchanged (a captured graph keeps their addresses)."""
+        previous build when the step's shape is unchanged (a captured graph keeps their addresses).
+        ``caches`` (a LayerCache, or several): the step is validated against them first (``validate``),
+        and a step whose tables or slots point past them is a ValueError before any field is written."""
         ratios = self._check(ratios)
+        if caches is not None:
+            self.validate(caches)
         if ops.backend_for("compute_swa_indices_and_lens", self.positions.device) == "triton":
             return self.build_fused(ratios)
         return self.build_from_ops(ratios)
@@ -77,7 +96,7 @@ class StepMetadata:
     def build_fused(self, ratios=(4, 128)) -> "StepMetadata":
         """``build`` in one kernel launch (a GPU, or CPU tensors under TRITON_INTERPRET=1)."""
         from .triton.step_index_sets import step_index_sets
-        ratios = self._check(ratios)
+        ratios, v41 = _split(self._check(ratios))
         T, dev = self.num_tokens, self.positions.device
 
         def buf(old, shape, dtype):
@@ -99,17 +118,20 @@ class StepMetadata:
             self.c128_indices = buf(self.c128_indices, (T, c128_max_entries(self.max_model_len)), torch.int32)
             self.c128_lens = buf(self.c128_lens, (T,), torch.int32)
             c128 = (self.compressed_slots[128], self.state_slots[128], self.c128_indices, self.c128_lens)
+        # without a compressed ratio the kernel reads neither table: the SWA table stands in for absent ones
+        comp_bt = self.compressed_block_table if self.compressed_block_table is not None else self.swa_block_table
+        state_bt = self.state_block_table if self.state_block_table is not None else self.swa_block_table
         step_index_sets(self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping, self.swa_block_table,
-                        self.compressed_block_table, self.state_block_table, self.token_to_req, self.is_valid_token,
-                        self.swa_indices, self.swa_lens, c4, c128)
-        return self
+                        comp_bt, state_bt, self.token_to_req, self.is_valid_token, self.swa_indices, self.swa_lens,
+                        c4, c128)
+        return self._build_v41(v41, ops)
 
     def build_from_ops(self, ratios=(4, 128), impl=ops) -> "StepMetadata":
         """``build`` as a composition of the public metadata ops (``impl``: dsv4_rocm.ops, or the oracle
         module dsv4_rocm.reference.metadata, which skips the ops' value checks) and torch: the reference
         the one-launch kernel is tested against. A token outside every request's query range has
         token_to_req -1; a state slot whose request, position, column or page is invalid is -1."""
-        ratios = self._check(ratios)
+        ratios, v41 = _split(self._check(ratios))
         T, R, dev = self.num_tokens, self.num_requests, self.positions.device
         req = torch.searchsorted(self.query_start_loc, torch.arange(T, device=dev, dtype=torch.int32), right=True,
                                  out_int32=True) - 1
@@ -138,17 +160,38 @@ class StepMetadata:
             impl.build_c128a_topk_metadata(self.positions, 128, T, self.token_to_req, self.compressed_block_table,
                                            L.compressed_block_size(128), self.slot_mapping, self.c128_indices,
                                            self.c128_lens, self.c128_indices[:0], kmax)
+        return self._build_v41(v41, impl)
+
+    def _build_v41(self, ratios, impl) -> "StepMetadata":
+        """The DeepSeek-V4.1 sets of ``ratios`` (1, 2) in one launch of v41_step_index_sets (the oracle
+        module's function when ``impl`` is not dsv4_rocm.ops), into the buffers of the previous build when
+        the step's shape is unchanged."""
+        if not ratios:
+            return self
+        T, dev = self.num_tokens, self.positions.device
+
+        def buf(d, r, dtype):
+            old = d.get(r)
+            if old is None or old.shape != (T,) or old.dtype != dtype or old.device != dev:
+                d[r] = torch.empty(T, dtype=dtype, device=dev)
+            return d[r]
+        outs = {r: (buf(self.compressed_slots, r, torch.int64), buf(self.v41_lens, r, torch.int32))
+                + ((buf(self.state_slots, r, torch.int64),) if r == 2 else ()) for r in ratios}
+        fn = impl.v41_step_index_sets if impl is ops else _rm41.v41_step_index_sets
+        fn(self.positions, self.token_to_req, self.is_valid_token, self.compressed_block_table, self.state_block_table,
+           V41_COMPRESSED_BLOCK, RING_CAPACITY, outs.get(1), outs.get(2))
         return self
 
     def _check(self, ratios) -> tuple:
         """Structure of the step (ValueError naming the argument before any write); returns the ratios."""
         ratios = tuple(ratios)
         for r in ratios:
-            if r not in (4, 128):
-                raise ValueError(f"ratios: compress ratios are 4 and 128, got {r!r}")
-        if self.num_decodes and self.num_decode_tokens % self.num_decodes:
+            if r not in (4, 128) + V41_RATIOS or isinstance(r, bool):
+                raise ValueError(f"ratios: compress ratios are 4 and 128 (DeepSeek-V4), 1 and 2 (V4.1), got {r!r}")
+        if self.uniform_decode and self.num_decodes and self.num_decode_tokens % self.num_decodes:
             raise ValueError(f"num_decode_tokens {self.num_decode_tokens} is not a multiple of num_decodes "
-                             f"{self.num_decodes}: decode requests must have the same query length")
+                             f"{self.num_decodes}: decode requests of different query lengths need "
+                             f"uniform_decode=False")
         T, R = self.num_tokens, self.num_requests
         for name, t, dtype, shape in (("query_start_loc", self.query_start_loc, torch.int32, (R + 1,)),
                                       ("seq_lens", self.seq_lens, torch.int32, (R,)),
@@ -157,16 +200,183 @@ class StepMetadata:
             if t.dtype != dtype or tuple(t.shape) != shape or (t.numel() > 1 and t.stride(0) != 1):
                 raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got "
                                  f"{t.dtype} {tuple(t.shape)}")
-        for name in ("swa_block_table", "compressed_block_table", "state_block_table"):
+        tables = ("swa_block_table", "compressed_block_table", "state_block_table")
+        for name in tables[1:]:
+            if ratios and getattr(self, name) is None:
+                raise ValueError(f"{name} is None: the compressed ratios {ratios} need it")
+        tables = tuple(name for name in tables if getattr(self, name) is not None)
+        for name in tables:
             t = getattr(self, name)
             if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != R or (t.shape[1] > 1 and t.stride(1) != 1):
                 raise ValueError(f"{name} must be an int32 [{R}, blocks] tensor with contiguous rows (one row per "
                                  f"request), got {t.dtype} {tuple(t.shape)}")
-        for name in ("query_start_loc", "seq_lens", "slot_mapping", "swa_block_table", "compressed_block_table",
-                     "state_block_table"):
+        for name in ("query_start_loc", "seq_lens", "slot_mapping") + tables:
             if getattr(self, name).device != self.positions.device:
                 raise ValueError(f"{name} is on {getattr(self, name).device}, positions on {self.positions.device}")
         return ratios
+
+
+    # ---- whole-step validation (docs/conventions.md, "Argument checks") --------------------------------
+    def validate(self, caches, built: bool = False) -> None:
+        """Check the whole step against the caches of the layers that run it (a LayerCache, or several)
+        before any of them writes: a ValueError naming the table, slot or field, so that a rejected step
+        changes no byte of any cache. Structure always; values where ``ops.value_checks`` allows (CPU
+        tensors; GPU tensors under ``ops.validation("full")``, a host sync; never in a graph capture):
+
+          * the batch: query_start_loc non-decreasing from >= 0 up to at most the step's tokens, seq_lens at
+            least the query lengths; a token with a slot (slot_mapping >= 0) inside a request at the
+            position its request implies (seq_len - query_len + its place);
+          * slot_mapping below the SWA cache's slots; every entry >= 0 of each block table below the blocks of
+            the caches it indexes (SWA; compressed and indexer-K; compressor state), negative = padding;
+          * a C4 layer's indexer reads each request's compressed entries through its table row: the row has
+            the columns they need, and a prefill request has no negative entry among them;
+          * ``built``: the index sets exist for every cache's ratio with the step's rows, the compressed and
+            state slots lie inside their caches (a state slot only for a token inside a request, at a
+            position >= 0 its table row covers), the lengths within their index widths.
+
+        The metadata ops treat such lookups as padding; a layer instead refuses a step whose tables point
+        past its caches, before its first write."""
+        caches = [caches] if hasattr(caches, "swa") else list(caches)
+        T, R = self.num_tokens, self.num_requests
+        ratios = sorted({c.ratio for c in caches if c.ratio > 1})
+        # structure: once per step object and set of fields (every layer of a step sees the same tensors;
+        # a field assigned anew, or other caches, checks again)
+        key = (built, tuple(map(id, caches)), self.num_decodes, self.num_decode_tokens, self.window,
+               *map(id, (self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping, self.swa_block_table,
+                         self.compressed_block_table, self.state_block_table)),
+               *((id(self.token_to_req), id(self.swa_indices), id(self.swa_lens), id(self.indexer_lens),
+                  id(self.c128_indices), id(self.c128_lens),
+                  *(id(d.get(r)) for r in ratios for d in (self.compressed_slots, self.state_slots))) if built else ()))
+        if self.__dict__.get("_structure_checked") != key:
+            self._check(())
+            if not 0 <= self.num_decodes <= R or not 0 <= self.num_decode_tokens <= T:
+                raise ValueError(f"num_decodes / num_decode_tokens ({self.num_decodes} / {self.num_decode_tokens}) "
+                                 f"must lie within the step's {R} requests / {T} tokens")
+            if built:
+                self._check_built(ratios)
+            self._structure_checked = key
+        if not (T or R) or not ops.value_checks(self.positions):
+            return
+        cpu = {k: getattr(self, k).cpu().long() for k in (
+            "query_start_loc", "seq_lens", "positions", "slot_mapping", "swa_block_table", "compressed_block_table",
+            "state_block_table")}
+        qsl, seq, pos, slot = cpu["query_start_loc"], cpu["seq_lens"], cpu["positions"], cpu["slot_mapping"]
+        ql = qsl[1:] - qsl[:-1]
+        if int(qsl[0]) < 0 or bool((ql < 0).any()) or int(qsl[-1]) > T:
+            raise ValueError(f"query_start_loc must be non-decreasing from >= 0 up to at most the {T} tokens, got "
+                             f"{qsl.tolist() if R < 16 else '...'}")
+        if bool((seq < ql).any()):
+            b = int(torch.nonzero(seq < ql)[0])
+            raise ValueError(f"seq_lens[{b}] = {int(seq[b])} is below its query length {int(ql[b])}")
+        t = torch.arange(T)
+        req = torch.searchsorted(qsl[1:], t, right=True)
+        inside = (req < R) & (t >= qsl[0])
+        r = req.clamp(max=max(R - 1, 0))
+        want = seq[r] - ql[r] + (t - qsl[r]) if R else t
+        bad = inside & (slot >= 0) & (pos != want)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"positions[{i}] = {int(pos[i])}, but its request {int(r[i])} puts it at {int(want[i])} "
+                             "(seq_lens - query length + its place)")
+        for c in caches:
+            self._check_caches(c, cpu, ql, seq, built)
+        if built:
+            self._check_built_values(caches, cpu, inside, r, seq)
+
+    def _check_caches(self, cache, cpu, ql, seq, built):
+        """Value checks of slot_mapping and the block tables against one layer's caches."""
+        def table_within(name, blocks, what):
+            t = cpu[name]
+            if t.numel() and int(t.max()) >= blocks:
+                raise ValueError(f"{name} names block {int(t.max())}, past the {blocks} blocks of the {what}")
+        swa_pages = cache.swa.shape[0]
+        if self.slot_mapping.numel() and int(cpu["slot_mapping"].max()) >= swa_pages * L.SWA_BLOCK_SIZE:
+            raise ValueError(f"slot_mapping: slot {int(cpu['slot_mapping'].max())} is outside the SWA cache "
+                             f"({swa_pages} pages x {L.SWA_BLOCK_SIZE})")
+        table_within("swa_block_table", swa_pages, "SWA cache")
+        if cache.ratio == 1:
+            return
+        table_within("compressed_block_table", cache.comp.shape[0], "compressed cache")
+        table_within("state_block_table", cache.comp_state.shape[0], "compressor state cache")
+        if cache.idx is not None:
+            table_within("compressed_block_table", cache.idx.shape[0], "indexer-K cache")
+        if cache.idx_state is not None:
+            table_within("state_block_table", cache.idx_state.shape[0], "indexer compressor state cache")
+        if cache.ratio == 4 and self.num_requests:
+            # the indexer's logits read entries 0 .. seq_len // 4 - 1 of each request through its table row
+            bt = cpu["compressed_block_table"]
+            need = (seq.clamp(min=0) // 4 + 63) // 64
+            if int(need.max()) > bt.shape[1]:
+                b = int(torch.argmax(need))
+                raise ValueError(f"compressed_block_table has {bt.shape[1]} columns; request {b} (seq_lens "
+                                 f"{int(seq[b])}) has compressed entries in {int(need[b])}")
+            pf = torch.arange(self.num_requests) >= self.num_decodes
+            used = torch.arange(bt.shape[1]).unsqueeze(0) < need.unsqueeze(1)
+            if bool((pf.unsqueeze(1) & used & (ql.unsqueeze(1) > 0) & (bt < 0)).any()):
+                raise ValueError("compressed_block_table has a negative entry where a prefill request's indexer "
+                                 "reads its compressed entries")
+
+    def _check_built(self, ratios):
+        """Structure of the index sets a layer reads: built for its ratios, with the step's rows."""
+        T, dev, i32 = self.num_tokens, self.positions.device, torch.int32
+        need = [("token_to_req", (T,), i32), ("is_valid_token", (T,), torch.bool),
+                ("swa_indices", (T, self.window), i32), ("swa_lens", (T,), i32)]
+        need += [("indexer_lens", (T,), i32)] if 4 in ratios else []
+        need += [("c128_indices", (T, None), i32), ("c128_lens", (T,), i32)] if 128 in ratios else []
+        need += [(f"{name}[{r}]", (T,), torch.int64) for r in ratios for name in ("compressed_slots", "state_slots")]
+        for name, shape, dtype in need:
+            if "[" in name:
+                t = getattr(self, name[:name.index("[")]).get(int(name[name.index("[") + 1:-1]))
+            else:
+                t = getattr(self, name)
+            if t is None or t.dtype != dtype or t.device != dev or len(t.shape) != len(shape) or \
+                    any(s is not None and s != n for s, n in zip(shape, t.shape)) or (t.dim() == 2 and t.stride(1) != 1):
+                raise ValueError(f"{name}: the step is not built for ratios {tuple(ratios)} with its {T} tokens "
+                                 f"(want {dtype} {shape} on {dev}; call step.build(ratios) first)")
+
+    def _check_built_values(self, caches, cpu, inside, r, seq):
+        """Value checks of the built index sets a layer writes through (slots) or bounds by (lengths)."""
+        pos = cpu["positions"]
+        t2r = self.token_to_req.cpu().long()
+        if bool((t2r != torch.where(inside, r, -1)).any()):
+            raise ValueError("token_to_req does not name each token's request (-1 outside every request)")
+        lens = self.swa_lens.cpu()
+        if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > self.window):
+            raise ValueError(f"swa_lens must lie in [0, {self.window}] (the window)")
+        for c in caches:
+            if c.ratio == 1:
+                continue
+            rr = c.ratio
+            states = [c.comp_state] + ([c.idx_state] if c.idx_state is not None else [])
+            comps = [(c.comp.shape[0] * c.compressed_block_size, "compressed cache")]
+            comps += [(c.idx.shape[0] * 64, "indexer-K cache")] if c.idx is not None else []
+            ks, ss = self.compressed_slots[rr].cpu(), self.state_slots[rr].cpu()
+            for cap, what in comps:
+                if ks.numel() and int(ks.max()) >= cap:
+                    raise ValueError(f"compressed_slots[{rr}]: slot {int(ks.max())} is outside the {what} ({cap} slots)")
+            for st in states:
+                cap = st.shape[0] * st.shape[1]
+                if ss.numel() and int(ss.max()) >= cap:
+                    raise ValueError(f"state_slots[{rr}]: slot {int(ss.max())} is outside the state cache ({cap} slots)")
+            live = ss >= 0
+            cols = cpu["state_block_table"].shape[1]
+            sbs = c.comp_state.shape[1]
+            if bool((live & (~inside | (pos < 0) | (pos // sbs >= cols))).any()):
+                raise ValueError(f"state_slots[{rr}] has a slot for a token outside every request, at a negative "
+                                 "position, or past its state_block_table row")
+            if rr == 4:
+                il = self.indexer_lens.cpu().long()
+                cap = torch.where(inside, seq[r] // 4, 0) if seq.numel() else torch.zeros_like(il)
+                if bool(((il < 0) | (inside & (il > cap))).any()):
+                    raise ValueError("indexer_lens must lie in [0, seq_lens // 4] for the tokens of a request")
+            if rr == 128:
+                cl = self.c128_lens.cpu()
+                if cl.numel() and (int(cl.min()) < 0 or int(cl.max()) > self.c128_indices.shape[1]):
+                    raise ValueError(f"c128_lens must lie in [0, {self.c128_indices.shape[1]}] (the C128 indices)")
+
+def _split(ratios) -> tuple:
+    """(V4.0 ratios, V4.1 ratios) of a checked ratio tuple."""
+    return tuple(r for r in ratios if r not in V41_RATIOS), tuple(r for r in ratios if r in V41_RATIOS)
 
 
 def c128_max_entries(max_model_len: int) -> int:

@@ -10,6 +10,13 @@ A DeepSeek-V4 checkpoint stores an attention layer under ``layers.{i}.attn.`` (H
     indexer.wq_b (FP8 + scale), indexer.weights_proj.weight bf16 [64, hidden],
     indexer.compressor.{wkv, wgate, ape, norm}                           (C4 layers)
 
+DeepSeek-V4.1 (``cfg.is_v41``) changes the compressed layers: a kv-source layer's
+``compressor.wkv.weight`` [512, hidden] (and, for ratio 2, ``compressor.wgate.weight`` [512, hidden]) has no
+``ape``; an index source has ``indexer.wq_b``, ``indexer.weights_proj.weight`` [index heads, hidden] and, if
+it is also a kv source, ``indexer.wk.weight`` bf16 [128, 512] and ``indexer.k_norm.weight`` [128] (the
+index keys come from the compressor's latent: no indexer compressor). Other layers hold no compressor or
+indexer tensors (vLLM's module names of vllm/models/deepseek_v41/attention.py and compressor.py).
+
 ``LayerWeights.from_checkpoint`` fuses them as vLLM does (wq_a + wkv -> one projection, compressor wkv +
 wgate -> one projection), keeps this tensor-parallel rank's heads (wq_b rows, wo_a groups, wo_b columns,
 attn_sink entries) and turns every FP8 weight into (e4m3 bytes, fp32 power-of-two scales per 128 x 128
@@ -17,7 +24,7 @@ block). A bf16 weight where the checkpoint could hold FP8 is quantized to that f
 the same function whichever way its weights were stored.
 """
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Mapping, Optional
 
 import torch
@@ -46,6 +53,8 @@ class LayerWeights:
     idx_comp_w: Optional[torch.Tensor] = None          # bf16 [2 * 2 * 128, hidden]
     idx_comp_ape: Optional[torch.Tensor] = None        # fp32 [4, 256]
     idx_comp_norm: Optional[torch.Tensor] = None       # bf16 [128]
+    idx_wk: Optional[torch.Tensor] = None              # V4.1 kv source: bf16 [128, 512] (latent -> index key)
+    idx_k_norm: Optional[torch.Tensor] = None          # V4.1 kv source: bf16 [128]
 
     def to(self, device) -> "LayerWeights":
         return LayerWeights(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
@@ -88,6 +97,29 @@ class LayerWeights:
         return w
 
     @classmethod
+    def random_v41(cls, cfg: AttentionConfig, layer: int, seed: int = 0, device=None) -> "LayerWeights":
+        """Random weights of DeepSeek-V4.1 layer ``layer`` (``cfg.v41_layer``): the shared projections,
+        and the compressor / indexer tensors of what the layer owns."""
+        spec = cfg.v41_layer(layer)
+        w = cls.random(cfg, LayerType.SWA, seed, device)
+        g = torch.Generator().manual_seed(seed + 1000)
+
+        def rn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(device)
+        hid = cfg.hidden_size
+        if spec.owns_kv:
+            w.comp_w = rn(512 * spec.ratio, hid, scale=2 * hid ** -0.5).bfloat16()
+            w.comp_norm = (1 + 0.1 * rn(512)).bfloat16()
+            w.idx_wk = rn(128, 512, scale=512 ** -0.5).bfloat16()
+            w.idx_k_norm = (1 + 0.1 * rn(128)).bfloat16()
+        if spec.owns_index:
+            nh = cfg.index_n_heads
+            wq_b = rn(nh * 128, cfg.q_lora_rank, scale=cfg.q_lora_rank ** -0.5)
+            w.idx_wq_b8, w.idx_wq_b_s = _ro.quantize_weight(wq_b)
+            w.idx_wproj = rn(nh, hid, scale=hid ** -0.5).bfloat16()
+        return w
+
+    @classmethod
     def from_checkpoint(cls, tensors: Mapping[str, torch.Tensor], cfg: AttentionConfig, layer: int,
                         tp_rank: int = 0, device=None) -> "LayerWeights":
         """The weights of attention layer ``layer`` for tensor-parallel rank ``tp_rank`` of ``cfg.tp_size``.
@@ -99,8 +131,8 @@ class LayerWeights:
         if not 0 <= tp_rank < cfg.tp_size:
             raise ValueError(f"tp_rank must lie in [0, {cfg.tp_size}), got {tp_rank}")
         t = _layer_tensors(tensors, layer)
-        layer_type = cfg.layer_type(layer)
-        H, G, hid, ql = cfg.local_heads, cfg.local_groups, cfg.hidden_size, cfg.q_lora_rank
+        layer_type = LayerType.SWA if cfg.is_v41 else cfg.layer_type(layer)
+        hid, ql = cfg.hidden_size, cfg.q_lora_rank
 
         def get(name, shape=None):
             if name not in t:
@@ -122,22 +154,19 @@ class LayerWeights:
                 return _ro.quantize_weight(w.float())
             raise ValueError(f"checkpoint tensor {name}.weight has dtype {w.dtype}; expected e4m3 or bf16")
 
-        rows = slice(tp_rank * H * 512, (tp_rank + 1) * H * 512)
         wq_a8, wq_a_s = linear("wq_a", ql, hid)
         wkv8, wkv_s = linear("wkv", 512, hid)
         wq_b8, wq_b_s = linear("wq_b", cfg.num_heads * 512, ql)
         gr = cfg.o_lora_rank
         wo_a8, wo_a_s = linear("wo_a", cfg.o_groups * gr, cfg.heads_per_group * 512)
         wo_b8, wo_b_s = linear("wo_b", hid, cfg.o_groups * gr)
-        g0, g1 = tp_rank * G, (tp_rank + 1) * G
-        sink_all = get("attn_sink", (cfg.num_heads,)).float()
-        sink = torch.full((cfg.padded_heads,), float("-inf"))
-        sink[:H] = sink_all[tp_rank * H:(tp_rank + 1) * H]
+        full = cfg.with_tp(1)
+        sink = torch.full((full.padded_heads,), float("-inf"))
+        sink[:cfg.num_heads] = get("attn_sink", (cfg.num_heads,)).float()
         w = cls(torch.cat([wq_a8, wkv8]), torch.cat([wq_a_s, wkv_s]),
                 get("q_norm.weight", (ql,)).to(torch.bfloat16), get("kv_norm.weight", (512,)).to(torch.bfloat16),
-                wq_b8[rows], wq_b_s[rows.start // 128:rows.stop // 128],
-                wo_a8[g0 * gr:g1 * gr].reshape(G, gr, -1), wo_a_s[g0 * gr // 128:g1 * gr // 128].reshape(G, gr // 128, -1),
-                wo_b8[:, g0 * gr:g1 * gr], wo_b_s[:, g0 * gr // 128:g1 * gr // 128], sink)
+                wq_b8, wq_b_s, wo_a8.reshape(cfg.o_groups, gr, -1), wo_a_s.reshape(cfg.o_groups, gr // 128, -1),
+                wo_b8, wo_b_s, sink)
         if layer_type != LayerType.SWA:
             r = 4 if layer_type == LayerType.C4 else 128
             w.comp_w, w.comp_ape, w.comp_norm = _compressor(get, "compressor", r, 512, hid)
@@ -146,7 +175,42 @@ class LayerWeights:
             w.idx_wq_b8, w.idx_wq_b_s = linear("indexer.wq_b", nh * 128, ql)
             w.idx_wproj = get("indexer.weights_proj.weight", (nh, hid)).to(torch.bfloat16)
             w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm = _compressor(get, "indexer.compressor", 4, 128, hid)
+        if cfg.is_v41:
+            spec = cfg.v41_layer(layer)
+            if spec.owns_kv:
+                parts = [get("compressor.wkv.weight", (512, hid))] + (
+                    [get("compressor.wgate.weight", (512, hid))] if spec.ratio == 2 else [])
+                w.comp_w = torch.cat([p.to(torch.bfloat16) for p in parts])
+                w.comp_norm = get("compressor.norm.weight", (512,)).to(torch.bfloat16)
+                w.idx_wk = get("indexer.wk.weight", (128, 512)).to(torch.bfloat16)
+                w.idx_k_norm = get("indexer.k_norm.weight", (128,)).to(torch.bfloat16)
+            if spec.owns_index:
+                nh = cfg.index_n_heads
+                w.idx_wq_b8, w.idx_wq_b_s = linear("indexer.wq_b", nh * 128, ql)
+                w.idx_wproj = get("indexer.weights_proj.weight", (nh, hid)).to(torch.bfloat16)
+        w = w.shard(cfg, tp_rank) if cfg.tp_size > 1 else w
         return w.to(device) if device is not None else w
+
+    def shard(self, cfg: AttentionConfig, tp_rank: int) -> "LayerWeights":
+        """Tensor-parallel rank ``tp_rank``'s weights (of ``cfg.tp_size``) from the unsharded ones (``self``,
+        shaped for ``cfg.with_tp(1)``): its heads' rows of wq_b and attn_sink entries, its groups of wo_a and
+        their columns of wo_b; everything else (the latent projections, norms, compressor, indexer) is
+        replicated. Views of ``self``'s storage where slicing allows."""
+        if not 0 <= tp_rank < cfg.tp_size:
+            raise ValueError(f"tp_rank must lie in [0, {cfg.tp_size}), got {tp_rank}")
+        full = cfg.with_tp(1)
+        if self.wq_b8.shape[0] != full.num_heads * 512 or self.wo_a8.shape[0] != full.o_groups:
+            raise ValueError(f"shard: these weights hold {self.wq_b8.shape[0] // 512} heads and {self.wo_a8.shape[0]} "
+                             f"output groups; the unsharded {cfg.name} layer has {full.num_heads} and {full.o_groups}")
+        H, G, gr = cfg.local_heads, cfg.local_groups, cfg.o_lora_rank
+        rows = slice(tp_rank * H * 512, (tp_rank + 1) * H * 512)
+        g0, g1 = tp_rank * G, (tp_rank + 1) * G
+        sink = torch.full((cfg.padded_heads,), float("-inf"), device=self.attn_sink.device)
+        sink[:H] = self.attn_sink[tp_rank * H:(tp_rank + 1) * H]
+        return replace(self, wq_b8=self.wq_b8[rows], wq_b_s=self.wq_b_s[rows.start // 128:rows.stop // 128],
+                       wo_a8=self.wo_a8[g0:g1], wo_a_s=self.wo_a_s[g0:g1],
+                       wo_b8=self.wo_b8[:, g0 * gr:g1 * gr], wo_b_s=self.wo_b_s[:, g0 * gr // 128:g1 * gr // 128],
+                       attn_sink=sink)
 
 
 def _layer_tensors(tensors: Mapping[str, torch.Tensor], layer: int) -> dict:

@@ -4,7 +4,8 @@
 // gather_len_b = gather_lens[b], or seq_lens[b] when gather_lens is NULL. Rows past out's `rows` are not
 // written; a row whose position is negative or whose block-table entry is missing, negative or past the
 // cache is written as zeros. The blocks of one request (gridDim.y of them, 8 row groups each) stride over
-// its rows; each 32-lane group gathers ROWS rows with all loads issued before the first store.
+// its rows; each 32-lane group gathers ROWS rows with all loads issued before the first store. FNUZ: the
+// cache holds records of the FNUZ flavour (dsv4/record.h).
 #include "dsv4/args.h"
 #include "dsv4/record.h"
 
@@ -47,12 +48,8 @@ extern "C" int dsv4_dequantize_and_gather_k_cache(const dsv4_gather_args* a, voi
   int64_t need = (a->rows - a->offset + per_block - 1) / per_block;
   int64_t want = (1024 + a->R - 1) / a->R;
   int64_t y = need < want ? need : want;
-  dim3 grid((unsigned)a->R, (unsigned)(y > 65535 ? 65535 : y));
-  if (a->fmt == DSV4_FMT_V41)
-    hipLaunchKernelGGL(dsv4_gather_block_table_kernel<dsv4_v41>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
-  else if (a->fmt == DSV4_FMT_V41_FP4)
-    hipLaunchKernelGGL(dsv4_gather_block_table_kernel<dsv4_v41_fp4>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
-  else
-    hipLaunchKernelGGL(dsv4_gather_block_table_kernel<dsv4_v40>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
+  auto kernel = DSV4_ANY_FORMAT_KERNEL(dsv4_gather_block_table_kernel, a);
+  hipLaunchKernelGGL(kernel, dim3((unsigned)a->R, (unsigned)(y > 65535 ? 65535 : y)), dim3(threads), 0,
+                     (hipStream_t)stream, *a);
   return (int)hipGetLastError();
 }

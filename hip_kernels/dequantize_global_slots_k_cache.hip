@@ -36,12 +36,8 @@ extern "C" int dsv4_dequantize_global_slots_k_cache(const dsv4_global_gather_arg
   int64_t total = a->N * a->K;
   if (total <= 0) return 0;
   const int threads = 256, per_block = threads / DSV4_GROUP * ROWS;
-  dim3 grid((unsigned)((total + per_block - 1) / per_block));
-  if (a->fmt == DSV4_FMT_V41)
-    hipLaunchKernelGGL(dsv4_gather_global_slots_kernel<dsv4_v41>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
-  else if (a->fmt == DSV4_FMT_V41_FP4)
-    hipLaunchKernelGGL(dsv4_gather_global_slots_kernel<dsv4_v41_fp4>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
-  else
-    hipLaunchKernelGGL(dsv4_gather_global_slots_kernel<dsv4_v40>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
+  auto kernel = DSV4_ANY_FORMAT_KERNEL(dsv4_gather_global_slots_kernel, a);
+  hipLaunchKernelGGL(kernel, dim3((unsigned)((total + per_block - 1) / per_block)), dim3(threads), 0,
+                     (hipStream_t)stream, *a);
   return (int)hipGetLastError();
 }

@@ -1,9 +1,11 @@
 // fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert (vLLM's op, its 13-argument schema), one launch:
-//   q [T, H, 512] bf16 -> q_out [T, Hp, 512] bf16: per-head weightless RMSNorm (unless apply_q_norm is 0),
-//   RoPE on dims 448..511 (unless apply_q_rope is 0), one bf16 rounding; heads H..Hp-1 are zeros; with
-//   q_interleaved both hold a token's heads in 16-dim chunks (value (h, d) at (d / 16) * H * 16 + h * 16 +
-//   d % 16 of the token's row), which puts lane l's 16 values at chunk l; Hp 0: no q work;
-//   kv [T, 512] bf16 -> RoPE (fp32) -> bf16 -> UE8M0 record (V40_584, or V41_528) at slots[t] for t < n_slots.
+//   q [T, H, 512] bf16 -> q_out [T, Hp, 512] bf16: per-head weightless RMSNorm (unless apply_q_norm is 0, as
+//   DeepSeek-V4.1 runs it), RoPE on dims 448..511 (unless apply_q_rope is 0), one bf16 rounding; heads
+//   H..Hp-1 are zeros; with q_interleaved both hold a token's heads in 16-dim chunks (value (h, d) at
+//   (d / 16) * H * 16 + h * 16 + d % 16 of the token's row), which puts lane l's 16 values at chunk l; Hp 0:
+//   no q work;
+//   kv [T, 512] bf16 -> RoPE (fp32) -> bf16 -> UE8M0 record (V40_584, or V41_528; OCP or, with a.fnuz, the
+//   FNUZ flavour) at slots[t] for t < n_slots.
 // A token whose position is outside the cos/sin table gets zero q rows and no record; a slot < 0 or past
 // the cache is skipped. Groups 0 .. T*Hp-1 do the q heads, groups T*Hp .. T*Hp+n_slots-1 the kv rows.
 #include "dsv4/args.h"
@@ -52,10 +54,8 @@ extern "C" int dsv4_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(const dsv4
   int64_t groups_total = (int64_t)a->T * a->Hp + a->n_slots;
   if (groups_total <= 0) return 0;
   const int threads = 256, groups = threads / DSV4_GROUP;
-  dim3 grid((unsigned)((groups_total + groups - 1) / groups));
-  if (a->fmt == DSV4_FMT_V41)
-    hipLaunchKernelGGL(dsv4_qnorm_rope_kv_insert_kernel<dsv4_v41>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
-  else
-    hipLaunchKernelGGL(dsv4_qnorm_rope_kv_insert_kernel<dsv4_v40>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
+  auto kernel = DSV4_FP8_FORMAT_KERNEL(dsv4_qnorm_rope_kv_insert_kernel, a);
+  hipLaunchKernelGGL(kernel, dim3((unsigned)((groups_total + groups - 1) / groups)), dim3(threads), 0,
+                     (hipStream_t)stream, *a);
   return (int)hipGetLastError();
 }

@@ -1,7 +1,7 @@
 // quantize_and_insert_k_cache (vLLM's op): UE8M0-quantize bf16 k [n, 512] (RoPE already applied) into
 // records of the format a.fmt (V40_584 or V41_528) at slots[t]; a slot < 0 or past the cache (num_blocks *
 // bs) is skipped. One 32-lane group handles TOKENS tokens and issues all their loads before the first store
-// (more bytes in flight per lane: the op is memory-bound).
+// (more bytes in flight per lane: the op is memory-bound). a.fnuz: the FNUZ flavour (dsv4/record.h).
 #include "dsv4/args.h"
 #include "dsv4/record.h"
 
@@ -30,10 +30,7 @@ __global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_quantize_insert_kernel(dsv4_insert_
 extern "C" int dsv4_quantize_and_insert_k_cache(const dsv4_insert_args* a, void* stream) {
   if (a->n <= 0) return 0;
   const int threads = 256, per_block = threads / DSV4_GROUP * TOKENS;
-  dim3 grid((a->n + per_block - 1) / per_block);
-  if (a->fmt == DSV4_FMT_V41)
-    hipLaunchKernelGGL(dsv4_quantize_insert_kernel<dsv4_v41>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
-  else
-    hipLaunchKernelGGL(dsv4_quantize_insert_kernel<dsv4_v40>, grid, dim3(threads), 0, (hipStream_t)stream, *a);
+  auto kernel = DSV4_FP8_FORMAT_KERNEL(dsv4_quantize_insert_kernel, a);
+  hipLaunchKernelGGL(kernel, dim3((a->n + per_block - 1) / per_block), dim3(threads), 0, (hipStream_t)stream, *a);
   return (int)hipGetLastError();
 }

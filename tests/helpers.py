@@ -131,3 +131,68 @@ def patch_interpreter_scalars():
         patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
     ti._patch_lang_tensor = patched
+
+
+def patch_interpreter_bf16():
+    """Triton 3.6's interpreter holds bf16 as raw uint16 and computes with those integers: it multiplies bf16
+    ``tl.dot`` operands as integers, adds / multiplies / compares bf16 tensors as integers, rounds fp32 ->
+    bf16 by truncation. Make each what the GPUs do: exact fp32 products of the bf16 values accumulated in
+    fp32 (the MMA units), elementwise operations in fp32 rounded once to bf16, round-to-nearest-even
+    conversions (NaN -> 0x7FC0). The compiled kernels are unaffected."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    def f32(h):
+        return (np.asarray(h).astype(np.uint32) << 16).view(np.float32)
+
+    def bf16(f):
+        f = np.asarray(f, dtype=np.float32)
+        bits = f.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(f), np.uint16(0x7FC0), rounded)
+
+    B = ti.InterpreterBuilder
+    dot, cast, binary = B.create_dot, B.cast_impl, B.binary_op
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+            return ti.TensorHandle(np.matmul(f32(a.data), f32(b.data), dtype=np.float32) + d.data, d.dtype.scalar)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        s, t = src.dtype.scalar, dst_type.scalar
+        if s == tl.float32 and t == tl.bfloat16:
+            return ti.TensorHandle(bf16(src.data), t)
+        if s == tl.bfloat16 and t == tl.float32:
+            return ti.TensorHandle(f32(src.data), t)
+        return cast(self, src, dst_type)
+
+    def binary_op(self, lhs, rhs, op):
+        if lhs.dtype.scalar == tl.bfloat16 and rhs.dtype.scalar == tl.bfloat16:
+            out = op(f32(lhs.data), f32(rhs.data))
+            if out.dtype == np.float32:
+                return ti.TensorHandle(bf16(out), tl.bfloat16)
+            return ti.TensorHandle(out, tl.int1)
+        return binary(self, lhs, rhs, op)
+
+    B.create_dot, B.cast_impl, B.binary_op = create_dot, cast_impl, binary_op
+
+
+def attend_and_project(cfg, W, q, keys, positions, cos_sin):
+    """The end of a from-scratch layer oracle: token t's heads attend over keys[t] (a list of fp32 [512] K = V
+    rows) with the sink, then the output path (inverse RoPE, fp8 quant, the wo_a einsum, wo_b)."""
+    from dsv4_rocm.reference import attention as ra
+    from dsv4_rocm.reference import output as O
+    T, H = q.shape[0], cfg.local_heads
+    attn = torch.zeros(T, cfg.padded_heads, 512)
+    for t in range(T):
+        Ks = torch.stack(keys[t]).unsqueeze(0)
+        o, _, _ = ra.attend(q[t:t + 1].float(), Ks, torch.ones(1, Ks.shape[1], dtype=torch.bool), cfg.softmax_scale,
+                            W.attn_sink)
+        attn[t] = o[0]
+    attn = attn.bfloat16()
+    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H], positions, cos_sin, cfg.local_groups, cfg.heads_per_group)
+    z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16)
+    O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
+    return O.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)

@@ -18,7 +18,8 @@ LIB = torch.ops.dsv4_rocm
 
 GROWN = ("bool apply_q_norm=True, bool kv_mxfp8=False, bool apply_q_rope=True, bool is_q_interleaved=False")
 VLLM_SCHEMAS = {   # torch.ops._C schemas of vLLM (csrc torch_bindings), argument names and order
-    "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert":       # the 13-argument schema of vLLM's V4.1 code
+    # the 13-argument schema of vLLM's V4.1 code (its tenth argument apply_q_norm: DeepSeek-V4.1 passes False)
+    "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert":
         "(Tensor q_in, Tensor kv, Tensor(a!) k_cache, Tensor slot_mapping, Tensor position_ids, "
         f"Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size, {GROWN}) -> Tensor",
     "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out":   # its _out form, with the same trailing flags

@@ -163,7 +163,6 @@ BAD = [
     (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 64, -1), "offset"),
     (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 0, 0), "block_size"),
     (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 32, 0), "k_cache"),
-    (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 64, 0, True), "use_fnuz"),
 ]
 
 

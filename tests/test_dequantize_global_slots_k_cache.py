@@ -64,6 +64,21 @@ def test_one_dimensional_slots_and_the_torch_op():
     assert torch.equal(out3[0], out)
 
 
+def test_vllm_mtp_decode_form_with_flashmla_indices():
+    """vLLM's MTP decode path: out = combined_kv[:, :topk] ([n, W, 512], a column slice of the workspace),
+    the slot ids in FlashMLA's [n, 1, W] index form; the same rows as the [n, W] form, through the torch
+    op too, and the workspace's other columns untouched."""
+    v, K = filled(3, 64, seed=4)
+    ids = torch.tensor([[0, 191, -1, 65, 7], [-1, 2, 3, 100, 64]], dtype=torch.int32).unsqueeze(1)   # [2, 1, 5]
+    for op in (ops.dequantize_global_slots_k_cache, torch.ops.dsv4_rocm.dequantize_global_slots_k_cache):
+        work = torch.full((2, 5 + 4, 512), float("nan"), dtype=torch.bfloat16)
+        op(work[:, :5], v, ids, 64)
+        assert torch.equal(work[:, :5], expected(K, ids[:, 0])) and work[:, 5:].isnan().all()
+        work = torch.full((2, 4 + 5, 512), float("nan"), dtype=torch.bfloat16)
+        op(work[:, 4:], v, ids.long(), 64)                            # the window part, int64 ids
+        assert torch.equal(work[:, 4:], expected(K, ids[:, 0])) and work[:, :4].isnan().all()
+
+
 def test_empty_and_bad_input():
     v, _ = filled(2, 64, seed=3)
     ops.dequantize_global_slots_k_cache(torch.empty(0, 5, 512, dtype=torch.bfloat16), v,
@@ -76,8 +91,10 @@ def test_empty_and_bad_input():
            (lambda: ops.dequantize_global_slots_k_cache(out.float(), v, torch.zeros(2, 3, dtype=torch.int32), 64),
             "out must have dtype"),
            (lambda: ops.dequantize_global_slots_k_cache(out, v, torch.zeros(2, 3), 64), "slot_ids must have dtype"),
-           (lambda: ops.dequantize_global_slots_k_cache(out, v, torch.zeros(1, 2, 3, dtype=torch.int32), 64),
-            "slot_ids must be 1-D or 2-D"),
+           (lambda: ops.dequantize_global_slots_k_cache(out, v, torch.zeros(2, 2, 3, dtype=torch.int32), 64),
+            r"slot_ids must be \[N\], \[N, K\] or \[N, 1, K\]"),
+           (lambda: ops.dequantize_global_slots_k_cache(out, v, torch.zeros(2, 1, 4, dtype=torch.int32), 64),
+            "out must have shape"),
            (lambda: ops.dequantize_global_slots_k_cache(out, v, torch.zeros(2, 3, dtype=torch.int32), 2), "k_cache")]
     for call, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -23,6 +23,18 @@ def _probe_kernel(p, p_dnsa, n, n_dns, n_dnsa, x, flag, opt, C: tl.constexpr, D:
     pass
 
 
+try:                 # Gluon (Triton >= 3.6): its kernels launch through JITFunction.run too
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit(do_not_specialize=["n_dns"], do_not_specialize_on_alignment=["p_dnsa", "n_dnsa"])
+    def _probe_gluon(p, p_dnsa, n, n_dns, n_dnsa, x, flag, opt, C: gl.constexpr, D: gl.constexpr = 3,
+                     num_warps: gl.constexpr = 4):
+        pass
+except ImportError:
+    _probe_gluon = None
+
+
 INTS = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, -2 ** 31,
         -2 ** 31 - 1, -2 ** 31 - 16, 2 ** 63 - 1, 2 ** 63, 2 ** 63 + 16, 2 ** 64 - 16, 2 ** 64 - 1, -2 ** 63]
 DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn]
@@ -66,8 +78,11 @@ def _which(before, after):
     return moved[0]
 
 
-@pytest.mark.parametrize("backend", ["cuda", "hip"])
-def test_direct_launch_picks_tritons_kernel(backend):
+@pytest.mark.parametrize("backend,kernel", [("cuda", "triton"), ("hip", "triton"), ("cuda", "gluon")])
+def test_direct_launch_picks_tritons_kernel(backend, kernel):
+    if kernel == "gluon" and _probe_gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    probe = _probe_kernel if kernel == "triton" else _probe_gluon
     rng = random.Random(0)
     big = None
     if backend == "hip":        # a storage past 2 GB: AMD's buffer-op specialization differs (virtual memory only)
@@ -82,23 +97,23 @@ def test_direct_launch_picks_tritons_kernel(backend):
     with simulated_gpu(backend):
         JITFunction.run = counting
         try:
-            k = Kernel(_probe_kernel)
+            k = Kernel(probe)
             pool = [_args(rng, rng.choice(LAYOUTS), big) for _ in range(60)]
             consts = [dict(C=1), dict(C=2, num_warps=8), dict(C=1, D=4, num_stages=2)]
             n = 3000
             for i in range(n):
                 args = rng.choice(pool) if rng.random() < 0.5 else _args(rng, rng.choice(LAYOUTS), big)
                 kw = rng.choice(consts)
-                tritons = _probe_kernel.run(*args, grid=(1,), warmup=True, **kw)      # Triton's pick
-                before = _launched(_probe_kernel)
+                tritons = probe.run(*args, grid=(1,), warmup=True, **kw)      # Triton's pick
+                before = _launched(probe)
                 k[(2, 1)](*args, **kw)
-                assert _which(before, _launched(_probe_kernel)) is tritons, (args, kw)
+                assert _which(before, _launched(probe)) is tritons, (args, kw)
         finally:
             JITFunction.run = run
         assert isinstance(tritons, _NullKernel)
         through_triton = launches.count(False)
         assert n - through_triton > n // 4        # a good part of the launches were direct
-        assert len({id(v) for v in _probe_kernel.device_caches[0][0].values()}) > 20   # many distinct kernels
+        assert len({id(v) for v in probe.device_caches[0][0].values()}) > 20   # many distinct kernels
 
 
 def test_direct_launch_steps_aside():

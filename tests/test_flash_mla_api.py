@@ -310,7 +310,32 @@ def test_warmup_configs():
     assert len(cfgs) == 24 and len(set(cfgs)) == 24
     assert {c.heads for c in cfgs} == {64, 128} and {c.block_size for c in cfgs} == {64, 256}
     assert {c.extra_block_size for c in cfgs} == {None, 64, 2} and {c.lengths for c in cfgs} == {True, False}
-    assert flash_mla.warmup("cpu") == dict(kernels=0, seconds=0.0)          # the reference needs no compiling
+    assert flash_mla.warmup("cpu") == dict(kernels=0, compiled=0, seconds=0.0, cache_dir=None)   # nothing to compile
+    # one model's configurations: V4-Flash's 64 heads at every TP size; V4-Pro's 128 (TP 1) and 64 (TP >= 2)
+    assert flash_mla.model_heads("v4-flash") == (64,) and flash_mla.model_heads("v4-pro") == (64, 128)
+    flash = flash_mla.model_warmup_configs(model="v4-flash")
+    assert len(flash) == 12 and {c.heads for c in flash} == {64}
+    assert set(flash_mla.model_warmup_configs(model="v4-pro")) == set(cfgs)
+
+
+def test_kernel_cache_dir(monkeypatch, tmp_path):
+    """dsv4_rocm's compiles run with Triton's cache directory set to its own kernel cache, restored after."""
+    from dsv4_rocm.triton import _launch
+    if not _launch._TRITON_SUPPORTED:
+        pytest.skip("the kernel cache context needs Triton 3.6's knobs")
+    from triton import knobs
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", str(tmp_path))
+    assert _launch.kernel_cache_dir() == str(tmp_path)
+    prev = knobs.cache.dir
+    with _launch.kernel_cache() as d:
+        assert d == str(tmp_path) and knobs.cache.dir == str(tmp_path)
+    assert knobs.cache.dir == prev
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", "triton")
+    with _launch.kernel_cache() as d:
+        assert d is None and knobs.cache.dir == prev
+    monkeypatch.delenv("DSV4_KERNEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _launch.kernel_cache_dir() == str(tmp_path / "dsv4_rocm" / "triton")
 
 
 # ---- the FlashMLA case harness, up to where it needs a GPU --------------------------------------------

@@ -6,10 +6,11 @@ vLLM's own checks, ported: the q path against a float64 RMSNorm + GPT-J RoPE (wi
 op rounds once from fp32, the oracle here never); the kv path writes the bytes of
 quantize_and_insert_k_cache applied to RoPE'd kv, exactly; DP padding (fewer slots than rows); one call
 doing both. Also: the _out variant, bf16 cos/sin and int32 positions, every cache view, bad input
-rejected before any write, and a property test. The grown schema: q norm and q RoPE switched off
-separately (q copied when both are), the chunk-interleaved q layout, padded_heads 0 (KV only), kv_mxfp8
-(V41_528 records, page-split or interleaved). GPU: the HIP kernel against the reference (cache bytes
-exact, q within one bf16 step), poisoned outputs, and a decode step captured in a CUDA/HIP graph.
+rejected before any write, a property test, and DeepSeek-V4.1's call without the q norm. The grown schema:
+q norm and q RoPE switched off separately (q copied when both are), the chunk-interleaved q layout,
+padded_heads 0 (KV only), kv_mxfp8 (V41_528 records, page-split or interleaved). GPU: the HIP kernel
+against the reference (cache bytes exact, q within one bf16 step, with and without the q norm), poisoned
+outputs, and a decode step captured in a CUDA/HIP graph.
 """
 import pytest
 import torch
@@ -288,6 +289,27 @@ def test_property_only_the_slotted_records_change(data):
     assert torch.equal(backing, want[1])
 
 
+def test_without_the_q_norm_q_is_only_roped():
+    """DeepSeek-V4.1 passes apply_q_norm=False (q was normed before wq_b): q_out is bf(RoPE(q)) per head,
+    within one bf16 step of the float64 rotation; the cache bytes do not change with the flag; the custom
+    op takes the flag as vLLM's tenth argument."""
+    g = torch.Generator().manual_seed(11)
+    T, H, nb = 30, 8, 2
+    q, kv = (torch.randn(T, H, 512, generator=g) * 3).bfloat16(), random_k(T, gen=g)
+    pos = torch.randint(0, 4096, (T,), generator=g)
+    slots = torch.randperm(nb * 64, generator=g)[:T]
+    caches = [rc.new_cache(nb, 64) for _ in range(3)]
+    plain = OP(q, kv, caches[0], slots, pos, CS, 64, 1e-6, 64, False)
+    normed = OP(q, kv, caches[1], slots, pos, CS, 64, 1e-6, 64)
+    lib = torch.ops.dsv4_rocm.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, caches[2], slots, pos, CS, 64,
+                                                                                 1e-6, 64, False)
+    within_one_bf16_step(plain[:, :H], rope64(q.double(), pos, CS))
+    assert torch.equal(plain, lib) and not torch.equal(plain, normed)
+    assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2])
+    with pytest.raises(ValueError, match="apply_q_norm"):
+        OP(q, kv, caches[0], slots, pos, CS, 64, 1e-6, 64, 0)
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------
 def _hip():
     assert ops.backend_for("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", "cuda") == "hip"
@@ -350,6 +372,27 @@ def test_gpu_grown_schema_against_the_reference(T, H, Hp, norm, rope, inter, lay
             within_one_bf16_step(q_out, ref)
         else:
             assert torch.equal(q_out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("apply_q_norm", [True, False])
+def test_gpu_kernel_with_and_without_the_q_norm(apply_q_norm, gpu):
+    """The HIP kernel's q rows and cache bytes against the reference, with vLLM's V4.0 (normed) and V4.1
+    (roped only) call."""
+    g = torch.Generator().manual_seed(5)
+    T, H, nb = 257, 64, 6
+    q = (torch.randn(T, H, 512, generator=g) * 3).bfloat16().to(gpu)
+    kv = random_k(T, gen=g).to(gpu)
+    cs = build_cos_sin_cache(160000.0, 9000, device=gpu)
+    pos = torch.randint(0, 9000, (T,), generator=g).to(gpu)
+    slots = torch.randperm(nb * 64, generator=g)[:T].to(gpu)
+    cache = torch.full((nb, 64, 584), 0xAB, dtype=torch.uint8, device=gpu)
+    ref_cache = cache.clone()
+    got = OP(q, kv, cache.view(nb, -1), slots, pos, cs, 64, 1e-6, 64, apply_q_norm)
+    ref = rq.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, ref_cache.view(nb, -1), slots, pos, cs, 64,
+                                                               1e-6, 64, apply_q_norm=apply_q_norm)
+    assert torch.equal(cache, ref_cache)
+    within_one_bf16_step(got, ref)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ def test_golden_case_reproduces(name):
 
 def test_parity_report_and_compare(tmp_path):
     rep = parity.report("cpu")
-    assert rep["all_ok"]
+    assert rep["all_ok"] and rep["golden"] == {n: parity.golden_sha256(n) for n in parity.CASES}
     a = tmp_path / "a.json"
     a.write_text(json.dumps(rep))
     assert parity.compare(rep, json.loads(a.read_text())) == []

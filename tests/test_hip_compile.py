@@ -4,9 +4,7 @@ converts in the kernels that write fp8.
 
 The compilers are not Python packages: a target whose compiler is absent skips with the command that
 installs it (``bash ci/test.sh`` installs them where it can), never fails."""
-import os
 import shutil
-import sysconfig
 
 import pytest
 
@@ -17,16 +15,6 @@ NVCC_PKGS = ("pip install nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96
              "nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88")
 
 
-def _pip_nvcc_bin():
-    """nvcc from the nvidia-cuda-nvcc wheel, which installs it off PATH."""
-    d = os.path.join(sysconfig.get_paths()["platlib"], "nvidia", "cu13", "bin")
-    return d if os.path.isfile(os.path.join(d, "nvcc")) else None
-
-
-if shutil.which("nvcc") is None and _pip_nvcc_bin():
-    os.environ["PATH"] = _pip_nvcc_bin() + os.pathsep + os.environ["PATH"]
-
-
 def missing_tool(target):
     """Why this target cannot be compiled here (one line with the install command), or None."""
     if cm.TARGETS[target][0] == "hip":
@@ -35,7 +23,7 @@ def missing_tool(target):
         if shutil.which("llvm-as-22") is None and shutil.which("llvm-as") is None:
             return f"llvm-as-22 not found, needed for {target}: {CLANG_PKGS} (bash ci/test.sh does, as root)"
         return None
-    if shutil.which("nvcc") is None:
+    if cm.find_nvcc() is None:
         return f"nvcc not found, needed for {target}: {NVCC_PKGS} (bash ci/test.sh does)"
     if shutil.which("g++") is None:
         return f"g++ (nvcc's host compiler) not found, needed for {target}: apt-get install g++"
@@ -44,17 +32,18 @@ def missing_tool(target):
 
 @pytest.mark.parametrize("target", sorted(cm.TARGETS))
 @pytest.mark.parametrize("source", cm.hip_sources())
-def test_hip_kernel_compiles_clean(source, target, tmp_path_factory):
+def test_hip_kernel_compiles_clean(source, target, compile_matrix):
     why = missing_tool(target)
     if why:
         pytest.skip(why)
-    row = cm.compile_hip(source, target, str(tmp_path_factory.getbasetemp() / "hipmatrix"))
+    row = compile_matrix.row(source, target)
     print(row)
     assert row["problems"] == []
 
 
 def test_missing_compiler_skips_with_install_command(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(cm, "pip_nvcc", lambda: None)
     for target in cm.TARGETS:
         why = missing_tool(target)
         assert why and "\n" not in why and "install" in why and target in why

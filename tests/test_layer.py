@@ -6,7 +6,6 @@ import torch
 
 from dsv4_rocm import ops
 from dsv4_rocm.config import LayerType, tiny_config
-from dsv4_rocm.reference import attention as ra
 from dsv4_rocm.reference import cache as rc
 from dsv4_rocm.reference import indexer as I
 from dsv4_rocm.reference import output as O
@@ -15,7 +14,7 @@ from dsv4_rocm.reference.qkv import kv_rope, q_norm_rope
 from dsv4_rocm.reference.quant import quantize_blocks
 from dsv4_rocm.reference.rope import rope_fwd
 from dsv4_rocm.serving import SyntheticServer
-from helpers import rel_err
+from helpers import attend_and_project, rel_err
 
 CFG = tiny_config()
 MAX_LEN = 512
@@ -62,7 +61,7 @@ def naive_layer(server, x):
         qi = O.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, cfg.index_n_heads, 128)
         wi = (x.float() @ W.idx_wproj.float().t()).bfloat16()
         q8, wq = I.fused_indexer_q_rope_quant(pos, qi, cs, wi, 128 ** -0.5, cfg.index_n_heads ** -0.5)
-    attn = torch.zeros(T, cfg.padded_heads, 512)
+    all_keys = []
     for t in range(T):
         keys = [K_raw[u] for u in range(max(0, t - Wn + 1), t + 1)]
         n = (t + 1) // r if r > 1 else 0
@@ -73,15 +72,8 @@ def naive_layer(server, x):
                                   torch.tensor([0]), torch.tensor([n]))[0]
             chosen = range(n) if n <= cfg.index_topk else torch.topk(lg, cfg.index_topk).indices.tolist()
             keys += [K_c[j] for j in chosen]
-        Ks = torch.stack(keys).unsqueeze(0)
-        o, _, _ = ra.attend(q[t:t + 1].float(), Ks, torch.ones(1, Ks.shape[1], dtype=torch.bool), CFG.softmax_scale,
-                            W.attn_sink)
-        attn[t] = o[0]
-    attn = attn.bfloat16()
-    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H], pos, cs, cfg.local_groups, cfg.heads_per_group)
-    z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16)
-    O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
-    return O.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)
+        all_keys.append(keys)
+    return attend_and_project(cfg, W, q, all_keys, pos, cs)
 
 
 def _run(lt, xs, schedule, device="cpu", cfg=CFG):
@@ -172,6 +164,28 @@ def test_mixed_batch_equals_separate_batches():
         assert rel_err(ya[b].float(), yb[b].float()) < 1e-6
 
 
+def test_decode_requests_of_different_query_lengths():
+    """Speculative decode with a draft length per request, as vLLM batches it: decode requests of query
+    lengths 1 and 3 in one step (uniform_decode=False, scored by the indexer as prefill rows are) give what
+    the same tokens give one request at a time, and write the same cache bytes."""
+    import dataclasses
+    xs = _xs([200, 60], 31)
+    first = {0: (0, 199), 1: (0, 57)}
+    _, ya = _run(LayerType.C4, xs, [first, {0: (199, 200)}, {1: (57, 60)}])
+    s = SyntheticServer(CFG, LayerType.C4, 2, MAX_LEN)
+    s.step({b: xs[b][a:e] for b, (a, e) in first.items()})
+    step = s.make_step({0: 1, 1: 3})
+    assert step.num_decodes == 1       # the server's own rule: only query length 1 is a decode
+    mixed = dataclasses.replace(step, num_decodes=2, num_decode_tokens=4, uniform_decode=False)
+    assert mixed.decode_query_len == 0
+    mixed.build(s.ratios())
+    y = s.layer(mixed.positions, torch.cat([xs[0][199:200], xs[1][57:60]]), mixed)
+    assert rel_err(y[:1].float(), ya[0][199:].float()) < 1e-6
+    assert rel_err(y[1:].float(), ya[1][57:].float()) < 1e-6
+    with pytest.raises(ValueError, match="uniform_decode=False"):
+        dataclasses.replace(step, num_decodes=2, num_decode_tokens=5).build(s.ratios())
+
+
 def test_layer_rejects_bad_hidden():
     s = SyntheticServer(CFG, LayerType.SWA, 1, MAX_LEN)
     with pytest.raises(ValueError, match="hidden_states must be bf16"):
@@ -187,6 +201,28 @@ def test_module_shape_of_vllms_layer():
         DeepseekV4Attention.get_padded_num_q_heads(129)
     s = SyntheticServer(CFG, LayerType.C4, 1, MAX_LEN)
     assert s.layer.layer_type == LayerType.C4 and s.layer.padded_heads == 64
-    x = _xs([20], 51)[0]
-    with pytest.raises(ValueError, match="no StepMetadata"):
-        s.layer(torch.arange(20), x)
+
+
+@pytest.mark.parametrize("lt", [LayerType.SWA, LayerType.C4, LayerType.C128])
+def test_profile_run_without_step_writes_no_cache_and_returns_zeros(lt, monkeypatch):
+    """vLLM's memory-profiling forward: no StepMetadata, padded dummy positions. Every projection runs,
+    no byte of any cache changes, the result is bf16 zeros [T, hidden] (vLLM's layer zeroes attention)."""
+    s = SyntheticServer(CFG, lt, 1, MAX_LEN)
+    s.step({0: _xs([40], 52)[0]})                  # caches hold a request's records before the profile run
+    caches = {k: v.clone() for k, v in vars(s.layer.cache).items() if isinstance(v, torch.Tensor)}
+    calls = []
+    for name in ("fp8_linear", "compressor_kv_score", "fused_indexer_q_rope_quant", "fused_inv_rope_fp8_quant",
+                 "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", "save_partial_states"):
+        monkeypatch.setattr(ops, name, lambda *a, _f=getattr(ops, name), _n=name, **k: calls.append(_n) or _f(*a, **k))
+    T = 24
+    y = s.layer(torch.zeros(T, dtype=torch.int64), _xs([T], 53)[0])
+    assert y.dtype == torch.bfloat16 and y.shape == (T, CFG.hidden_size) and not y.any()
+    for k, v in caches.items():
+        assert torch.equal(getattr(s.layer.cache, k), v), k
+    ratio = {LayerType.SWA: 1, LayerType.C4: 4, LayerType.C128: 128}[lt]
+    assert calls.count("fp8_linear") == 3 + (ratio == 4)      # wqkv, wq_b, (indexer wq_b), wo_b
+    assert calls.count("compressor_kv_score") == (ratio > 1) + (ratio == 4)
+    assert calls.count("fused_indexer_q_rope_quant") == (ratio == 4) and "fused_inv_rope_fp8_quant" in calls
+    assert "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert" not in calls and "save_partial_states" not in calls
+    with pytest.raises(ValueError, match="positions"):
+        s.layer(torch.zeros(T - 1, dtype=torch.int64), _xs([T], 53)[0])

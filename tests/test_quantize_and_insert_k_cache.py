@@ -167,7 +167,6 @@ BAD = [
     (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(2).float()), "slot_mapping must have dtype"),
     (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(2).view(1, 2)), "slot_mapping must be 1-D"),
     (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(2), 64, False), "is_ue8m0"),
-    (lambda c: ops.quantize_and_insert_k_cache(K4, c, torch.arange(2), 64, use_fnuz=True), "use_fnuz"),
 ]
 
 

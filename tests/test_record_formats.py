@@ -32,7 +32,7 @@ def spread(n, d=512, seed=0, block=32, lo=-24, hi=8):
 
 # ---- the formats ---------------------------------------------------------------------------------------
 def test_the_three_records():
-    assert L.V40_584 == (("V40_584", 584, 576, 8, 448, 8, 64, "ue8m0", 576, False))
+    assert L.V40_584 == (("V40_584", 584, 576, 8, 448, 8, 64, "ue8m0", 576, False, "e4m3fn"))
     assert (L.V40_584.token_bytes, L.V40_584.data_bytes, L.V40_584.num_scales) == (L.TOKEN_BYTES, L.DATA_BYTES, 7)
     assert (L.V41_528.quant_bytes, L.V41_528.num_scales, L.V41_528.scale_bytes) == (512, 16, 16)
     assert (L.V41_FP4_288.quant_bytes, L.V41_FP4_288.num_scales, L.V41_FP4_288.scale_bytes) == (256, 32, 32)
@@ -51,6 +51,21 @@ def test_the_three_records():
     with pytest.raises(ValueError, match="kv_layout"):
         L.with_layout(L.V41_528, "blocked")
     assert hash(L.interleaved(L.V41_528)) != hash(L.V41_528) and L.interleaved(L.V41_528).name == "V41_528"
+
+
+def test_the_fnuz_flavour_is_a_field_of_the_format():
+    """``with_fnuz``: the same record with e4m3fnuz bytes (vLLM's gfx942 sliding-window cache), a value that
+    differs from the OCP one only in its ``fp8`` field; only e4m3 formats with UE8M0 scales have it."""
+    for f in (L.V40_584, L.V41_528, L.interleaved(L.V41_528)):
+        z = L.with_fnuz(f)
+        assert z != f and z._replace(fp8="e4m3fn") == f and z.name == f.name
+        assert (z.fnuz, z.fp8_max, f.fnuz, f.fp8_max) == (True, 224.0, False, 448.0)
+        assert L.with_fnuz(z, False) == f and L.valid_pair(z, f)       # vLLM on gfx942: FNUZ window, OCP extra
+    for f in (L.V41_FP4_288, L.INDEXER_K_132):
+        with pytest.raises(ValueError, match="no FNUZ flavour"):
+            L.with_fnuz(f)
+    with pytest.raises(ValueError, match="use_fnuz must be a bool"):
+        L.with_fnuz(L.V40_584, 1)
 
 
 # every format in every layout it has (V40_584's 584-byte records are page-split only)

@@ -175,6 +175,13 @@ _DECODE_FORMS = textwrap.dedent("""
                       extra_indices_in_kvcache=None, extra_topk_length=None, topk_length=None)))
     check_out(out, ref, "interpreted decode, main set only, no lengths", decode_key_amax(dict(
         a, extra_k_cache=None, topk_length=None)))
+    # AMD's program order (a token's two head blocks 8 programs apart, on one XCD; 18 programs: one group of 16,
+    # two past it in the plain order): the same bits as the plain order
+    h = decode_case(9, 1, 128, 64, 32, 3, 24, "cpu", 6, num_blocks=6)
+    for ns in (1, 2):
+        plain = sparse_mla_decode(*decode_args(h), config=CFG, num_splits=ns)
+        xcd = sparse_mla_decode(*decode_args(h), config=dict(CFG, XCDS=8), num_splits=ns)
+        assert torch.equal(xcd[0], plain[0]) and torch.equal(xcd[1], plain[1]), ns
     print("ok")
 """)
 
@@ -592,14 +599,18 @@ PREFILL_CASES = [(1, 64, 64, 300), (37, 64, 640, 5000), (128, 128, 1152, 70000),
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[str(c) for c in PREFILL_CASES])
 @pytest.mark.parametrize("sink", ["random", "none", "+inf", "-inf"])
-def test_triton_prefill_matches_reference(case, sink, gpu):
+def test_triton_prefill_matches_reference(case, sink, kernel, gpu):
+    """Both prefill kernels (this file's Triton kernel, the Hopper kernel over bf16 rows) against the
+    reference: out, lse, max logits, lonely queries."""
     from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    cfg = decode_kernel_config(kernel, gpu)
     s_q, h, topk, s_kv = case
     q, kv, idx, lens, s = prefill_case(s_q, h, topk, s_kv, gpu, s_q * 7 + topk, sink)
     ref = ra.flash_mla_sparse_fwd(q, kv, idx, SM, 512, s, lens)
-    out = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens)
+    out = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens, config=cfg)
     check_out(out[0], ref[0], f"prefill {case} {sink}", prefill_key_amax(kv, idx, lens))
     check_lse(out[2], ref[2])
     check_lonely(out[0], out[2], [0, 1] if s_q > 1 else [0], out[1])
@@ -609,13 +620,15 @@ def test_triton_prefill_matches_reference(case, sink, gpu):
 
 
 @pytest.mark.gpu
-def test_triton_prefill_call_forms(gpu):
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+def test_triton_prefill_call_forms(kernel, gpu):
     from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    cfg = decode_kernel_config(kernel, gpu)
     q, kv, idx, lens, s = prefill_case(50, 128, 256, 1000, gpu, 5)
-    base = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens)
+    base = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens, config=cfg)
     out, back = padded_out((50, 128, 512), gpu)
     before = back.clone()
-    res = sparse_mla_prefill(strided(q), strided(kv), strided(idx), SM, 512, s, strided(lens), out)
+    res = sparse_mla_prefill(strided(q), strided(kv), strided(idx), SM, 512, s, strided(lens), out, config=cfg)
     torch.cuda.synchronize()
     assert res[0] is out and all(torch.equal(x, y) for x, y in zip(res, base))
     written = torch.zeros_like(back, dtype=torch.bool)

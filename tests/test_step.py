@@ -85,7 +85,7 @@ def random_step(seed, kind="mixed", *, num_decodes=None, num_prefills=None, max_
 
 
 def to_device(st, device):
-    d = {k: getattr(st, k).to(device) for k in INPUTS}
+    d = {k: None if getattr(st, k) is None else getattr(st, k).to(device) for k in INPUTS}
     return StepMetadata(**d, num_decodes=st.num_decodes, num_decode_tokens=st.num_decode_tokens,
                         max_model_len=st.max_model_len, window=st.window)
 
@@ -237,6 +237,29 @@ def test_structural_errors_name_the_argument_and_write_nothing(name, how):
     assert st.token_to_req is sentinel and st.swa_lens is sentinel and not st.compressed_slots
 
 
+def huge_tables(st):
+    """The step with its tables' pages moved near the int32 limits: SWA and state pages around 2**25 (block
+    size 64 and 4/8: SWA slots past 2**31 in the int32 windows), compressed pages around 2**30 (C128's
+    block size 2: its int32 indices pass 2**31 too; C4's int64 slots hold them)."""
+    for name, base in (("swa_block_table", 2 ** 25 - 3), ("compressed_block_table", 2 ** 30 - 3),
+                       ("state_block_table", 2 ** 25 - 3)):
+        t = getattr(st, name)
+        setattr(st, name, torch.where(t >= 0, t + base, t))
+    return st
+
+
+def test_slots_past_int32_are_minus_one_not_wrapped():
+    """Pages whose slots pass 2**31 - 1: the int32 index sets (SWA windows, C128 indices) hold -1 there,
+    never a wrapped (negative or other-page) id; the int64 slots hold the true slot."""
+    st = huge_tables(random_step(5, "mixed", bad_pages=0.0, short=False, garbage=False, invalid=0.0))
+    st.build_from_ops((4, 128))
+    for t in (st.swa_indices, st.c128_indices):
+        assert ((t >= 0) | (t == -1)).all()
+    big = st.swa_block_table.max().long() * 64
+    assert (st.swa_indices == -1).any() and big >= 2 ** 31
+    assert int(st.compressed_slots[4].max()) >= 2 ** 31 or int(st.state_slots[4].max()) >= 2 ** 27
+
+
 def test_empty_steps_on_cpu():
     for T, R in ((0, 0), (0, 2), (3, 0)):
         st = StepMetadata(torch.zeros(R + 1, dtype=I32), torch.zeros(R, dtype=I32), torch.zeros(T, dtype=I64),
@@ -244,6 +267,20 @@ def test_empty_steps_on_cpu():
                           num_decode_tokens=0, max_model_len=64).build_from_ops((4, 128), impl=M)
         assert st.swa_indices.shape == (T, 128) and st.c128_indices.shape == (T, 128)
         assert st.token_to_req.tolist() == [-1] * T and (st.swa_indices == -1).all()
+
+
+def test_window_sets_without_compressed_tables():
+    """A step of the sliding-window cache alone (what an engine's SWA metadata builder has): no compressed or
+    state table, the same window sets as with them; a compressed ratio then names the missing table."""
+    import dataclasses
+    for seed in range(4):
+        st = random_step(seed)
+        want = dataclasses.replace(st).build_from_ops((), impl=M)
+        got = dataclasses.replace(st, compressed_block_table=None, state_block_table=None).build_from_ops((), impl=M)
+        for f in ("token_to_req", "is_valid_token", "swa_indices", "swa_lens"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), f
+        with pytest.raises(ValueError, match="compressed_block_table"):
+            dataclasses.replace(st, compressed_block_table=None).build_from_ops((4,), impl=M)
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -259,6 +296,7 @@ def kernel_cases():
     cases.append((random_step(104, "mixed", window=5, max_q=12), (4, 128)))                          # W not 2^k
     cases.append((random_step(105, "prefill", max_reqs=1, pad_reqs=0, max_q=40, max_prefix=3), (4, 128)))
     cases.append((random_step(106, "mixed", max_reqs=70, max_q=3, max_prefix=50), (4, 128)))         # R > BLOCK_R
+    cases.append((huge_tables(random_step(107, "mixed", bad_pages=0.1)), (4, 128)))                  # past int32
     for T, R in ((0, 0), (0, 2), (3, 0), (2, 3)):                                                    # empty batches
         cases.append((StepMetadata(torch.zeros(R + 1, dtype=I32), torch.zeros(R, dtype=I32),
                                    torch.arange(T, dtype=I64), torch.arange(T, dtype=I64),
@@ -280,6 +318,10 @@ def interpreter_main():
     keep = fields(st, (4, 128))
     st.build_fused((4, 128))
     assert all(keep[k] is v for k, v in fields(st, (4, 128)).items())
+    # the sliding-window step alone (no compressed or state table), as an engine's SWA builder makes it
+    st = random_step(11, "mixed")
+    st.compressed_block_table = st.state_block_table = None
+    check_fused(st, ())
     # every launch configuration the bench sweeps gives the same bytes
     for seed, cfg in enumerate([dict(BLOCK_T=1), dict(BLOCK_T=4, num_warps=1), dict(BLOCK_T=32, num_warps=8)]):
         st = random_step(200 + seed, KINDS[seed])

@@ -66,5 +66,5 @@ def suite(ctx):
     from .timing import time_graph_ms
     for T in (128, 16384):
         for name, fn, nbytes in cases(ctx.device, T):
-            if ctx.wants(name) or ctx.wants("cache"):
+            if ctx.wants(name, "cache"):
                 ctx.add(name, "hip", time_graph_ms(fn), 0, nbytes)

@@ -90,12 +90,12 @@ def suite(ctx):
     dev = ctx.device
     g = torch.Generator(device=dev).manual_seed(0)
     gc = torch.Generator().manual_seed(0)
-    rate = timing.fp8_matmul_rate(str(dev)) if ctx.wants("indexer") or ctx.wants("logits") else 0.0
+    rate = timing.fp8_matmul_rate(str(dev)) if ctx.selects("indexer") or ctx.selects("logits") else 0.0
     with ops.use_backend("triton"):
         paged = [(b, t, 1) for b in (64, 128) for t in (8192, 32768, 131072)] + [(64, 32768, 2)]
         for b, tokens, nn in paged:
             name = f"indexer paged logits b={b} ctx={tokens // 1024}K next_n={nn}"
-            if not (ctx.wants(name) or ctx.wants("indexer")):
+            if not ctx.wants(name, "indexer"):
                 continue
             (q, kv, w, lens, bt), max_len, nbytes, flop, cache_bytes = _paged_case(b, tokens, nn, dev, g, gc)
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -111,21 +111,21 @@ def suite(ctx):
                             cache_floor=cache_bytes / ctx.bw / (ms * 1e-3))
             del q, kv, w, lens, bt
         name = "indexer prefill logits 4096 x 16384"
-        if ctx.wants(name) or ctx.wants("indexer"):
+        if ctx.wants(name, "indexer"):
             args, nbytes, flop = _prefill_case(dev, g)
             ms = time_ms(lambda: ops.fp8_mqa_logits(*args, clean_logits=False))
             ctx.add(name, "triton", ms, flop, nbytes, rate=rate)
         for T, decode in ((128, True), (8192, False)):
             for fp4 in (False, True):
                 name = f"indexer q quant {'mxfp4' if fp4 else 'fp8'} T={T}"
-                if not (ctx.wants(name) or ctx.wants("indexer")):
+                if not ctx.wants(name, "indexer"):
                     continue
                 args, read = _q_case(T, dev, g)
                 written = T * H * (D // 2 + 4 + 4) if fp4 else T * H * (D + 4)
                 ms = (time_graph_ms if decode else time_ms)(lambda: ops.fused_indexer_q_rope_quant(*args, use_fp4=fp4))
                 ctx.add(name, "triton", ms, 0, read + written)
         name = "indexer K insert b=128"
-        if ctx.wants(name) or ctx.wants("indexer"):
+        if ctx.wants(name, "indexer"):
             k = torch.randn(128, D, device=dev, generator=g).bfloat16()
             pages = torch.zeros(64, L.indexer_page_bytes(BS), dtype=torch.uint8, device=dev)
             kv = kv_cache_view(pages, BS, L.INDEXER_TOKEN_BYTES)
@@ -133,7 +133,7 @@ def suite(ctx):
             ms = time_graph_ms(lambda: ops.indexer_k_quant_and_cache(k, kv, slots, 128, "ue8m0"))
             ctx.add(name, "triton", ms, 0, 128 * (D * 2 + 8 + L.INDEXER_TOKEN_BYTES))
         name = "indexer K gather 16384 entries"
-        if ctx.wants(name) or ctx.wants("indexer"):
+        if ctx.wants(name, "indexer"):
             n = 16384
             pages = torch.randint(0, 256, (n // BS + 1, L.indexer_page_bytes(BS)), dtype=torch.uint8, device=dev,
                                   generator=g)

@@ -119,7 +119,7 @@ def _index_sets(ctx, name, step, nbytes):
 
 def suite(ctx):
     name = f"C4 decode step V4-Flash h64 b={B} ctx={CTX}"
-    if not ctx.wants(name) and not ctx.wants("layer"):
+    if not ctx.wants(name, "layer"):
         return
     dev = ctx.device
     cfg = get_config("v4-flash")

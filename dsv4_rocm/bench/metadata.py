@@ -121,13 +121,13 @@ def suite(ctx):
     B = 128
     for name, fn, nbytes in decode_cases(ctx.device, B):
         case = f"{name} b={B}"
-        if ctx.wants(case) or ctx.wants("metadata"):
+        if ctx.wants(case, "metadata"):
             peer_ms, how = _graph_or_eager_ms(lambda: fn(R))
             ctx.add(case, "triton", time_graph_ms(lambda: fn(ops)), 0, nbytes, peer="torch oracle" + how,
                     peer_ms=peer_ms)
     T, cases = prefill_cases(ctx.device)
     for name, fn, nbytes in cases:
         case = f"{name} mixed T={T}"
-        if ctx.wants(case) or ctx.wants("metadata"):
+        if ctx.wants(case, "metadata"):
             ctx.add(case, "triton", time_ms(lambda: fn(ops)), 0, nbytes, peer="torch oracle",
                     peer_ms=time_ms(lambda: fn(R)))

@@ -148,9 +148,9 @@ from dsv4_rocm.bench.sparse_mla import decode_call, make_decode_inputs
 c = dict(b=4, s_q=1, h=64, topk=128, bs=64, etopk=512, ebs=64)
 args, _ = make_decode_inputs(c, "cuda", pool_tokens=1 << 12)
 torch.cuda.synchronize()
-rep = dict(kernels=0, seconds=0.0)
+rep = dict(kernels=0, compiled=0, seconds=0.0)
 if WARM:
-    rep = F.warmup("cuda")
+    rep = F.warmup("cuda", model="v4-flash", verbose=False)
 t0 = time.perf_counter()
 decode_call(F, args)
 torch.cuda.synchronize()
@@ -158,9 +158,11 @@ print(json.dumps(dict(first_call_s=time.perf_counter() - t0, **rep)))
 """
 
 
-def first_call(warm: bool) -> dict:
-    """The first call of a V4-Flash C4 decode in a fresh process with an empty Triton cache, without or
-    after ``flash_mla.warmup`` (whose own time is reported too)."""
+def first_call(warm: bool, kernel_cache: str) -> dict:
+    """The first call of a V4-Flash C4 decode in a fresh process whose Triton cache directory is new and
+    empty (as where Triton's cache does not outlive a process), with dsv4_rocm's kernel cache in
+    ``kernel_cache``: without or after ``flash_mla.warmup(model="v4-flash")`` (whose own time and count of
+    kernels compiled are reported too)."""
     import json
     import os
     import subprocess
@@ -168,7 +170,8 @@ def first_call(warm: bool) -> dict:
     import tempfile
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, DSV4_KERNEL_CACHE=kernel_cache,
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run([sys.executable, "-c", _FIRST_CALL.replace("WARM", str(warm))], capture_output=True,
                            text=True, env=env, cwd=root, timeout=900)
     if r.returncode:
@@ -182,7 +185,7 @@ def _v41_rows(ctx, ours, time_graph_ms, pool_tokens=1 << 18):
     fp4 = (L.V41_528, L.V41_FP4_288)
     for name, c in v41_cases():
         rows = (f"{name} V41_528", f"{name} V41_528+FP4", f"{name} FP4 extra")
-        if not any(ctx.wants(r) for r in rows):
+        if not ctx.wants(f"{name} V41", group=" | ".join(rows)):   # the three rows fall to one rank
             continue
         ms = {}
         for key, fmts in (("v40", (L.V40_584, L.V40_584)), ("v41", (L.V41_528, L.V41_528)),
@@ -197,6 +200,16 @@ def _v41_rows(ctx, ours, time_graph_ms, pool_tokens=1 << 18):
         f_main, b_main = count_decode(c, (L.V41_528, None))
         ctx.add(rows[2], "extra set", ms["fp4"] - ms["main"], f_all - f_main, b_all - b_main,
                 peer="0.6 x V41_528 extra", peer_ms=0.6 * (ms["v41"] - ms["main"]))
+
+
+def startup() -> dict:
+    """Start-up of fresh processes (``first_call``): with an empty kernel cache, no warm-up; with an empty
+    one, warm-up (cold); then two more processes on that kernel cache, one warming up (warm) and one not."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as empty, tempfile.TemporaryDirectory() as shared:
+        return {"cold, no warmup": first_call(False, empty), "warmup, cold": first_call(True, shared),
+                "warmup, second process": first_call(True, shared),
+                "no warmup, second process": first_call(False, shared)}
 
 
 def suite(ctx):
@@ -253,10 +266,8 @@ def suite(ctx):
             if cfg is not None:
                 ms = time_ms(lambda: sparse_mla_prefill(q, kv, idx, 512 ** -0.5, config=cfg))
                 ctx.add(name, cfg_name, ms, flop, nbytes)
-    name = "first call (fresh process, empty Triton cache)"
+    name = "start-up (fresh processes, empty Triton cache each)"
     if ctx.wants(name):
-        cold, warm = first_call(False), first_call(True)
-        ctx.add(name, "no warmup", cold["first_call_s"] * 1e3)
-        ctx.add(name, "after warmup", warm["first_call_s"] * 1e3, warmup_s=warm["seconds"],
-                warmup_kernels=warm["kernels"])
-        ctx.add("flash_mla.warmup (default configs)", f"{warm['kernels']} kernels", warm["seconds"] * 1e3)
+        for what, r in startup().items():
+            ctx.add(name, f"first call, {what}", r["first_call_s"] * 1e3, warmup_s=r["seconds"],
+                    warmup_kernels=r["kernels"], compiled=r["compiled"])

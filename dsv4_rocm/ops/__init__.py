@@ -12,5 +12,9 @@ from .compressor import *  # noqa: F401,F403
 from .indexer import *  # noqa: F401,F403
 from .metadata import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
+from .rocm_attention import *  # noqa: F401,F403
 from .output import *  # noqa: F401,F403
+from .compressor_v41 import *  # noqa: F401,F403
+from .indexer_v41 import *  # noqa: F401,F403
+from .metadata_v41 import *  # noqa: F401,F403
 from . import library  # noqa: F401,E402  (torch.ops.dsv4_rocm.*: vLLM's custom-op schemas)

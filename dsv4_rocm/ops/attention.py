@@ -165,6 +165,7 @@ def _check_out(out, shape, dev):
         if _tensor("out", out, torch.bfloat16, len(shape), dev) != shape:
             raise _shape_error("out", list(shape), out)
         _unit_last_stride("out", out)
+        C.no_overlap("out", out)
 
 
 def _bytes(cache):
@@ -174,7 +175,7 @@ def _bytes(cache):
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
                       extra_topk_length, softmax_scale: float, out=None, *, kv_layout: str = "page_split",
-                      batch_invariant: bool = False):
+                      batch_invariant: bool = False, k_cache_fnuz: bool = False):
     """FlashMLA sparse decode over paged KV records -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q]).
 
     q [b, s_q, h, 512] bf16 (h 64 or 128); k_cache / extra_k_cache [nb, bs, 1, R] (any view of
@@ -185,13 +186,22 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     attn_sink [h] fp32 or None. One softmax over both sets; a query with no valid key gets out 0 and lse
     +inf. ``out`` (bf16 [b, s_q, h, 512], any strides with a unit last one) is written in place and
     returned. Strided q, indices and lengths are read in place. ``batch_invariant``: no query's keys are
-    split over programs (the result of a query does not depend on the rest of the batch).
+    split over programs (the result of a query does not depend on the rest of the batch). ``k_cache_fnuz``:
+    k_cache holds records of the FNUZ flavour (``layout.with_fnuz``; vLLM's gfx942 sliding-window cache,
+    docs/cache_format.md#fnuz-flavour), read natively by gfx942's fnuz unit and with the scale exponent
+    lowered by one elsewhere; extra_k_cache is OCP (vLLM's compressed caches are on every platform).
     """
     b, s_q, h, _ = _check_q(q, 4, "[b, s_q, h, 512]")
     dev = q.device
     if k_cache is None:
         raise ValueError("k_cache is required")
     fmt = _check_set("k_cache", "indices", "topk_length", k_cache, indices, topk_length, b, s_q, dev, kv_layout)
+    if k_cache_fnuz is not False:
+        if k_cache_fnuz is not True:
+            raise ValueError(f"k_cache_fnuz must be a bool, got {k_cache_fnuz!r}")
+        if fmt.elem_bits != 8:
+            raise ValueError(f"k_cache_fnuz: {fmt.name} records have no FNUZ flavour")
+        fmt = L.with_fnuz(fmt)
     efmt = _check_set("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length", extra_k_cache,
                       extra_indices_in_kvcache, extra_topk_length, b, s_q, dev, kv_layout)
     _check_pair(fmt, efmt)

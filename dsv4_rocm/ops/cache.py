@@ -8,10 +8,12 @@ V41_FP4_288), or for a 2-D page view by the one format its rows fit. Every op ta
 Caches are accepted in every view vLLM holds (``dsv4_rocm.cache_views``); index tensors are int32 or
 int64. Bad input is a ValueError naming the argument before anything is written (docs/conventions.md).
 
-Two vLLM flags select cache encodings that dsv4_rocm does not write, and are rejected rather than
-honoured with other bytes: ``is_ue8m0=False`` (vLLM has no other scale encoding either) and
-``use_fnuz=True`` (gfx942's FNUZ e4m3 bytes; dsv4_rocm's caches hold OCP e4m3fn bytes on every GPU,
-gfx942 included, so a reader must not be told to decode FNUZ).
+``use_fnuz=True`` writes / reads the FNUZ flavour of the record (``layout.with_fnuz`` of the format), byte
+for byte as vLLM's gfx942 path does for its sliding-window cache (docs/cache_format.md#fnuz-flavour): a
+flavour of the e4m3 formats (V40_584, V41_528), refused for a V41_FP4_288 cache; it is accepted on every device,
+so a cache written by vLLM on an MI300 can be read anywhere. The default (``False``) is dsv4_rocm's own
+OCP flavour on every vendor. ``is_ue8m0=False`` is rejected: no other scale encoding exists (in vLLM
+either).
 """
 import torch
 
@@ -35,28 +37,28 @@ def encoding_flags(is_ue8m0=True, use_fnuz=False):
     if is_ue8m0 is not True:
         raise ValueError(f"is_ue8m0={is_ue8m0!r}: the fp8_ds_mla cache stores UE8M0 (power-of-two) scales "
                          "only; no other scale encoding is implemented")
-    if use_fnuz is not False:
-        raise ValueError(f"use_fnuz={use_fnuz!r}: dsv4_rocm caches hold OCP e4m3fn bytes on every GPU (gfx942 "
-                         "included); FNUZ-encoded caches are not written or read (docs/conventions.md)")
+    L.with_fnuz(L.V40_584, use_fnuz)          # the flag's check
 
 
 WRITER_FORMATS = {f.token_bytes: f for f in (L.V40_584, L.V41_528)}
 
 
-def _writer_format(bytes_per_token, k_cache, kv_layout):
-    """The record format vLLM's ``bytes_per_token`` names (584 or 528), checked against the cache's view."""
+def _writer_format(bytes_per_token, k_cache, kv_layout, use_fnuz=False):
+    """The record format vLLM's ``bytes_per_token`` names (584 or 528) in the flavour ``use_fnuz`` names,
+    checked against the cache's view."""
     if isinstance(bytes_per_token, bool) or bytes_per_token not in WRITER_FORMATS:
         raise ValueError(f"bytes_per_token must be 584 (V40_584) or 528 (V41_528), got {bytes_per_token!r} (the "
                          "288 B V41_FP4_288 records are written by compress_norm_rope_store)")
-    fmt = L.with_layout(WRITER_FORMATS[bytes_per_token], kv_layout)
+    fmt = L.with_fnuz(L.with_layout(WRITER_FORMATS[bytes_per_token], kv_layout), use_fnuz)
     if isinstance(k_cache, torch.Tensor) and k_cache.dim() in (3, 4) and k_cache.shape[-1] != bytes_per_token:
         raise ValueError(f"k_cache: records of {k_cache.shape[-1]} B, but bytes_per_token is {bytes_per_token}")
     return fmt
 
 
-def cache_format(k_cache, block_size, kv_layout="page_split"):
-    """The record format of a cache the readers are given (``cache_views.detect_format``)."""
-    return V.detect_format(k_cache, block_size, "k_cache", kv_layout)
+def cache_format(k_cache, block_size, kv_layout="page_split", use_fnuz=False):
+    """The record format of a cache the readers are given (``cache_views.detect_format``), in the flavour
+    ``use_fnuz`` names."""
+    return L.with_fnuz(V.detect_format(k_cache, block_size, "k_cache", kv_layout), use_fnuz)
 
 
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int = 64, is_ue8m0: bool = True,
@@ -64,11 +66,11 @@ def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int = 64, 
                                 kv_layout: str = "page_split") -> None:
     """k bf16 [T, 512] (RoPE applied) -> UE8M0 records of ``bytes_per_token`` (584: V40_584, 528: V41_528) at
     slot_mapping[:n] (n = len(slot_mapping) <= T; vLLM passes fewer slots than rows under DP padding). A
-    slot < 0 is padding."""
+    slot < 0 is padding. ``use_fnuz``: records of the FNUZ flavour (``layout.with_fnuz``)."""
     C.tensor("k", k, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM))
     encoding_flags(is_ue8m0, use_fnuz)
     C.positive_int("block_size", block_size)
-    fmt = _writer_format(bytes_per_token, k_cache, kv_layout)
+    fmt = _writer_format(bytes_per_token, k_cache, kv_layout, use_fnuz)
     pages = V.pages(k_cache, block_size, "k_cache", fmt)
     C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1)
     if slot_mapping.shape[0] > k.shape[0]:
@@ -104,18 +106,20 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
     """vLLM's op: for request b and i < gather_lens[b] (seq_lens[b] when gather_lens is None),
     ``out[b, offset + i]`` = bf16 K of request b's token at position ``seq_lens[b] - gather_lens[b] + i``,
     read through ``block_table[b]`` (exact: the dequantized values are bf16). Other rows of out are not
-    written. out bf16 [R, M, 512]; seq_lens, gather_lens [R]; block_table [R, max_blocks]."""
+    written. out bf16 [R, M, 512]; seq_lens, gather_lens [R]; block_table [R, max_blocks]. ``use_fnuz``
+    must say which flavour the cache holds (as in vLLM: its sliding-window cache is FNUZ on gfx942, its
+    compressed cache OCP)."""
     encoding_flags(True, use_fnuz)
     C.tensor("seq_lens", seq_lens, dtype=C.INDEX, dim=1)
     R = seq_lens.shape[0]
-    C.tensor("out", out, dtype=torch.bfloat16, shape=(R, None, L.HEAD_DIM))
+    C.no_overlap("out", C.tensor("out", out, dtype=torch.bfloat16, shape=(R, None, L.HEAD_DIM)))
     if gather_lens is not None:
         C.tensor("gather_lens", gather_lens, dtype=C.INDEX, shape=(R,))
     C.tensor("block_table", block_table, dtype=C.INDEX, shape=(R, None))
     C.positive_int("block_size", block_size)
     if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= out.shape[1]:
         raise ValueError(f"offset must be an int in [0, {out.shape[1]}] (rows of out), got {offset!r}")
-    fmt = cache_format(k_cache, block_size, kv_layout)
+    fmt = cache_format(k_cache, block_size, kv_layout, use_fnuz)
     pages = V.pages(k_cache, block_size, "k_cache", fmt)
     C.same_device(out=out, k_cache=k_cache, seq_lens=seq_lens, gather_lens=gather_lens, block_table=block_table)
     _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_size, offset)
@@ -127,11 +131,14 @@ def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int, *,
                                     kv_layout: str = "page_split") -> None:
     """``out[n, k]`` = bf16 K at cache slot ``slot_ids[n, k]`` (exact); a slot < 0 gives a zero row.
     out bf16 [N, K, 512] (any strides with a unit last one, as vLLM's column slices of a workspace),
-    slot_ids int32/int64 [N, K]; also [N, 512] with [N]."""
+    slot_ids int32/int64 [N, K], or [N, 1, K] (the FlashMLA index form vLLM's MTP decode passes); also
+    [N, 512] with [N]."""
     C.tensor("slot_ids", slot_ids, dtype=C.INDEX)
+    if slot_ids.dim() == 3 and slot_ids.shape[1] == 1:
+        slot_ids = slot_ids[:, 0]
     if slot_ids.dim() not in (1, 2):
-        raise ValueError(f"slot_ids must be 1-D or 2-D, got shape {tuple(slot_ids.shape)}")
-    C.tensor("out", out, dtype=torch.bfloat16, shape=(*slot_ids.shape, L.HEAD_DIM))
+        raise ValueError(f"slot_ids must be [N], [N, K] or [N, 1, K], got shape {tuple(slot_ids.shape)}")
+    C.no_overlap("out", C.tensor("out", out, dtype=torch.bfloat16, shape=(*slot_ids.shape, L.HEAD_DIM)))
     C.positive_int("block_size", block_size)
     fmt = cache_format(k_cache, block_size, kv_layout)
     pages = V.pages(k_cache, block_size, "k_cache", fmt)

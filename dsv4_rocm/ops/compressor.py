@@ -46,6 +46,7 @@ def _state_cache(state_cache, block_size, state_width):
     if state_cache.shape[2] != 2 * state_width or state_cache.stride(2) != 1:
         raise ValueError(f"state_cache rows must be 2 * state_width = {2 * state_width} contiguous floats, got shape "
                          f"{tuple(state_cache.shape)} stride {state_cache.stride()}")
+    C.no_overlap("state_cache", state_cache)
 
 
 def _rows(name, t, n):
@@ -101,6 +102,7 @@ def _kv_cache(kv_cache, record_bytes):
     if shape[0] > 1 and kv_cache.stride(0) < shape[1] * record_bytes:
         raise ValueError(f"kv_cache page stride {kv_cache.stride(0)} is below the {shape[1] * record_bytes} bytes "
                          "of a page's records")
+    C.no_overlap("kv_cache", kv_cache)
     return shape[1]
 
 

@@ -223,7 +223,7 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
     [T, 4], or the fp32 scales [T] / [T, 1]) get entries 0, 1, ... of request b through block_table[b]; other
     rows are not written."""
     pages, bs = _indexer_cache(kv_cache)
-    C.tensor("dst_k", dst_k, dtype=FP8, shape=(None, L.INDEXER_DIM))
+    C.no_overlap("dst_k", C.tensor("dst_k", dst_k, dtype=FP8, shape=(None, L.INDEXER_DIM)))
     _unit_inner("dst_k", dst_k)
     T = dst_k.shape[0]
     if not (isinstance(dst_scale, torch.Tensor) and dst_scale.is_contiguous() and (
@@ -267,7 +267,7 @@ TOP_K_MAX = 4096
 
 def _check_top_k(logits, out, out_name, num_rows, k, logits_dtypes=(torch.float32,)):
     C.tensor("logits", logits, dtype=logits_dtypes, dim=2)
-    C.tensor(out_name, out, dtype=torch.int32, dim=2)
+    C.no_overlap(out_name, C.tensor(out_name, out, dtype=torch.int32, dim=2))
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= TOP_K_MAX:
         raise ValueError(f"k must be an int in [1, {TOP_K_MAX}], got {k!r}")
     if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < 0:

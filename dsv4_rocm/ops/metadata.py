@@ -1,10 +1,13 @@
 """Index metadata of a serving step in vLLM's call forms: compressed slot mapping, SWA windows, prefill
 gather lengths, C4 global top-k slots, C128A index sets, combined prefill indices.
 
-Semantics: ``dsv4_rocm/reference/metadata.py`` (the oracle). Structure is checked always; values (ranges,
-monotone ``query_start_loc``, pages the batch needs) where ``value_checks`` says so; a rejected call
-writes nothing (docs/conventions.md). Whatever the values, the kernels treat a negative or out-of-range
-request id, position, column or page as padding: -1 entries and length 0, never another request's rows.
+Semantics: ``dsv4_rocm/reference/metadata.py`` (the oracle). Structure is checked always; the values that
+describe the batch (a monotone ``query_start_loc``, sequences at least as long as their queries, the
+tokens and workspace rows given) where ``value_checks`` says so; a rejected call writes nothing
+(docs/conventions.md). A lookup that fails is padding, never an error, on every path (reference, Triton,
+CPU, GPU, ``validation("full")``): a negative or out-of-range request id, position, block-table column,
+page or local index, and a slot an int32 output cannot hold, give -1 entries that never count in a
+length, never another request's rows (vLLM's bounds semantics).
 """
 import torch
 
@@ -28,10 +31,13 @@ def _nonneg_int(name, v):
     return v
 
 
-def _vector(name, t, min_len, dtype=C.INDEX):
+def _vector(name, t, min_len, dtype=C.INDEX, written=False):
+    """A 1-D tensor of at least ``min_len`` entries (``written``: an output, whose entries must not overlap)."""
     C.tensor(name, t, dtype=dtype, dim=1)
     if t.shape[0] < min_len:
         raise ValueError(f"{name} has {t.shape[0]} entries, needs at least {min_len}")
+    if written:
+        C.no_overlap(name, t)
     return _rows(name, t)
 
 
@@ -68,20 +74,6 @@ def _check_batch(query_start_loc, seq_lens, num_reqs, num_tokens=None, base=Fals
                          f"more than the {num_tokens} given")
 
 
-def _check_pages(block_table, req, cols, what):
-    """Value check: block_table[req, cols] exists and is >= 0 wherever ``cols`` >= 0 (cols < 0: unused)."""
-    need = cols >= 0
-    if not bool(need.any()):
-        return
-    req, cols = req.expand_as(cols)[need].long().cpu(), cols[need].long().cpu()
-    if bool((req < 0).any() | (req >= block_table.shape[0]).any()):
-        raise ValueError(f"token_to_req_indices names a request outside block_table's {block_table.shape[0]} rows")
-    if bool((cols >= block_table.shape[1]).any()):
-        raise ValueError(f"{what} lies past the {block_table.shape[1]} columns of block_table")
-    if bool((block_table.cpu()[req, cols] < 0).any()):
-        raise ValueError(f"block_table has a negative entry where {what} needs a page")
-
-
 def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table, block_size: int,
                                 compress_ratio: int, out=None, cp_world_size: int = 1, cp_rank: int = 0,
                                 cp_kv_cache_interleave_size: int = 1) -> torch.Tensor:
@@ -100,20 +92,9 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     _vector("query_start_loc", query_start_loc, R + 1)
     _vector("seq_lens", seq_lens, R)
     if out is not None:
-        _vector("out", out, num_tokens, dtype=torch.int64)
+        _vector("out", out, num_tokens, dtype=torch.int64, written=True)
     C.same_device(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, out=out)
     _check_batch(query_start_loc, seq_lens, R, num_tokens)
-    if value_checks(query_start_loc) and R and num_tokens:
-        qsl = query_start_loc.cpu()
-        t = torch.arange(num_tokens)
-        req, inside = _rm.request_of_tokens(t, qsl, R)
-        pos = _rm.token_positions(t, req, inside, qsl, seq_lens.cpu())
-        j = torch.div(pos, compress_ratio, rounding_mode="floor")
-        voff = j % (block_size * cp_world_size)
-        writes = inside & ((pos + 1) % compress_ratio == 0) & \
-            ((voff // cp_kv_cache_interleave_size) % cp_world_size == cp_rank)
-        cols = torch.where(writes, j // (block_size * cp_world_size), torch.full_like(j, -1))
-        _check_pages(block_table, req, cols, "a compressed entry the batch writes")
     return _run("get_compressed_slot_mapping", query_start_loc.device, num_tokens, query_start_loc, seq_lens,
                 block_table, block_size, compress_ratio, out, cp_world_size, cp_rank, cp_kv_cache_interleave_size)
 
@@ -130,13 +111,13 @@ def compute_swa_indices_and_lens(swa_indices, swa_lens, window_size: int, query_
     C.tensor("swa_indices", swa_indices, dtype=torch.int32)
     if swa_indices.dim() not in (2, 3) or (swa_indices.dim() == 3 and swa_indices.shape[1] != 1):
         raise ValueError(f"swa_indices must be [n, W] or [n, 1, W], got {tuple(swa_indices.shape)}")
-    _rows("swa_indices", swa_indices)
+    _rows("swa_indices", C.no_overlap("swa_indices", swa_indices))
     if swa_indices.shape[-1] != window_size:
         raise ValueError(f"swa_indices has {swa_indices.shape[-1]} columns for window_size {window_size}")
     n = swa_indices.shape[0] if num_tokens is None else _nonneg_int("num_tokens", num_tokens)
     if n > swa_indices.shape[0]:
         raise ValueError(f"num_tokens {n} exceeds the {swa_indices.shape[0]} rows of swa_indices")
-    _vector("swa_lens", swa_lens, n, dtype=torch.int32)
+    _vector("swa_lens", swa_lens, n, dtype=torch.int32, written=True)
     _block_table(block_table)
     R = _vector("seq_lens", seq_lens, 0).shape[0]
     _rows("query_start_loc", C.tensor("query_start_loc", query_start_loc, dtype=C.INDEX, shape=(R + 1,)))
@@ -145,33 +126,9 @@ def compute_swa_indices_and_lens(swa_indices, swa_lens, window_size: int, query_
     C.same_device(swa_indices=swa_indices, swa_lens=swa_lens, query_start_loc=query_start_loc, seq_lens=seq_lens,
                   token_to_req_indices=token_to_req_indices, is_valid_token=is_valid_token, block_table=block_table)
     _check_batch(query_start_loc, seq_lens, R)
-    if value_checks(token_to_req_indices) and n:
-        _check_swa_tokens(window_size, query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table,
-                          block_size, token_offset, n)
     return _run("compute_swa_indices_and_lens", swa_indices.device, swa_indices, swa_lens, window_size,
                 query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table, block_size, token_offset,
                 n, needs_constant_topk=needs_constant_topk)
-
-
-def _check_swa_tokens(window_size, query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table,
-                      block_size, token_offset, n):
-    """Value checks of the valid tokens of compute_swa_indices_and_lens: request, place, window pages."""
-    t = torch.arange(token_offset, token_offset + n)
-    valid = is_valid_token.cpu()[t] != 0
-    if not bool(valid.any()):
-        return
-    t, req = t[valid], token_to_req_indices.cpu()[t][valid].long()
-    R = min(seq_lens.shape[0], block_table.shape[0])
-    if bool(((req < 0) | (req >= R)).any()):
-        raise ValueError(f"token_to_req_indices names a request outside the batch ({R} requests in seq_lens / "
-                         "block_table) for a valid token")
-    qsl = query_start_loc.long().cpu()
-    if bool(((qsl[req] > t) | (qsl[req + 1] <= t)).any()):
-        raise ValueError("token_to_req_indices puts a valid token outside its request's query_start_loc range")
-    pos = seq_lens.long().cpu()[req] - (qsl[req + 1] - qsl[req]) + (t - qsl[req])
-    q = (pos - window_size + 1).clamp(min=0).unsqueeze(1) + torch.arange(window_size)
-    cols = torch.where(q <= pos.unsqueeze(1), q // block_size, torch.full_like(q, -1))
-    _check_pages(block_table, req.unsqueeze(1), cols, "a window position")
 
 
 def compute_prefill_gather_lens(prefill_gather_lens, seq_lens, query_start_loc, num_prefills: int,
@@ -181,7 +138,7 @@ def compute_prefill_gather_lens(prefill_gather_lens, seq_lens, query_start_loc, 
     _nonneg_int("num_prefills", num_prefills)
     _nonneg_int("num_decodes", num_decodes)
     C.positive_int("window_size", window_size)
-    _vector("prefill_gather_lens", prefill_gather_lens, num_prefills, dtype=torch.int32)
+    _vector("prefill_gather_lens", prefill_gather_lens, num_prefills, dtype=torch.int32, written=True)
     _vector("seq_lens", seq_lens, num_decodes + num_prefills)
     _vector("query_start_loc", query_start_loc, num_decodes + num_prefills + 1)
     C.same_device(prefill_gather_lens=prefill_gather_lens, seq_lens=seq_lens, query_start_loc=query_start_loc)
@@ -206,15 +163,11 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
         if not isinstance(output_buffers, (tuple, list)) or len(output_buffers) != 2:
             raise ValueError("output_buffers must be a pair (global_topk_indices, topk_lens)")
         out, lens = output_buffers
-        _rows("output_buffers[0]", C.tensor("output_buffers[0]", out, dtype=topk_indices.dtype, shape=(T, K)))
-        C.tensor("output_buffers[1]", lens, dtype=torch.int32, shape=(T,))
+        C.no_overlap("output_buffers[0]", _rows("output_buffers[0]", C.tensor(
+            "output_buffers[0]", out, dtype=topk_indices.dtype, shape=(T, K))))
+        C.no_overlap("output_buffers[1]", C.tensor("output_buffers[1]", lens, dtype=torch.int32, shape=(T,)))
     C.same_device(topk_indices=topk_indices, token_to_req_indices=token_to_req_indices, block_table=block_table,
                   is_valid_token=is_valid_token, output_buffers=out, topk_lens=lens)
-    if value_checks(topk_indices) and T and K:
-        valid = (is_valid_token[:T] != 0).cpu()
-        loc = topk_indices.long().cpu()
-        cols = torch.where(valid.unsqueeze(1) & (loc >= 0), loc // block_size, torch.full_like(loc, -1))
-        _check_pages(block_table, token_to_req_indices[:T].cpu().unsqueeze(1), cols, "a top-k index")
     return _run("compute_global_topk_indices_and_lens", topk_indices.device, topk_indices, token_to_req_indices,
                 block_table, block_size, is_valid_token, output_buffers, needs_constant_topk=needs_constant_topk)
 
@@ -242,7 +195,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     C.tensor("decode_lens_buffer", decode_lens_buffer, dtype=torch.int32, dim=1)
     for name, buf, rows in (("global_decode_buffer", global_decode_buffer, nd), ("prefill_buffer", prefill_buffer, npf),
                             ("decode_lens_buffer", decode_lens_buffer, nd)):
-        C.tensor(name, buf, dtype=torch.int32)
+        C.no_overlap(name, C.tensor(name, buf, dtype=torch.int32))
         if buf.shape[0] < rows:
             raise ValueError(f"{name} has {buf.shape[0]} rows for {rows} tokens")
     for name, buf, rows in (("global_decode_buffer", global_decode_buffer, nd),
@@ -256,21 +209,6 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     C.same_device(positions=positions, token_to_req_indices=token_to_req_indices, block_table=block_table,
                   slot_mapping=slot_mapping, global_decode_buffer=global_decode_buffer,
                   decode_lens_buffer=decode_lens_buffer, prefill_buffer=prefill_buffer)
-    if value_checks(positions) and T:
-        p = positions.long().cpu()
-        real = torch.ones(T, dtype=torch.bool)
-        real[:nd] = slot_mapping[:nd].cpu() >= 0
-        if bool((p < 0)[real].any()):
-            raise ValueError("positions has a negative entry for a non-padding token")
-        if max_seq_len is not None and bool((p >= max_seq_len)[real].any()):
-            raise ValueError(f"positions has an entry >= max_seq_len ({max_seq_len})")
-        if nd:
-            (gd, _, _), cap = _rm.c128a_slices(T, nd, compress_ratio, global_decode_buffer, decode_lens_buffer,
-                                               prefill_buffer, max_compressed_tokens, max_seq_len)
-            n = (torch.div(p[:nd] + 1, compress_ratio, rounding_mode="floor")).clamp(0, cap)
-            i = torch.arange(gd.shape[1])
-            cols = torch.where(real[:nd].unsqueeze(1) & (i < n.unsqueeze(1)), i // block_size, torch.full_like(i, -1))
-            _check_pages(block_table, token_to_req_indices[:nd].cpu().unsqueeze(1), cols, "a visible C128A entry")
     return _run("build_c128a_topk_metadata", positions.device, positions, compress_ratio, num_decode_tokens,
                 token_to_req_indices, block_table, block_size, slot_mapping, global_decode_buffer, decode_lens_buffer,
                 prefill_buffer, max_compressed_tokens, max_seq_len=max_seq_len, needs_constant_topk=needs_constant_topk)
@@ -301,13 +239,13 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
         raise ValueError(f"{R} requests x M = {M} workspace rows do not fit int32 indices")
     width = _rm.combined_width(topk, window_size)
     if combined_indices is not None:
-        C.tensor("combined_indices", combined_indices, dtype=torch.int32, dim=2)
+        C.no_overlap("combined_indices", C.tensor("combined_indices", combined_indices, dtype=torch.int32, dim=2))
         _rows("combined_indices", combined_indices)
         if combined_indices.shape[0] < T or combined_indices.shape[1] < width:
             raise ValueError(f"combined_indices must have >= {T} rows of >= {width} columns, got "
                              f"{tuple(combined_indices.shape)}")
     if combined_lens is not None:
-        _vector("combined_lens", combined_lens, T, dtype=torch.int32)
+        _vector("combined_lens", combined_lens, T, dtype=torch.int32, written=True)
     C.same_device(topk_indices=topk_indices, query_start_loc=query_start_loc, seq_lens=seq_lens,
                   gather_lens=gather_lens, combined_indices=combined_indices, combined_lens=combined_lens)
     _check_batch(query_start_loc, seq_lens, R, T, base=True)
@@ -320,19 +258,5 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
                              "the window of every token must be among the gathered rows")
         if N + int(gl.max()) > M:
             raise ValueError(f"N + gather_lens = {N + int(gl.max())} exceeds M = {M} workspace rows")
-        _check_topk_rows(topk_indices, query_start_loc, seq_lens, compress_ratio, topk, N)
     return _run("combine_topk_swa_indices", topk_indices.device, topk_indices, query_start_loc, seq_lens, gather_lens,
                 window_size, compress_ratio, topk, M, N, combined_indices=combined_indices, combined_lens=combined_lens)
-
-
-def _check_topk_rows(topk_indices, query_start_loc, seq_lens, compress_ratio, topk, N):
-    """Value check: the first topk_len local indices of each token are -1 (skipped) or below N."""
-    T = topk_indices.shape[0]
-    qsl = query_start_loc.long().cpu()
-    t = torch.arange(T)
-    req, inside = _rm.request_of_tokens(t, qsl - qsl[0], seq_lens.shape[0])
-    pos = _rm.token_positions(t, req, inside, qsl - qsl[0], seq_lens.cpu())
-    tlen = torch.where(inside, torch.clamp((pos + 1) // compress_ratio, min=0, max=topk), torch.zeros_like(pos))
-    used = torch.arange(topk_indices.shape[1]).unsqueeze(0) < tlen.unsqueeze(1)
-    if bool((topk_indices.long().cpu() >= N)[used].any()):
-        raise ValueError(f"topk_indices has a local index >= N ({N}, the compressed rows of the workspace)")

@@ -1,5 +1,5 @@
 """Output path: inverse RoPE + FP8 quant (vLLM's form), the grouped FP8 einsum (DeepGEMM's form), the FP8
-linear, and merging of attention states."""
+linear, and merging of attention states (vLLM's in-place form)."""
 import torch
 
 from .. import _checks as C
@@ -13,7 +13,8 @@ register("fused_inv_rope_fp8_quant", _ro.fused_inv_rope_fp8_quant,
          triton="dsv4_rocm.triton.fused_inv_rope_fp8_quant:fused_inv_rope_fp8_quant")
 register("fp8_einsum", _ro.fp8_einsum, triton=f"{_TRITON_EINSUM}:fp8_einsum")
 register("fp8_linear", _ro.fp8_linear, triton=f"{_TRITON_EINSUM}:fp8_linear")
-register("merge_attn_states", _ro.merge_attn_states)
+register("merge_attn_states", _ro.merge_attn_states,
+         triton="dsv4_rocm.triton.merge_attn_states:merge_attn_states")
 
 
 def _flag(name, v):
@@ -83,7 +84,7 @@ def fp8_einsum(expr, a, b, d, c=None, recipe=(1, 128, 128)) -> None:
         raise ValueError(f"a: r = {r} must be a positive multiple of 128 (the scale block)")
     C.tensor("w", w8, shape=(G, None, r))
     n = w8.shape[1]
-    C.tensor("d", d, dtype=(torch.bfloat16, torch.float32), shape=(T, G, n))
+    C.no_overlap("d", C.tensor("d", d, dtype=(torch.bfloat16, torch.float32), shape=(T, G, n)))
     for name, t in (("a", a8), ("w", w8), ("d", d)):
         if t.stride(2) != 1:
             raise ValueError(f"{name} must have unit stride along its last dim, got strides {t.stride()}")
@@ -109,10 +110,43 @@ def fp8_linear(x, w8, w_scale):
     return _run("fp8_linear", x.device, x, w8, w_scale)
 
 
-def merge_attn_states(out_a, lse_a, out_b, lse_b):
-    """Merge two partial attentions over disjoint key sets (dsv4_rocm.reference.output.merge_attn_states)."""
-    C.tensor("out_a", out_a, dtype=(torch.bfloat16, torch.float16, torch.float32), dim=3)
-    C.tensor("out_b", out_b, dtype=out_a.dtype, shape=tuple(out_a.shape))
-    C.tensor("lse_a", lse_a, dtype=torch.float32, shape=tuple(out_a.shape[:2]))
-    C.tensor("lse_b", lse_b, dtype=torch.float32, shape=tuple(out_a.shape[:2]))
-    return _run("merge_attn_states", out_a.device, out_a, lse_a, out_b, lse_b)
+_MERGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_lse(name, t, H, T, dev):
+    C.tensor(name, t, dtype=torch.float32, shape=(H, T), device=dev)
+
+
+def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
+                      prefill_tokens_with_context=None, output_scale=None) -> None:
+    """vLLM's ``merge_attn_states``, in place: ``output`` [T, H, D] (bf16, fp16, fp32, or float8_e4m3fn with
+    ``output_scale``) gets the merge of ``prefix_output`` and ``suffix_output`` [T, H, D] (bf16, fp16 or
+    fp32, one dtype) by their lse [H, T] fp32; ``output_lse`` [H, T] fp32 gets the merged lse when given.
+    Tokens at or past ``prefill_tokens_with_context`` (an int in [0, T]; None = T) copy the suffix. An lse
+    of +inf (an empty part, FlashMLA's convention) is read as -inf. Any strides but a unit last one for
+    the [T, H, D] tensors, any strides for the lse; ``output`` may be one of the inputs. The math:
+    dsv4_rocm.reference.output.merge_attn_states."""
+    C.tensor("prefix_output", prefix_output, dtype=_MERGE_DTYPES, dim=3)
+    T, H, D = prefix_output.shape
+    dev = prefix_output.device
+    C.tensor("suffix_output", suffix_output, dtype=prefix_output.dtype, shape=(T, H, D), device=dev)
+    fp8 = output_scale is not None
+    if not fp8 and getattr(output, "dtype", None) == torch.float8_e4m3fn:
+        raise ValueError("output_scale is required when output is float8_e4m3fn")
+    C.tensor("output", output, dtype=torch.float8_e4m3fn if fp8 else _MERGE_DTYPES, shape=(T, H, D), device=dev)
+    if fp8:
+        C.tensor("output_scale", output_scale, dtype=torch.float32, device=dev)
+        if output_scale.numel() != 1:
+            raise ValueError(f"output_scale must hold one value, got shape {tuple(output_scale.shape)}")
+    for name, t in (("output", output), ("prefix_output", prefix_output), ("suffix_output", suffix_output)):
+        if t.stride(-1) != 1 and D > 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    _check_lse("prefix_lse", prefix_lse, H, T, dev)
+    _check_lse("suffix_lse", suffix_lse, H, T, dev)
+    if output_lse is not None:
+        _check_lse("output_lse", output_lse, H, T, dev)
+    n = prefill_tokens_with_context
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= T):
+        raise ValueError(f"prefill_tokens_with_context must be None or an int in [0, {T}], got {n!r}")
+    _run("merge_attn_states", dev, output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, n,
+         output_scale)

@@ -71,7 +71,8 @@ def _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded
     fmt = L.with_layout(L.V41_528 if kv_mxfp8 else L.V40_584, kv_layout)
     pages = V.pages(k_cache, block_size, "k_cache", fmt)
     if q_out is not None:
-        C.tensor("q_out", q_out, dtype=torch.bfloat16, shape=(q.shape[0], padded_heads, L.HEAD_DIM))
+        C.no_overlap("q_out", C.tensor("q_out", q_out, dtype=torch.bfloat16,
+                                       shape=(q.shape[0], padded_heads, L.HEAD_DIM)))
         if is_q_interleaved and (q_out.stride(2) != 1 or (padded_heads > 1 and q_out.stride(1) != L.HEAD_DIM)):
             raise ValueError(f"q_out: the chunk-interleaved layout needs each token's heads as one contiguous row, "
                              f"got strides {q_out.stride()}")
@@ -95,7 +96,8 @@ def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mappi
     result in the 16-dim chunk-interleaved layout of reference.qkv; ``padded_heads`` 0: no q work, an
     empty result) and writes the first len(slot_mapping) tokens' kv (RoPE, bf16, then a UE8M0 record:
     V40_584, or V41_528 with ``kv_mxfp8``) at slot_mapping into k_cache (vLLM passes ``cache.view(nb, -1)``).
-    A slot < 0 is padding."""
+    A slot < 0 is padding. vLLM's DeepSeek-V4.1 call passes ``apply_q_norm`` False (q was normed before
+    wq_b: only RoPE here)."""
     return _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size,
                          None, apply_q_norm, kv_mxfp8, apply_q_rope, is_q_interleaved, kv_layout)
 
@@ -138,7 +140,7 @@ def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, 
         raise ValueError(f"k_cache strides and start must be multiples of 16 bytes, got stride {k_cache.stride()}")
     if q_fp8 is None or q_fp8_scale_inv is None:
         raise ValueError("q_fp8 and q_fp8_scale_inv are required (the fp8 q output and its inverse scale)")
-    C.tensor("q_fp8", q_fp8, dtype=(torch.float8_e4m3fn, torch.uint8), shape=tuple(q.shape))
+    C.no_overlap("q_fp8", C.tensor("q_fp8", q_fp8, dtype=(torch.float8_e4m3fn, torch.uint8), shape=tuple(q.shape)))
     _scalar("fp8_scale", fp8_scale)
     _scalar("q_fp8_scale_inv", q_fp8_scale_inv)
     C.same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,

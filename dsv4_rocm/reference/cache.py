@@ -4,8 +4,10 @@ A record format (``dsv4_rocm.layout.RecordFormat``) stores a token's 512 values 
 quantized values (e4m3 bytes or e2m1 nibbles, one scale per ``quant_block`` dims), then the remaining dims
 as bf16, then the scales and pad bytes. V40_584: [448 e4m3 NoPE][64 bf16 RoPE as 128 bytes][7 UE8M0][1 pad
 byte = 0]. In a page-split page the data bytes of every record come first and the scale bytes after;
-in an interleaved page each record is whole (``dsv4_rocm.layout``). The indexer-K cache (C4 layers)
-stores 128 e4m3 bytes at ``off*128`` and the fp32 scale 2^e at ``bs*128 + off*4``. Caches come in any view
+in an interleaved page each record is whole (``dsv4_rocm.layout``). The e4m3 bytes are OCP e4m3fn, or,
+in a format of ``layout.with_fnuz``, the FNUZ flavour vLLM writes into its sliding-window cache on gfx942
+(``quant.quantize_blocks``, docs/cache_format.md#fnuz-flavour). The indexer-K cache (C4 layers) stores 128
+e4m3 bytes at ``off*128`` and the fp32 scale 2^e at ``bs*128 + off*4``. Caches come in any view
 of ``dsv4_rocm.cache_views``; the page stride is ``stride(0)``.
 
 Invalid indices (negative, or past the cache / block table / output) are padding here: a writer skips
@@ -29,7 +31,7 @@ def as_pages(cache: torch.Tensor, block_size: int, name: str = "k_cache", indexe
     that is a multiple of 576 B (FlashMLA reads those pages at that alignment)."""
     fmt = L.INDEXER_K_132 if indexer else fmt
     p = V.pages(cache, block_size, name, fmt)
-    if cache.dim() == 4 and fmt == L.V40_584 and cache.shape[0] > 1 and cache.stride(0) % L.PAGE_ALIGN:
+    if cache.dim() == 4 and fmt.name == L.V40_584.name and cache.shape[0] > 1 and cache.stride(0) % L.PAGE_ALIGN:
         raise ValueError(f"{name}: page stride {cache.stride(0)} is not a multiple of {L.PAGE_ALIGN} B")
     return p
 
@@ -54,7 +56,7 @@ def _valid(slots: torch.Tensor, cap: int) -> torch.Tensor:
 def quantize_dims(x: torch.Tensor, fmt: L.RecordFormat):
     """fp32 x [T, quant_dims] -> (data bytes uint8 [T, quant_bytes], scale bytes uint8 [T, num_scales])."""
     if fmt.elem_bits == 8 and fmt.scale == "ue8m0":
-        q, e = quantize_blocks(x, fmt.quant_block, KV_EPS)
+        q, e = quantize_blocks(x, fmt.quant_block, KV_EPS, fmt.fnuz)
         return q, exponent_to_ue8m0(e)
     if fmt.elem_bits == 4 and fmt.scale == "e4m3":
         return nvfp4_quantize(x, fmt.quant_block)
@@ -64,7 +66,7 @@ def quantize_dims(x: torch.Tensor, fmt: L.RecordFormat):
 def dequantize_dims(data: torch.Tensor, scales: torch.Tensor, fmt: L.RecordFormat) -> torch.Tensor:
     """Inverse of ``quantize_dims``: fp32 [N, quant_dims] (exact: every product is a bf16 value)."""
     if fmt.elem_bits == 8 and fmt.scale == "ue8m0":
-        return dequantize_blocks(data, ue8m0_to_exponent(scales), fmt.quant_block)
+        return dequantize_blocks(data, ue8m0_to_exponent(scales), fmt.quant_block, fmt.fnuz)
     if fmt.elem_bits == 4 and fmt.scale == "e4m3":
         return nvfp4_dequantize(data, scales, fmt.quant_block)
     raise ValueError(f"{fmt.name}: no dequantizer for {fmt.elem_bits}-bit values with {fmt.scale} scales")
@@ -185,7 +187,8 @@ def dequantize_and_gather_k_cache(out: torch.Tensor, k_cache: torch.Tensor, seq_
     """vLLM's op: ``out[b, offset + i]`` = the bf16 K of request b's token at position
     ``seq_lens[b] - gather_lens[b] + i`` for ``i < gather_lens[b]`` (all ``seq_lens[b]`` tokens when
     gather_lens is None), through ``block_table``. Other rows of ``out`` are not written; a row whose
-    position or page is invalid is written as zeros."""
+    position or page is invalid is written as zeros. ``fmt``: the records the cache holds (FNUZ-flavour ones
+    in a format of ``layout.with_fnuz``)."""
     written, slot = gather_rows_and_slots(seq_lens, gather_lens, block_table, block_size, offset, out.shape[1])
     vals = _decoded_bf16(k_cache, slot, block_size, fmt)
     R = seq_lens.shape[0]

@@ -7,7 +7,9 @@ of request b sits at absolute position ``seq_lens[b] - query_len[b] + (t - query
 
 Padding and garbage never reach another request (docs/conventions.md): a request id, position,
 block-table column or page that is negative or out of range makes the entry it would produce -1 (and,
-where a token has no usable request at all, its length 0). The functions are vectorized torch so the
+where a token has no usable request at all, its length 0). Slots are computed in int64; one that the
+output's dtype cannot hold (page * bs + offset >= 2**31 in an int32 output: a block id >= 2**25 at
+block size 64) is an invalid entry too, never a wrapped one. The functions are vectorized torch so the
 whole layer can run on them; the per-token semantics are spelled out in each docstring.
 """
 import math
@@ -39,11 +41,14 @@ def _page(block_table: torch.Tensor, req: torch.Tensor, col: torch.Tensor):
     return torch.where(ok, page, torch.full_like(page, -1)), ok
 
 
-def _slots(block_table, req, logical, block_size: int) -> torch.Tensor:
-    """int64: slot of logical entry ``logical`` of request ``req``, -1 where any part of it is invalid."""
+def _slots(block_table, req, logical, block_size: int, dtype=torch.int64) -> torch.Tensor:
+    """int64: slot of logical entry ``logical`` of request ``req``, -1 where any part of it is invalid or
+    the slot does not fit ``dtype`` (the output's)."""
     logical = logical.long()
     page, ok = _page(block_table, req, torch.where(logical >= 0, logical // block_size, -1))
-    return torch.where(ok, page * block_size + logical % block_size, torch.full_like(page, -1))
+    slot = page * block_size + logical % block_size
+    ok = ok & (slot <= torch.iinfo(dtype).max)
+    return torch.where(ok, slot, torch.full_like(page, -1))
 
 
 def slot_mapping_from_block_table(positions, token_to_req, block_table, block_size: int) -> torch.Tensor:
@@ -148,7 +153,7 @@ def compute_swa_indices_and_lens(swa_indices, swa_lens, window_size: int, query_
     k = torch.arange(W, device=dev)
     q = start.unsqueeze(1) + k
     inwin = k.unsqueeze(0) < lens.unsqueeze(1)
-    slots = _slots(block_table, torch.where(inwin, r.unsqueeze(1), torch.full_like(q, -1)), q, block_size)
+    slots = _slots(block_table, torch.where(inwin, r.unsqueeze(1), torch.full_like(q, -1)), q, block_size, idx.dtype)
     idx[:n].copy_(torch.where(inwin, slots, torch.full_like(slots, -1)))
     swa_lens[:n].copy_(torch.full_like(lens, W) if needs_constant_topk else lens)
     return swa_indices[:n], swa_lens[:n]
@@ -194,7 +199,7 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     req = token_to_req_indices[:T].long()
     tok_ok = (is_valid_token[:T] != 0) & (req >= 0) & (req < block_table.shape[0])
     req = torch.where(tok_ok, req, torch.full_like(req, -1)).unsqueeze(1).expand(T, K)
-    slots = _slots(block_table, req, topk_indices.long(), block_size)
+    slots = _slots(block_table, req, topk_indices.long(), block_size, out.dtype)
     ok = slots >= 0
     count = ok.sum(1)
     packed = torch.full((T, K + 1), -1, dtype=torch.int64, device=slots.device)    # column K: discard
@@ -224,11 +229,14 @@ def c128_max_entries(max_model_len: int, ratio: int = 128) -> int:
 
 def c128a_slices(num_tokens: int, num_decode_tokens: int, compress_ratio: int, global_decode_buffer,
                  decode_lens_buffer, prefill_buffer, max_compressed_tokens: int, max_seq_len=None):
-    """(the three buffer slices build_c128a_topk_metadata returns, the cap on entries per token): full rows
-    in vLLM's original form, the first ``c128a_effective_width`` columns when ``max_seq_len`` is given."""
+    """(the three buffer slices build_c128a_topk_metadata returns, the cap on entries per token): the first
+    ``max_compressed_tokens`` columns of each row (vLLM's form: a buffer allocated wider keeps its stride,
+    and its columns past the slice are not touched), the first ``c128a_effective_width`` columns when
+    ``max_seq_len`` is given."""
     nd, npf = num_decode_tokens, num_tokens - num_decode_tokens
     if max_seq_len is None:
-        return (global_decode_buffer[:nd], decode_lens_buffer[:nd], prefill_buffer[:npf]), max_compressed_tokens
+        w = max_compressed_tokens
+        return (global_decode_buffer[:nd, :w], decode_lens_buffer[:nd], prefill_buffer[:npf, :w]), w
     w = c128a_effective_width(max_seq_len, compress_ratio, max_compressed_tokens) if num_tokens else 0
     return (global_decode_buffer[:nd, :w], decode_lens_buffer[:nd], prefill_buffer[:npf, :w]), w
 
@@ -261,7 +269,7 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
         i = torch.arange(gd.shape[1], device=p.device)
         vis = i.unsqueeze(0) < nn.unsqueeze(1)
         slots = _slots(block_table, torch.where(vis, req.unsqueeze(1), torch.full_like(vis, -1, dtype=torch.long)),
-                       i.unsqueeze(0).expand_as(vis), block_size)
+                       i.unsqueeze(0).expand_as(vis), block_size, gd.dtype)
         gd.copy_(torch.where(vis, slots, torch.full_like(slots, -1)))
         dl.copy_(torch.full_like(nn, gd.shape[1]) if needs_constant_topk else nn)
     if T - nd:
@@ -331,3 +339,26 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     ci.copy_(val)
     cl.copy_(tlen + slen)
     return ci, cl
+
+
+def ragged_indices_to_dense(ragged_indices: torch.Tensor, ragged_indptr: torch.Tensor, out_indices: torch.Tensor,
+                            out_lens: torch.Tensor):
+    """A ragged index stream (vLLM's ROCm form: row t is ``ragged_indices[indptr[t]:indptr[t + 1]]``) as the
+    dense rows FlashMLA's kernels read: ``out_indices[t, :n_t]`` = row t's entries, ``out_indices[t, n_t:]``
+    = -1, ``out_lens[t] = n_t``, with n_t = the row's length clamped to [0, W] (W = out_indices.shape[1]).
+    Offsets are clamped to [0, len(ragged_indices)]: a stream shorter than its offsets say gives shorter
+    rows, never a read past it. Entries are copied as they are (-1 or past the cache stays absent for the
+    attention). out_indices int32 [T, W], out_lens int32 [T], T = len(ragged_indptr) - 1."""
+    T, W = out_indices.shape
+    N = ragged_indices.shape[0]
+    dev = out_indices.device
+    ptr = ragged_indptr.long().clamp(0, N)
+    start, end = ptr[:-1], torch.maximum(ptr[1:], ptr[:-1])
+    n = torch.clamp(end - start, max=W)
+    col = torch.arange(W, device=dev).unsqueeze(0)
+    take = col < n.unsqueeze(1)
+    src = torch.where(take, start.unsqueeze(1) + col, torch.zeros_like(col))
+    vals = ragged_indices.long()[src] if N else torch.zeros_like(src)
+    out_indices.copy_(torch.where(take, vals, torch.full_like(vals, -1)))
+    out_lens.copy_(n)
+    return out_indices, out_lens

@@ -1,5 +1,5 @@
 """Output path of the layer (vLLM's and DeepGEMM's call forms), FP8 linears with block scales, and merging
-of attention states.
+of attention states (vLLM's in-place form).
 
 Output path (T tokens, H heads of 512 = 448 nope + 64 rope dims, G groups of H/G heads):
     o'  = RoPE_inv(o, pos) on dims 448..511, in fp32 (never re-rounded to bf16)
@@ -25,7 +25,7 @@ are quantized per token per 128 columns with eps 1e-4.
 """
 import torch
 
-from .quant import UE8M0_NAN, e4m3_decode, exponent_to_ue8m0, quantize_blocks
+from .quant import UE8M0_NAN, e4m3_decode, e4m3_encode, exponent_to_ue8m0, quantize_blocks
 from .rope import rope_inv
 
 O_EPS = 1e-10
@@ -124,20 +124,41 @@ def fp8_linear(x, w8, w_scale) -> torch.Tensor:
     return (xq @ dequantize_weight(w8.view(torch.uint8), w_scale).t()).to(torch.bfloat16)
 
 
-def merge_attn_states(out_a, lse_a, out_b, lse_b):
-    """Merge two partial attentions over disjoint key sets: out [T, H, D], lse [T, H] (natural log).
-    An empty part has lse +inf (FlashMLA's convention) or -inf; it contributes nothing. Both empty:
-    out 0, lse +inf."""
-    def norm(l):
-        return torch.where(torch.isposinf(l), torch.full_like(l, float("-inf")), l.float())
-    la, lb = norm(lse_a), norm(lse_b)
-    m = torch.maximum(la, lb)
+def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
+                      prefill_tokens_with_context=None, output_scale=None) -> None:
+    """vLLM's in-place merge of two partial attentions over disjoint key sets (docs/math.md#merge-attn-states).
+
+    output / prefix_output / suffix_output [T, H, D], prefix_lse / suffix_lse / output_lse [H, T] fp32
+    (natural log). For token t < n = prefill_tokens_with_context (all tokens when None), per head:
+        p, s = the two lse with +inf read as -inf (an empty part: FlashMLA's and FA2's +inf, or -inf)
+        m = max(p, s);  a = exp(p - m);  b = exp(s - m)
+        output = prefix_output * (a / (a + b)) + suffix_output * (b / (a + b)),  output_lse = m + ln(a + b)
+    both parts empty: output 0, output_lse -inf. Tokens t >= n take suffix_output and suffix_lse (+inf
+    written -inf). fp32 math, one rounding to output's dtype; with ``output_scale`` (fp32, one element) the
+    output is the float8_e4m3fn byte of value * (1 / scale) (saturating at +-448, RNE, -0 written 0x00;
+    ``quant.e4m3_encode``)."""
+    T = output.shape[0]
+    n = T if prefill_tokens_with_context is None else prefill_tokens_with_context
+
+    def norm(lse):
+        lse = lse.float()
+        return torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
+    p, s = norm(prefix_lse).t(), norm(suffix_lse).t()                 # [T, H]
+    m = torch.maximum(p, s)
     empty = torch.isneginf(m)
     ms = torch.where(empty, torch.zeros_like(m), m)
-    wa, wb = torch.exp(la - ms), torch.exp(lb - ms)
-    tot = wa + wb
-    safe = torch.where(empty, torch.ones_like(tot), tot)
-    out = (out_a.float() * (wa / safe).unsqueeze(-1) + out_b.float() * (wb / safe).unsqueeze(-1))
-    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
-    lse = torch.where(empty, torch.full_like(m, float("inf")), ms + torch.log(safe))
-    return out.to(out_a.dtype), lse
+    a, b = torch.exp(p - ms), torch.exp(s - ms)
+    tot = a + b
+    merged = prefix_output.float() * (a / tot).unsqueeze(-1) + suffix_output.float() * (b / tot).unsqueeze(-1)
+    merged = torch.where(empty.unsqueeze(-1), torch.zeros_like(merged), merged)
+    lse = torch.where(empty, torch.full_like(m, float("-inf")), torch.log(tot) + ms)
+    ctx = (torch.arange(T, device=output.device) < n).unsqueeze(-1)
+    merged = torch.where(ctx.unsqueeze(-1), merged, suffix_output.float())
+    lse = torch.where(ctx, lse, s)
+    if output_scale is not None:
+        inv = torch.reciprocal(output_scale.float().reshape(()))
+        output.view(torch.uint8).copy_(e4m3_encode(merged * inv))
+    else:
+        output.copy_(merged.to(output.dtype))
+    if output_lse is not None:
+        output_lse.copy_(lse.t())

@@ -15,6 +15,17 @@ Non-finite input (a block holding NaN or +-inf) is poisoned: scale byte 0xFF (UE
 byte 0x7F (e4m3fn NaN), so dequantization yields NaN for the whole block instead of wrong finite values.
 An MXFP4 block is poisoned the same way: scale byte 0xFF, every nibble 0x7.
 
+The FNUZ flavour (``fnuz=True``; records of a ``layout.with_fnuz`` format: vLLM's gfx942 sliding-window
+cache, docs/cache_format.md#fnuz-flavour) is the same rule with e4m3fnuz bytes and vLLM's FNUZ maximum
+224 in place of 448:
+
+    e = ceil(log2(amax / 224)),   q = e4m3fnuz(clamp(b * 2^-e, -224, 224)),   scale byte = e + 127
+
+(fnuz has no -0; a poisoned block's bytes are 0x80, fnuz NaN). Since fnuz(byte) = e4m3fn(byte) / 2 for
+every byte but 0x7F, 0x80, 0xFF, and amax / 224 = 2 * (amax / 448) exactly, a block's FNUZ bytes equal
+its OCP bytes and its FNUZ scale byte is the OCP one plus 1; the kernels write and read the flavour that
+way, and the tests hold them to this definition.
+
 NVFP4-style blocks (V41_FP4_288: e2m1 values with one e4m3 scale per 16, docs/math.md#nvfp4):
 
     sc   = e4m3fn(clamp(amax * fp32(1/6), 2^-9, 448))     RNE (vLLM's writers; FlashMLA's reference divides
@@ -29,6 +40,8 @@ import torch
 
 FP8_MAX = 448.0
 FP8_NAN = 0x7F
+FNUZ_FP8_MAX = 224.0    # vLLM's FNUZ maximum (not the dtype's 240)
+FNUZ_NAN = 0x80
 UE8M0_NAN = 0xFF
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -39,11 +52,11 @@ def ceil_log2(x: torch.Tensor) -> torch.Tensor:
     return torch.where(m == 0.5, e - 1, e).to(torch.int32)
 
 
-def ue8m0_exponent(amax: torch.Tensor, eps: float) -> torch.Tensor:
+def ue8m0_exponent(amax: torch.Tensor, eps: float, fp8_max: float = FP8_MAX) -> torch.Tensor:
     """Scale exponent e (int32) of blocks with the given absolute maxima; non-finite amax -> 128."""
     a = torch.clamp(amax.float(), min=eps)
     finite = torch.isfinite(a)
-    e = ceil_log2(torch.where(finite, a, torch.ones_like(a)) / FP8_MAX)
+    e = ceil_log2(torch.where(finite, a, torch.ones_like(a)) / fp8_max)
     return torch.where(finite, e, torch.full_like(e, UE8M0_NAN - 127))
 
 
@@ -62,24 +75,40 @@ def e4m3_decode(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float8_e4m3fn).float()
 
 
-def quantize_blocks(x: torch.Tensor, block: int, eps: float):
-    """x [..., n] -> (fp8 bytes uint8 [..., n], exponents int32 [..., n // block])."""
+def e4m3fnuz_encode(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e4m3fnuz bytes (uint8), RNE, saturating at vLLM's +-224, NaN as 0x80 (fnuz has no -0)."""
+    v = v.float()
+    b = v.clamp(-FNUZ_FP8_MAX, FNUZ_FP8_MAX).to(torch.float8_e4m3fnuz).view(torch.uint8)
+    return torch.where(torch.isnan(v), torch.full_like(b, FNUZ_NAN), b)
+
+
+def e4m3fnuz_decode(b: torch.Tensor) -> torch.Tensor:
+    """e4m3fnuz bytes (uint8) -> fp32 (0x80 is NaN, 0x7F / 0xFF are +-240)."""
+    if b.dtype != torch.uint8:
+        raise ValueError(f"e4m3fnuz_decode expects uint8 bytes, got {b.dtype}")
+    return b.contiguous().view(torch.float8_e4m3fnuz).float()
+
+
+def quantize_blocks(x: torch.Tensor, block: int, eps: float, fnuz: bool = False):
+    """x [..., n] -> (fp8 bytes uint8 [..., n], exponents int32 [..., n // block]); e4m3fnuz bytes with
+    maximum 224 when ``fnuz``."""
     n = x.shape[-1]
     if n % block:
         raise ValueError(f"last dim {n} is not a multiple of the quant block {block}")
     xb = x.float().reshape(*x.shape[:-1], n // block, block)
     amax = xb.abs().amax(-1)
     bad = ~torch.isfinite(xb).all(-1)
-    e = ue8m0_exponent(torch.where(bad, torch.zeros_like(amax), amax), eps)
+    e = ue8m0_exponent(torch.where(bad, torch.zeros_like(amax), amax), eps, FNUZ_FP8_MAX if fnuz else FP8_MAX)
     e = torch.where(bad, torch.full_like(e, UE8M0_NAN - 127), e)
-    q = e4m3_encode(torch.ldexp(xb, -e.unsqueeze(-1).to(torch.float32)))
-    q = torch.where(bad.unsqueeze(-1), torch.full_like(q, FP8_NAN), q)
+    q = (e4m3fnuz_encode if fnuz else e4m3_encode)(torch.ldexp(xb, -e.unsqueeze(-1).to(torch.float32)))
+    q = torch.where(bad.unsqueeze(-1), torch.full_like(q, FNUZ_NAN if fnuz else FP8_NAN), q)
     return q.reshape(x.shape), e
 
 
-def dequantize_blocks(q: torch.Tensor, e: torch.Tensor, block: int) -> torch.Tensor:
-    """Inverse of quantize_blocks: fp32 [..., n]; an exponent of 128 (UE8M0 NaN) gives NaN."""
-    v = e4m3_decode(q).reshape(*q.shape[:-1], q.shape[-1] // block, block)
+def dequantize_blocks(q: torch.Tensor, e: torch.Tensor, block: int, fnuz: bool = False) -> torch.Tensor:
+    """Inverse of quantize_blocks: fp32 [..., n]; an exponent of 128 (UE8M0 NaN) gives NaN. ``fnuz``: the
+    bytes are e4m3fnuz."""
+    v = (e4m3fnuz_decode if fnuz else e4m3_decode)(q).reshape(*q.shape[:-1], q.shape[-1] // block, block)
     scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.float32))
     scale = torch.where(e >= UE8M0_NAN - 127, torch.full_like(scale, float("nan")), scale)
     return (v * scale.unsqueeze(-1)).reshape(q.shape)

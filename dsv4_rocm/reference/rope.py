@@ -74,3 +74,23 @@ def rope_fwd(x, positions, cos_sin_cache):
 def rope_inv(x, positions, cos_sin_cache):
     """Inverse rotation (the output path, docs/math.md#rope-inverse), fp32 result."""
     return _rotate(x, positions, cos_sin_cache, inverse=True)
+
+
+def rocm_inverse_rope_rows_(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                            rope_head_dim: int) -> None:
+    """vLLM's in-place inverse GPT-J RoPE of attention output rows: o [T, H, D] bf16, the last
+    ``rope_head_dim`` dims of each (token, head) rotate back by the angles of ``cos_sin_cache[positions[t]]``
+    ([P, rope_head_dim], cos | sin): e' = e c + o s, o' = o c - e s in fp32, one rounding to bf16. The
+    other dims are not touched; a row whose position is outside the table is left as it is."""
+    T, H, D = o.shape
+    if T == 0:
+        return
+    half = rope_head_dim // 2
+    pos = positions.long()
+    ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    cs = cos_sin_cache[torch.where(ok, pos, torch.zeros_like(pos))].float()
+    c, s = cs[:, None, :half], cs[:, None, half:rope_head_dim]
+    x = o[..., D - rope_head_dim:].float()
+    e, od = x[..., 0::2], x[..., 1::2]
+    rot = torch.stack([e * c + od * s, od * c - e * s], dim=-1).reshape(T, H, rope_head_dim)
+    o[..., D - rope_head_dim:] = torch.where(ok[:, None, None], rot, x).to(o.dtype)

@@ -58,14 +58,26 @@ DECODE_POINTERS = dict(q_ptr="*bf16", main_ptr="*u8", main_idx_ptr="*i32", main_
 def program_tiles(main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss,
                   extra_topk, s_q, num_splits, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_EXTRA: tl.constexpr, HAS_MAIN_LEN: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr,
-                  SPLIT: tl.constexpr):
+                  SPLIT: tl.constexpr, XCDS: tl.constexpr = 0):
     """(t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi) of this program. Axis 0 = token * head
     blocks + head block (the head blocks of one token run side by side and share its keys through L2),
     axis 1 = split; token t is query si of batch row bi. n_main / n_extra: the valid prefix of each index
     set (its length clamped to [0, topk]); key tiles [0, tiles_main) are the main set's, the extra set's
-    follow (each set's last tile padded); this split handles tiles [lo, hi)."""
-    t = tl.program_id(0) // (HEADS // BLOCK_H)
-    hb = tl.program_id(0) % (HEADS // BLOCK_H)
+    follow (each set's last tile padded); this split handles tiles [lo, hi).
+
+    XCDS > 0 (AMD: the GPU dispatches consecutive workgroups round-robin to that many XCDs, each with its
+    own L2) with two head blocks: programs p and p + XCDS of each group of 2 XCDS are the two head blocks
+    of one token, so both run on one XCD and the second's gathers hit the L2 the first filled; programs
+    past the last whole group keep the plain order."""
+    HB: tl.constexpr = HEADS // BLOCK_H
+    pid = tl.program_id(0)
+    t = pid // HB
+    hb = pid % HB
+    if XCDS > 0 and HB == 2:
+        full = (tl.num_programs(0) // (2 * XCDS)) * (2 * XCDS)
+        r = pid % (2 * XCDS)
+        t = tl.where(pid < full, (pid // (2 * XCDS)) * XCDS + r % XCDS, t)
+        hb = tl.where(pid < full, r // XCDS, hb)
     sp = tl.program_id(1)
     t64 = t.to(tl.int64)
     bi = t64 // s_q

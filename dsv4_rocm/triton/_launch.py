@@ -16,8 +16,25 @@ direct launch of compiled kernels.
   **constexprs)`` (Triton's ``fn[grid](...)`` form). The first
   launch of a variant goes through Triton's own launcher (binder, cache key, compilation); later
   launches call the compiled kernel Triton picked, directly (below).
+* ``kernel_cache()``: where dsv4_rocm's compiled kernels persist between processes, and the context in which
+  its compiles run (below).
 
-CPU tensors (the Triton interpreter, ``TRITON_INTERPRET=1``) get arch "cpu", no fnuz and one "SM".
+Kernel cache. Triton keeps compiled kernels in its own directory (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``), which serving deployments often point at a per-process or temporary directory, so
+every new process compiles again. dsv4_rocm's compiles (``flash_mla.warmup`` and the first launch of each
+variant through ``launch``) run with Triton's cache directory set to ``DSV4_KERNEL_CACHE`` when set, else
+``$XDG_CACHE_HOME/dsv4_rocm/triton`` (``~/.cache/dsv4_rocm/triton``), so a second process on the machine
+loads them instead of compiling; Triton's own setting is restored afterwards and applies to every other
+kernel. ``DSV4_KERNEL_CACHE=triton`` keeps Triton's directory for ours too. The kernels are Triton's own
+cache entries (keyed by source, options and target), so a changed kernel or Triton misses and recompiles.
+
+CPU tensors (the Triton interpreter, ``TRITON_INTERPRET=1``) get arch "cpu", no fnuz and one "SM", except
+inside ``emulate_target(arch)``: there they get the facts of that target (gfx942, gfx950, sm_90, sm_100), so
+every launcher picks the constexprs, tiles and launch options that target's GPU would get, and the
+interpreter runs that target's branches (the AMD execution tier, docs/platforms.md#amd-tier; the fp8
+instructions those branches use run as the bit-exact models of ``_fp8.py``). Launchers that cache per
+device use ``device_cache``, which ``emulate_target`` empties on entry and exit. ``record_launches()`` lists
+the constexprs and launch options of each interpreted launch, for tests that say which branches they ran.
 
 Direct launch. Triton's ``JITFunction.run`` spends tens of microseconds of Python per launch: it
 specializes every argument, builds a cache key from the specialization and the options, checks the
@@ -48,7 +65,9 @@ import weakref
 import torch
 import triton
 
-from ..platform import detect
+from typing import NamedTuple
+
+from ..platform import detect, target
 
 
 def cdiv(a: int, b: int) -> int:
@@ -59,6 +78,14 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (n >= 1), for host ints."""
     return 1 << (n - 1).bit_length()
+
+
+class Emulated(NamedTuple):
+    """What ``device_facts`` gives CPU tensors inside ``emulate_target``."""
+    arch: str
+    fnuz: bool
+    sm_count: int
+    fp8_mma: bool
 
 
 def device_index(device: torch.device) -> int:
@@ -76,10 +103,70 @@ def _facts(device_type: str, index: int):
 
 
 def device_facts(device: torch.device):
-    """(arch, fnuz, sm_count, has fp8 matrix instructions) of ``device``, cached."""
+    """(arch, fnuz, sm_count, has fp8 matrix instructions) of ``device``, cached; CPU tensors get the target of
+    ``emulate_target`` when one is set."""
     if device.type == "cpu":
-        return _facts("cpu", 0)
+        return _EMULATED or _facts("cpu", 0)
     return _facts(device.type, device_index(device))
+
+
+# ---- the emulated target of CPU tensors (the AMD execution tier) ---------------------------------------
+# compute units of the parts each target is sold as (MI300X, MI355X, H100 SXM, B200): split counts follow them
+EMULATED_SM_COUNT = {"gfx942": 304, "gfx950": 256, "sm_90": 132, "sm_100": 148}
+_EMULATED = None            # device_facts of CPU tensors inside emulate_target, else None
+_DEVICE_CACHES = []         # the caches of device_cache, emptied when the emulated target changes
+_RECORD = None              # the list record_launches appends to, else None
+
+
+def device_cache(maxsize=None):
+    """``functools.lru_cache`` for a function of a device (its facts, a launch plan): ``emulate_target``
+    empties it, since what a CPU device launches as changes with the emulated target."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        _DEVICE_CACHES.append(cached)
+        return cached
+    return wrap
+
+
+def _set_emulated(facts):
+    global _EMULATED
+    _EMULATED = facts
+    for c in _DEVICE_CACHES:
+        c.cache_clear()
+
+
+@contextlib.contextmanager
+def emulate_target(arch: str, sm_count: int = None):
+    """Launch kernels on CPU tensors (the Triton interpreter) as ``arch`` would launch them on its GPU: its
+    fp8 reading (gfx942: fnuz), tile configuration, launch options and SM / CU count (``sm_count``
+    overrides ``EMULATED_SM_COUNT``). A test-facing switch of the launch plumbing, not of the math: the
+    kernels run their own code for that target. The interpreter ignores the launch options (num_warps,
+    num_stages, kpack, matrix_instr_nonkdim, waves_per_eu, maxnreg): the compile matrix checks those."""
+    plat = target(arch)
+    prev = _EMULATED
+    _set_emulated(Emulated(plat.arch, plat.fp8_decode == "fnuz_scale_plus_one",
+                           EMULATED_SM_COUNT[arch] if sm_count is None else int(sm_count), plat.has_fp8_mma))
+    try:
+        yield plat
+    finally:
+        _set_emulated(prev)
+
+
+def emulated_target():
+    """The ``Emulated`` facts of ``emulate_target`` in force, or None."""
+    return _EMULATED
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collect (kernel name, constexprs and launch options) of every launch that goes through Triton's own
+    launcher (all of them under the interpreter) inside the block."""
+    global _RECORD
+    prev, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = prev
 
 
 _SCRATCH = {}     # (kind, device type, index, stream) -> tensor
@@ -110,6 +197,35 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
 def counters(device: torch.device, numel: int) -> torch.Tensor:
     """A 1-D int32 buffer of at least ``numel`` entries, zeroed when allocated; its users leave it zeroed."""
     return _buffer("counters", device, numel, torch.int32, True)
+
+
+# ---- kernel cache ----------------------------------------------------------------------------------------
+def kernel_cache_dir():
+    """The directory dsv4_rocm's compiled kernels persist in (module docstring), or None for Triton's own."""
+    d = os.environ.get("DSV4_KERNEL_CACHE")
+    if d == "triton":
+        return None
+    if d:
+        return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dsv4_rocm", "triton")
+
+
+@contextlib.contextmanager
+def kernel_cache(path=None):
+    """Compiles inside the block read and write ``path`` (default ``kernel_cache_dir()``) as Triton's cache
+    directory; Triton's setting is restored on exit. Yields the directory (None: Triton's own)."""
+    path = path if path is not None else kernel_cache_dir()
+    knobs = _knobs if _TRITON_SUPPORTED else None
+    if path is None or knobs is None or not hasattr(knobs, "cache"):
+        yield None
+        return
+    prev = knobs.cache.dir
+    knobs.cache.dir = path
+    try:
+        yield path
+    finally:
+        knobs.cache.dir = prev
 
 
 # ---- direct launch -------------------------------------------------------------------------------------
@@ -152,8 +268,9 @@ _I32_MIN, _I32_MAX, _I64_MAX = -2 ** 31, 2 ** 31 - 1, 2 ** 63 - 1
 
 
 def _supported(fn) -> bool:
-    """Whether ``fn`` is a Triton 3.6 JITFunction with what the direct launch reads."""
-    if not _TRITON_SUPPORTED or type(fn) is not _JITFunction:
+    """Whether ``fn`` is a Triton 3.6 JITFunction (or a subclass launched by JITFunction's own ``run``, as
+    Gluon's is: only its front end differs) with what the direct launch reads."""
+    if not _TRITON_SUPPORTED or not isinstance(fn, _JITFunction) or type(fn).run is not _JITFunction.run:
         return False
     if not all(hasattr(fn, a) for a in ("params", "pre_run_hooks", "run", "warmup")):
         return False
@@ -251,7 +368,7 @@ class Kernel:
 
     def launch(self, grid, *args, **consts):
         if not (_fast and self.supported):
-            return self.fn[grid](*args, **consts)
+            return self._triton_launch(grid, args, consts)
         vkey = (len(args), *consts.items())
         try:
             var = self._variants.get(vkey)
@@ -260,6 +377,12 @@ class Kernel:
         if var is None:
             var = self._new_variant(vkey, args, consts)
         return self._run(var, grid, args, consts)
+
+    def _triton_launch(self, grid, args, consts):
+        """Triton's own launcher (the interpreter's, for CPU tensors), recorded inside ``record_launches``."""
+        if _RECORD is not None:
+            _RECORD.append((self.fn.__name__, dict(consts)))
+        return self.fn[grid](*args, **consts)
 
     def bind(self, **consts) -> "BoundKernel":
         """This kernel with its constexprs and launch options fixed: ``bound[grid](*args)`` skips looking the
@@ -282,7 +405,8 @@ class Kernel:
         key = kf(dev, *args)
         k = var.kernels.get(key)
         if k is None:
-            kernel = self.fn.run(*args, grid=grid, warmup=False, **consts)
+            with kernel_cache():           # compiled once per process; persisted for the next one
+                kernel = self.fn.run(*args, grid=grid, warmup=False, **consts)
             if kernel is not None and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")) \
                     and kernel.function is not None:
                 var.kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
@@ -319,7 +443,7 @@ class BoundKernel:
     def launch(self, grid, *args):
         k = self.kernel
         if not (_fast and k.supported):
-            return k.fn[grid](*args, **self.consts)
+            return k._triton_launch(grid, args, self.consts)
         var = self._vars.get(len(args))
         if var is None:           # a variant outlives Kernel.clear (its kernels are emptied): kept for good
             try:

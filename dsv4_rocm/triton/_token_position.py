@@ -42,9 +42,14 @@ def token_position(qsl_ptr, seq_lens_ptr, req, tok, ok, base):
 
 
 @triton.jit
-def paged_slot(bt_ptr, row_offset, col, offset, ok, block_size):
+def paged_slot(bt_ptr, row_offset, col, offset, ok, block_size, INT32: tl.constexpr):
     """int64 slot ``page * block_size + offset`` of page = bt_ptr[row_offset + col], -1 where ``ok`` is False
-    or the page is negative. The load is masked by ``ok``: the caller puts the bounds of the row and the
-    column (and the token's validity) into it."""
+    or the page is negative, and with INT32 (an int32 output) where the slot exceeds 2**31 - 1 (a block id
+    >= 2**25 at block size 64: an invalid entry, never a wrapped one). The load is masked by ``ok``: the
+    caller puts the bounds of the row and the column (and the token's validity) into it."""
     page = tl.load(bt_ptr + row_offset + col, mask=ok, other=-1).to(tl.int64)
-    return tl.where(ok & (page >= 0), page * block_size + offset, -1)
+    slot = page * block_size + offset
+    ok = ok & (page >= 0)
+    if INT32:
+        ok = ok & (slot <= INT32_MAX)
+    return tl.where(ok, slot, -1)

@@ -36,7 +36,7 @@ def _c128a_kernel(gd_ptr, gd_row, lens_ptr, pf_ptr, pf_row, pos_ptr, ratio, cap,
             c = c0 + tl.arange(0, BLOCK)
             col = c // block_size
             m = (c < n) & (col < bt_cols)
-            slot = paged_slot(bt_ptr, r * bt_row, col, c % block_size, m, block_size)
+            slot = paged_slot(bt_ptr, r * bt_row, col, c % block_size, m, block_size, True)
             tl.store(row + c, slot.to(tl.int32), mask=c < width_d)
         if CONSTANT_LEN:
             tl.store(lens_ptr + t, width_d)

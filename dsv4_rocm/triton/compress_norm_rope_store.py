@@ -41,15 +41,13 @@ where ``layout.data_offset`` / ``record_scale_offset`` put them.
 fp8 bytes are OCP e4m3fn on every vendor (-0 written 0x00); gfx942 encodes x / 2 with its fnuz convert,
 which gives the same byte for every value the cache can hold.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import layout as L
-from ..platform import detect
-from ._launch import cdiv, launch
+from ._fp8 import decode, encode
+from ._launch import cdiv, device_cache, device_facts, launch
 from .compressor_entries import compressor_entries
 
 MAIN, INDEXER_FP8, INDEXER_MXFP4 = 0, 1, 2
@@ -127,9 +125,9 @@ def _e4m3(v, FNUZ: tl.constexpr):
     """OCP e4m3fn bytes of fp32 v (|v| <= 448 after the clamp), RNE, -0 written 0x00."""
     v = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v))
     if FNUZ:
-        b = (v * 0.5).to(tl.float8e4b8).to(tl.uint8, bitcast=True)
+        b = encode(v * 0.5, True)
     else:
-        b = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        b = encode(v, False)
     return tl.where(b == 0x80, 0, b)
 
 
@@ -189,10 +187,10 @@ def _store_v41_fp4(page, off, cache_bs, x, FNUZ: tl.constexpr, FMT: tl.constexpr
     amax = tl.where(bad, 1.0, tl.max(tl.abs(z), axis=1))
     sc_in = tl.minimum(tl.maximum(amax * (1.0 / 6.0), 0.001953125), 448.0)
     sb = _e4m3(sc_in, FNUZ).to(tl.uint8)
-    if FNUZ:
-        sc = sb.to(tl.float8e4b8, bitcast=True).to(tl.float32) * 2.0
+    if FNUZ:                   # the fnuz value of the OCP byte is half its OCP value (sb <= 0x7E)
+        sc = decode(sb, True) * 2.0
     else:
-        sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sc = decode(sb, False)
     code = tl.where(bad[:, None], 0, _e2m1_codes(tl.math.div_rn(z, sc[:, None])))
     lo, hi = tl.split(tl.reshape(code, (256, 2)))
     data, scales = _record_ptrs(page, off, cache_bs, FMT)
@@ -446,24 +444,36 @@ def _pool_stream(state_ptr, stride0, stride1, num_blocks, bt_row, bt_cols, pos, 
 
 
 @triton.jit
-def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr, ROUND: tl.constexpr = False):
-    """(yh, RoPE(yh)) fp32 [D]: RMSNorm of the pooled y (a non-finite sum of squares poisons every value),
-    then GPT-J RoPE of the last 64 dims on the fp32 yh, or with ROUND on bf16(yh) (the V4.1 records: the
-    bf16 latent, rotated in fp32) (cs_row_ptr: the cos/sin row of the entry)."""
+def _rms_normalize(y, w_ptr, eps, D: tl.constexpr):
+    """RMSNorm of y fp32 [D] with weight w (reference.compressor.rms_normalize, operation for operation): a
+    non-finite sum of squares poisons every value."""
     var = tl.math.div_rn(_pairwise_sum(y * y), D * 1.0)
     rrms = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     rrms = tl.where(var < float("inf"), rrms, float("nan"))
-    yh = (y * rrms) * tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
-    if ROUND:
-        yh = yh.to(tl.bfloat16).to(tl.float32)
-    even, odd = tl.split(tl.reshape(yh, (D // 2, 2)))
+    return (y * rrms) * tl.load(w_ptr + tl.arange(0, D)).to(tl.float32)
+
+
+@triton.jit
+def _rope_last64(x, cs_row_ptr, D: tl.constexpr):
+    """GPT-J RoPE of the last 64 dims of x fp32 [D] (cs_row_ptr: the cos/sin row of the position)."""
+    even, odd = tl.split(tl.reshape(x, (D // 2, 2)))
     ri = tl.arange(0, D // 2) - (D // 2 - 32)
     is_rope = ri >= 0
-    cos = tl.load(cs_row_ptr + tl.where(is_rope, ri, 0), mask=is_rope, other=1.0)
-    sin = tl.load(cs_row_ptr + 32 + tl.where(is_rope, ri, 0), mask=is_rope, other=0.0)
-    roped = tl.interleave(tl.where(is_rope, even * cos - odd * sin, even),
-                          tl.where(is_rope, even * sin + odd * cos, odd))
-    return yh, roped
+    cos = tl.load(cs_row_ptr + tl.where(is_rope, ri, 0), mask=is_rope, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row_ptr + 32 + tl.where(is_rope, ri, 0), mask=is_rope, other=0.0).to(tl.float32)
+    return tl.interleave(tl.where(is_rope, even * cos - odd * sin, even),
+                         tl.where(is_rope, even * sin + odd * cos, odd))
+
+
+@triton.jit
+def _norm_rope(y, w_ptr, eps, cs_row_ptr, D: tl.constexpr, ROUND: tl.constexpr = False):
+    """(yh, RoPE(yh)) fp32 [D]: RMSNorm of the pooled y, then GPT-J RoPE of the last 64 dims on the fp32
+    yh, or with ROUND on bf16(yh) (the V4.1 records: the bf16 latent, rotated in fp32) (cs_row_ptr: the
+    cos/sin row of the entry)."""
+    yh = _rms_normalize(y, w_ptr, eps, D)
+    if ROUND:
+        yh = yh.to(tl.bfloat16).to(tl.float32)
+    return yh, _rope_last64(yh, cs_row_ptr, D)
 
 
 @triton.jit
@@ -546,11 +556,11 @@ def _compress_norm_rope_store_kernel(
                             D, RATIO, TARGET, FNUZ, FMT)
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _device_facts(device) -> tuple:
     """(arch, encodes fp8 through the fnuz convert) of a GPU, cached so that a launch pays no query."""
-    arch = detect(device).arch
-    return arch, arch == "gfx942"
+    arch, fnuz, _, _ = device_facts(device)
+    return arch, fnuz
 
 
 def default_config(arch: str, head_dim: int, ratio: int) -> dict:
@@ -627,7 +637,7 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
     stages[1][(programs,)](*args)
 
 
-@functools.lru_cache(maxsize=256)
+@device_cache(maxsize=256)
 def _plan(device, head_dim: int, ratio: int, target: int, block_size: int, overlap: int, prefill: bool,
           config_items: tuple, fmt: L.RecordFormat = L.V40_584):
     """(list entries first, tokens per program, column splits, bound kernel of each launch) of a call shape,

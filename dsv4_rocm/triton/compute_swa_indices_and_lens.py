@@ -40,7 +40,7 @@ def _swa_indices_kernel(idx_ptr, idx_row, lens_ptr, window, qsl_ptr, seq_lens_pt
         q = start + k
         col = q // block_size
         m = (k < n) & (col < bt_cols)
-        slot = paged_slot(bt_ptr, r * bt_row, col, q % block_size, m, block_size)
+        slot = paged_slot(bt_ptr, r * bt_row, col, q % block_size, m, block_size, True)
         tl.store(row + k, slot.to(tl.int32), mask=k < window)
 
 

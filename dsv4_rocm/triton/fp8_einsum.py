@@ -29,14 +29,12 @@ which program finishes when), stores the output and sets the counter back to 0, 
 counters ready for the next call and for graph replays. Counters and workspace are the launchers'
 cached buffers (``_launch.scratch`` / ``counters``).
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..platform import detect
-from ._launch import cdiv, counters, launch, scratch
+from ._fp8 import mma_operand
+from ._launch import cdiv, counters, device_cache, device_facts, launch, scratch
 from .compress_norm_rope_store import _pow2, _ue8m0_fp8
 
 UE8M0_NAN_BITS = tl.constexpr(0x7FC00000)
@@ -63,11 +61,7 @@ def _fp8_tile(ptrs, mask, FNUZ: tl.constexpr, FIX_NEG_ZERO: tl.constexpr):
         # 0x80 -> 0x00: b & (((b & 0x7F) + 0x7F) | 0x7F) clears bit 7 only where the low seven bits are 0
         # (no carry leaves the byte: 0x7F + 0x7F < 0x100)
         x = x & (((x & 0x7F) + 0x7F) | 0x7F).to(tl.uint8)
-    if FNUZ:
-        v = x.to(tl.float8e4b8, bitcast=True)
-    else:
-        v = x.to(tl.float8e4nv, bitcast=True)
-    return v
+    return mma_operand(x, FNUZ)
 
 
 @triton.jit
@@ -206,17 +200,17 @@ SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --sweep`` (merged
 }
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _device_facts(device: torch.device):
     """(arch, gfx942's fnuz fp8), cached: a launch must not pay for a properties query."""
-    plat = detect(device)
-    return plat.arch, plat.arch == "gfx942"
+    arch, fnuz, _, _ = device_facts(device)
+    return arch, fnuz
 
 
 TOKEN_CLASSES = (64, 256)  # default_config's tiles change past these token counts: a plan per class
 
 
-@functools.lru_cache(maxsize=1024)
+@device_cache(maxsize=1024)
 def _gemm_plan(device: torch.device, tokens: int, per_row: bool, k_blocks: int, a_packed: bool, w_packed: bool,
                w_gran_n: int, config_items: tuple):
     """(bound kernel, BLOCK_M, BLOCK_N, SPLIT_K) of a GEMM variant, built once (``tokens``: a representative count of
@@ -285,7 +279,7 @@ def fp8_linear(x, w8, w_scale, config: dict = None):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _quantizer(device: torch.device):
     return launch(_quantize_activation_kernel).bind(NB=QUANT_BLOCKS, FNUZ=_device_facts(device)[1], num_warps=4)
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._fp8 import mma_operand
 from ._launch import cdiv, device_facts, launch, next_power_of_2
 
 TAIL = 1024          # columns a program fills with -inf per step
@@ -40,9 +41,9 @@ MIN_TILES = 4        # key tiles a split should have at least (a split reloads q
 def _as_fp8(b, FNUZ: tl.constexpr):
     """OCP e4m3 bytes as the fp8 operand of the matrix unit (module docstring for gfx942's fnuz reading)."""
     if FNUZ:
-        f = tl.where(b == 0x80, 0, b).to(tl.uint8).to(tl.float8e4b8, bitcast=True)
+        f = mma_operand(tl.where(b == 0x80, 0, b).to(tl.uint8), True)
     else:
-        f = b.to(tl.float8e4nv, bitcast=True)
+        f = mma_operand(b, False)
     return f
 
 

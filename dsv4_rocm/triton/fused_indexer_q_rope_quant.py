@@ -14,14 +14,11 @@ OCP e4m3fn on every vendor (-0 written 0x00); gfx942 encodes x / 2 with its fnuz
 a block of 32 (MXFP4) holding NaN or +-inf is poisoned as docs/conventions.md says; so is every head of a
 token whose position lies outside the table (reachable only with value checks off).
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..platform import detect
-from ._launch import cdiv, launch
+from ._launch import cdiv, device_cache, device_facts, launch
 from .compress_norm_rope_store import _ceil_log2, _pow2, _ue8m0_fp8
 
 HEAD_BLOCK = 16
@@ -85,9 +82,9 @@ def _fused_indexer_q_rope_quant_kernel(
     tl.store(wout_ptr + t * stride_wot + heads, w, mask=live)
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _fnuz(device) -> bool:
-    return detect(device).arch == "gfx942"
+    return device_facts(device)[1]
 
 
 def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,

@@ -16,15 +16,12 @@ Layout (G = n_groups groups of HPG heads, D = HPG * 512, T4 = T rounded up to 4)
 One program per (token row of T4, BH consecutive heads): a [BH * 4, 128] tile, one block a row. A
 token whose position is outside the cos/sin table is padding: its bytes and scales are written 0.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..platform import detect
 from ..reference.output import tma_aligned_tokens
-from ._launch import launch
+from ._launch import device_cache, device_facts, launch
 from .compress_norm_rope_store import _ceil_log2, _e4m3, _pow2
 
 O_EPS = tl.constexpr(1e-10)
@@ -87,11 +84,11 @@ def default_config(arch: str) -> dict:
     return dict(BH=2, num_warps=2)
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _device_facts(device: torch.device):
     """(arch, gfx942's fnuz fp8), cached: a launch must not pay for a properties query."""
-    plat = detect(device)
-    return plat.arch, plat.arch == "gfx942"
+    arch, fnuz, _, _ = device_facts(device)
+    return arch, fnuz
 
 
 def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,

@@ -40,7 +40,7 @@ def _compressed_slot_mapping_kernel(out_ptr, out_len, num_tokens, qsl_ptr, seq_l
     voff = j - col * vbs
     ok = ok & ((voff // cp_interleave) % cp_world == cp_rank) & (col < bt_cols)
     off = (voff // (cp_world * cp_interleave)) * cp_interleave + voff % cp_interleave
-    slot = paged_slot(bt_ptr, r.to(tl.int64) * bt_row, col, off, ok, block_size)
+    slot = paged_slot(bt_ptr, r.to(tl.int64) * bt_row, col, off, ok, block_size, False)
     tl.store(out_ptr + t, slot, mask=t < out_len)
 
 

@@ -9,14 +9,11 @@ o = s % bs (page stride = the cache's stride(0)):
 A row holding NaN or +-inf writes bytes 0x7F and scale NaN (docs/conventions.md). Negative or
 out-of-cache slots write nothing. Bytes equal dsv4_rocm.reference.indexer's.
 """
-import functools
-
 import triton
 import triton.language as tl
 
 from .. import cache_views as V
-from ..platform import detect
-from ._launch import cdiv, launch
+from ._launch import cdiv, device_cache, device_facts, launch
 from .compress_norm_rope_store import _ue8m0_fp8
 
 ROWS = 8
@@ -39,9 +36,9 @@ def _indexer_k_quant_and_cache_kernel(k_ptr, stride_k, slot_ptr, n, cache_ptr, p
     tl.store((page + BS * 128 + off * 4).to(tl.pointer_type(tl.int32)), sbits, mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _fnuz(device) -> bool:
-    return detect(device).arch == "gfx942"
+    return device_facts(device)[1]
 
 
 def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt: str) -> None:

@@ -46,7 +46,8 @@ import triton.language as tl
 
 from .. import layout as L
 from ._decode_tiles import DECODE_POINTERS, e2m1_to_scaled_bf16_ptx, e4m3_to_scaled_bf16_ptx, program_tiles
-from ._launch import cdiv, counters, device_facts, launch, scratch
+from ._fp8 import INTERPRETED, decode, e2m1_to_scaled_bf16_model, e4m3_to_scaled_bf16_model
+from ._launch import cdiv, counters, device_cache, device_facts, launch, scratch
 
 try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
     from . import sparse_mla_decode_ws as _ws
@@ -64,8 +65,12 @@ _E2M1_TO_SCALED_BF16 = tl.constexpr("{\n.reg .b32 t0, t1;\n" + e2m1_to_scaled_bf
 def _e4m3_to_scaled_bf16(kb):
     """OCP e4m3 bytes -> bf16 holding value * 2^-120, with integer ops only (NVIDIA;
     ``_decode_tiles.e4m3_to_scaled_bf16_ptx`` says how)."""
-    return tl.inline_asm_elementwise(asm=_E4M3_TO_SCALED_BF16, constraints="=r,=r,r", args=[kb], dtype=tl.bfloat16,
-                                     is_pure=True, pack=4)
+    if INTERPRETED:         # the interpreter runs no PTX: the same integer operations (_fp8.py)
+        k = e4m3_to_scaled_bf16_model(kb)
+    else:
+        k = tl.inline_asm_elementwise(asm=_E4M3_TO_SCALED_BF16, constraints="=r,=r,r", args=[kb],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    return k
 
 
 @triton.jit
@@ -107,18 +112,21 @@ def _scale_bytes(scal, NS: tl.constexpr):
 
 
 @triton.jit
-def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr):
+def _tile_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr,
+               rec_fnuz=0, MIX: tl.constexpr = False):
     """Gather and dequantize the keys of one tile: K bf16 [BN, 512] in the natural dim order (e2m1 records:
-    ``_fp4_keys``, e4m3 ones: ``_fp8_keys``)."""
+    ``_fp4_keys``, e4m3 ones: ``_fp8_keys``). MIX: the tile's records are FNUZ-flavoured when ``rec_fnuz``
+    (a run-time flag: one loop over two sets of one format in different flavours); else FMT says."""
     if FMT.elem_bits == 4:
         k = _fp4_keys(cache_ptr, data, scal, valid, FNUZ, DEQ_INT, FMT)
     else:
-        k = _fp8_keys(cache_ptr, data, scal, valid, FNUZ, DEQ_INT, FMT)
+        k = _fp8_keys(cache_ptr, data, scal, valid, FNUZ, DEQ_INT, FMT, rec_fnuz, MIX)
     return k
 
 
 @triton.jit
-def _fp8_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr):
+def _fp8_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr, FMT: tl.constexpr, rec_fnuz,
+              MIX: tl.constexpr):
     """Keys of a tile of e4m3 records. The row is read as NC chunks of quant_block dims: the first QC
     quantized (e4m3, one UE8M0 scale each), the rest (V40_584: one chunk of 64) bf16."""
     QB: tl.constexpr = FMT.quant_block
@@ -134,27 +142,39 @@ def _fp8_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.cons
     if QC < NC:
         rope_ptr = (cache_ptr + data + FMT.quant_dims).to(tl.pointer_type(tl.bfloat16))
         kr = tl.load(rope_ptr[:, None] + d64[None, :], mask=valid[:, None], other=0.0)
+    # the scale's exponent field se for the bytes as this target reads them: FNUZ (gfx942 reads the bytes
+    # as fnuz, half their OCP value) raises the scale byte by one, a FNUZ-flavour record (its scale byte is
+    # one higher than the OCP record's) lowers it by one; a poisoned block (scale byte 0xFF) stays NaN
+    SHIFT: tl.constexpr = FNUZ - (FMT.fp8 == "e4m3fnuz")
+    MOVED: tl.constexpr = MIX | (SHIFT != 0)
+    if MIX:
+        se = tl.maximum(sb + (FNUZ - rec_fnuz), 0)
+    elif SHIFT != 0:
+        se = tl.maximum(sb + SHIFT, 0)
+    else:
+        se = sb
     if DEQ_INT:
-        # value * 2^-120 times 2^(byte - 7), as two exact bf16 multiplies: 2^(min(byte, 134) - 7) and
-        # 2^(max(byte, 134) - 134) are both representable (bf16 stops at 2^127); a scale byte of 0xFF
+        # value * 2^-120 times 2^(se - 7), as two exact bf16 multiplies: 2^(min(se, 134) - 7) and
+        # 2^(max(se, 134) - 134) are both representable (bf16 stops at 2^127); a scale byte of 0xFF
         # (a poisoned block) multiplies by NaN. A branch on the rare large scales costs more registers
         # than the second multiply.
-        sbi = sb
+        sbi = se
         m1 = ((tl.minimum(sbi, 134) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        m2 = tl.where(sbi == 255, 0x7FC0, (tl.maximum(sbi, 134) - 7) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        m2 = tl.where(sb == 255, 0x7FC0, (tl.maximum(sbi, 134) - 7) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         kq = _e4m3_to_scaled_bf16(kb) * m1[:, :, None] * m2[:, :, None]
         if QC < NC:
             kq = tl.where(is_nope, kq, kr[:, None, :])
         return tl.reshape(kq, (kb.shape[0], 512))
-    scale = ((sb + FNUZ) << 23).to(tl.float32, bitcast=True)
-    if FNUZ:
-        kf = kb.to(tl.float8e4b8, bitcast=True).to(tl.float32)
-    else:
-        kf = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scale = (se << 23).to(tl.float32, bitcast=True)         # unmoved 0xFF: +inf, times the block's NaN bytes
+    if MOVED:
+        scale = tl.where(sb == 255, float("nan"), scale)
+    kf = decode(kb, FNUZ)
     k3 = kf * scale[:, :, None]
     if QC < NC:
         k3 = tl.where(is_nope, k3, kr.to(tl.float32)[:, None, :])
-    return tl.reshape(k3.to(tl.bfloat16), (kb.shape[0], 512))
+    # every value is a bf16 value (an e4m3 value times a power of two, or a bf16 RoPE value): truncating
+    # is exact and cheaper than rounding on AMD
+    return tl.reshape(k3.to(tl.bfloat16, fp_downcast_rounding="rtz"), (kb.shape[0], 512))
 
 
 @triton.jit
@@ -164,9 +184,9 @@ def _e4m3_value(b, FNUZ: tl.constexpr):
     made NaN explicitly."""
     b8 = b.to(tl.uint8)
     if FNUZ:
-        v = b8.to(tl.float8e4b8, bitcast=True).to(tl.float32) * 2.0
+        v = decode(b8, True) * 2.0
         return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-    return b8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return decode(b8, False)
 
 
 @triton.jit
@@ -200,8 +220,12 @@ def _fp4_keys(cache_ptr, data, scal, valid, FNUZ: tl.constexpr, DEQ_INT: tl.cons
 def _e2m1_to_scaled_bf16(code):
     """e2m1 codes (uint8, one a byte) -> bf16 holding value * 2^-112, with integer ops only (NVIDIA;
     ``_decode_tiles.e2m1_to_scaled_bf16_ptx`` says how)."""
-    return tl.inline_asm_elementwise(asm=_E2M1_TO_SCALED_BF16, constraints="=r,=r,r", args=[code],
-                                     dtype=tl.bfloat16, is_pure=True, pack=4)
+    if INTERPRETED:         # the interpreter runs no PTX: the same integer operations (_fp8.py)
+        k = e2m1_to_scaled_bf16_model(code)
+    else:
+        k = tl.inline_asm_elementwise(asm=_E2M1_TO_SCALED_BF16, constraints="=r,=r,r", args=[code],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    return k
 
 
 @triton.jit
@@ -214,8 +238,8 @@ def _e2m1_value(code, FNUZ: tl.constexpr):
     e4 = tl.where(m >= 2, (((m >> 1) + 6) << 3) | ((m & 1) << 2), 0x30)
     e4 = tl.where(m == 0, 0, e4 | ((code & 8) << 4)).to(tl.uint8)
     if FNUZ:
-        return e4.to(tl.float8e4b8, bitcast=True).to(tl.float32) * 2.0
-    return e4.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return decode(e4, True) * 2.0
+    return decode(e4, False)
 
 
 @triton.jit
@@ -268,10 +292,10 @@ def _sparse_mla_paged_kernel(
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, COMBINE: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr,
         HEADS: tl.constexpr, MERGE_H: tl.constexpr, THREADS: tl.constexpr, MAIN_FMT: tl.constexpr,
-        EXTRA_FMT: tl.constexpr):
+        EXTRA_FMT: tl.constexpr, XCDS: tl.constexpr = 0):
     t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = program_tiles(
         main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
-        s_q, num_splits, HEADS, BLOCK_H, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT)
+        s_q, num_splits, HEADS, BLOCK_H, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT, XCDS)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, 512)
     q_row = q_ptr + bi * stride_qb + si * stride_qs + heads[:, None].to(tl.int64) * stride_qh
@@ -283,10 +307,15 @@ def _sparse_mla_paged_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    if EXTRA_FMT == MAIN_FMT:
+    if EXTRA_FMT.name == MAIN_FMT.name:
         # one loop over the tiles of both sets (two loops would hold two register allocations); the indices
         # of tile + 1 are loaded at the top of tile's iteration, so their latency hides behind its MMAs and
-        # the record loads of a tile depend only on loop-carried values (the pipeliner can issue them early)
+        # the record loads of a tile depend only on loop-carried values (the pipeliner can issue them early).
+        # Sets of one format in different fp8 flavours (vLLM's gfx942 FNUZ window, OCP compressed entries)
+        # share the loop: the tile's flavour is a run-time flag (MIX)
+        MIX: tl.constexpr = EXTRA_FMT.fp8 != MAIN_FMT.fp8
+        MAIN_FZ: tl.constexpr = MAIN_FMT.fp8 == "e4m3fnuz"
+        EXTRA_FZ: tl.constexpr = EXTRA_FMT.fp8 == "e4m3fnuz"
         in_main = lo < tiles_main
         c_base = tl.where(in_main, main_ptr, extra_ptr)
         c_data, c_scal, c_valid = _tile_addr(c_base, tl.where(in_main, main_stride, extra_stride),
@@ -305,7 +334,8 @@ def _sparse_mla_paged_kernel(
                                                  tl.where(nx_main, nx, nx - tiles_main) * BLOCK_N + offs_n,
                                                  tl.where(nx < hi, tl.where(nx_main, n_main, n_extra), 0),
                                                  tl.where(nx_main, MAIN_BS, EXTRA_BS), MAIN_FMT)
-            k = _tile_keys(c_base, c_data, c_scal, c_valid, FNUZ, DEQ_INT, MAIN_FMT)
+            k = _tile_keys(c_base, c_data, c_scal, c_valid, FNUZ, DEQ_INT, MAIN_FMT,
+                           tl.where(tile < tiles_main, MAIN_FZ, EXTRA_FZ).to(tl.int32), MIX)
             acc, m_i, l_i = _attend_tile(q, k, c_valid, acc, m_i, l_i, sm_log2)
             c_base, c_data, c_scal, c_valid = n_base, n_data, n_scal, n_valid
     else:
@@ -434,8 +464,10 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     """Kernel and tile shape per target (BENCHMARKS.md has the sweeps and the compile-matrix reports);
     ``kernel`` ("triton" or "ws") picks the kernel, default ``default_kernel(arch)``.
 
-    AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 221-236
-    VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup. NVIDIA: 64 heads
+    AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 220-236
+    VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup; with 128 heads the
+    two head blocks of a token go to one XCD (``XCDS``, ``_decode_tiles.program_tiles``) so that the second
+    block's gathers hit the L2 the first filled. NVIDIA: 64 heads
     x 64 keys, 8 warps, one CTA per SM; the integer dequantization (inline PTX) on Hopper and Blackwell;
     two cp.async stages measured best on the H100. Split partials are merged in a second launch
     (``split_combine="launch"``, as the Hopper kernel always does): replayed from a graph, as decode steps
@@ -448,13 +480,13 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     if kernel == "ws":
         if _ws is None:
             raise ValueError("config kernel='ws' needs Triton's Gluon (triton >= 3.6), which this Triton lacks")
-        return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config())
+        return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config(num_heads))
     if kernel != "triton":
         raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")
     if arch in ("gfx942", "gfx90a"):
-        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False)
+        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False, XCDS=8 if arch == "gfx942" else 0)
     elif arch == "gfx950":
-        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False)
+        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False, XCDS=8)
     elif arch == "sm_100":       # spill-free there (compile matrix); untimed: no Blackwell machine here
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
     else:
@@ -467,7 +499,7 @@ def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) ->
     programs per SM (one CTA fits per SM), at most one split per tile and 16 in all. Measured on the H100
     (BENCHMARKS.md): one wave is best for small grids, and splitting a grid that already fills the GPU
     (to trim its last partial wave) loses to the extra fp32 partial traffic."""
-    if programs >= sm_count or max_tiles <= 1:
+    if programs >= sm_count or max_tiles <= 1 or programs <= 0:      # an empty batch launches nothing
         return 1
     return int(min(max_tiles, max(1, (waves * sm_count) // programs), MAX_SPLITS))
 
@@ -480,10 +512,10 @@ class _Variant(NamedTuple):
     combine: object           # BoundKernel of _combine_kernel (two-launch combine), or None
     head_blocks: int
     threads: int              # of a program: the release slots the in-kernel combine needs
-    ws: object = None         # the Hopper kernel's constexprs and launch options (``config kernel="ws"``)
+    ws: object = None         # BoundKernel of the Hopper kernel (``config kernel="ws"``), or None
 
 
-@functools.lru_cache(maxsize=4096)
+@device_cache(maxsize=4096)
 def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = (),
           num_splits: int = None, v40: bool = True):
     """Launch plan of a call shape: (config items, splits, partials per query, grid, tiles per unit), cached
@@ -519,20 +551,22 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
 
 @functools.lru_cache(maxsize=4096)
 def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-             has_extra_len: bool, has_sink: bool, split: bool, main_fmt=L.V40_584, extra_fmt=L.V40_584) -> _Variant:
+             has_extra_len: bool, has_sink: bool, split: bool, q_async: bool = True, main_fmt=L.V40_584,
+             extra_fmt=L.V40_584) -> _Variant:
     """The kernels (constexprs and launch options bound) of one variant, built once."""
     cfg = dict(cfg_items)
     if cfg["kernel"] == "ws":
         comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=True,
                                             num_warps=4) if split else None
-        return _Variant(None, comb, h // 64, 0, _ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra, has_len,
-                                                               has_extra_len, has_sink))
+        ws = launch(_ws._sparse_mla_ws_kernel).bind(**_ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra,
+                                                                        has_len, has_extra_len, has_sink, q_async))
+        return _Variant(None, comb, h // 64, 0, ws)
     in_kernel = split and cfg["split_combine"] == "kernel"
     main = launch(_sparse_mla_paged_kernel).bind(
         MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=has_extra_len,
         HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, COMBINE=in_kernel,
         FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h, MERGE_H=min(MERGE_H, cfg["BLOCK_H"]),
-        THREADS=cfg["num_warps"] * cfg["warp_size"], MAIN_FMT=main_fmt, EXTRA_FMT=extra_fmt,
+        THREADS=cfg["num_warps"] * cfg["warp_size"], MAIN_FMT=main_fmt, EXTRA_FMT=extra_fmt, XCDS=cfg.get("XCDS", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     comb = None
     if split and not in_kernel:
@@ -583,7 +617,9 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     has_len, has_elen = topk_length is not None, has_extra and extra_topk_length is not None
     ebs = extra_k_cache.shape[1] if has_extra else 1
     split = parts > 1
-    var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, fmt, efmt)
+    var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, True, fmt, efmt)
+    if var.ws is not None and not _ws.q_rows_aligned(q):      # the Hopper kernel loads such a Q by registers
+        var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, False)
     count = indices                     # an int32 placeholder (never read) when nothing is counted
     if split:
         ws = scratch(dev, parts * T * h * 513)
@@ -613,11 +649,11 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     comb_grid = (T, h // min(MERGE_H, h))
     comb = (part_o, part_lse, sink, out, ost[0], ost[1], ost[2], lse, T, s_q, ns, m)
     if var.ws is not None:                 # the Hopper kernel: the same arguments but the counters
-        ws_args = args[:32] + args[33:]
+        ws_args = args[:32] + args[33:] + (lse,)     # lse: the max-logits pointer, not written
         if compile_only:
-            _ws._sparse_mla_ws_kernel.warmup(*ws_args, grid=grid, **var.ws)
+            var.ws.warmup(*ws_args, grid=grid)
         else:
-            _ws._sparse_mla_ws_kernel[grid](*ws_args, **var.ws)
+            var.ws[grid](*ws_args)
     elif compile_only:
         var.main.warmup(*args, grid=grid)
     else:
@@ -635,9 +671,9 @@ def _matrix_constexprs(arch, split=False, formats=(L.V40_584, L.V40_584)):
     return dict(MAIN_BS=64 if split else 256, EXTRA_BS=2 if split else 64, HAS_EXTRA=True, HAS_MAIN_LEN=True,
                 HAS_EXTRA_LEN=True, HAS_SINK=True, BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"],
                 SPLIT=split, COMBINE=split, FNUZ=arch == "gfx942",
-                DEQ_INT=c.get("DEQ_INT", False), HEADS=64, MERGE_H=MERGE_H,
+                DEQ_INT=c.get("DEQ_INT", False), HEADS=128 if split else 64, MERGE_H=MERGE_H,
                 THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32), MAIN_FMT=formats[0],
-                EXTRA_FMT=formats[1])
+                EXTRA_FMT=formats[1], XCDS=c.get("XCDS", 0))
 
 
 def _matrix_options(arch):
@@ -665,6 +701,11 @@ COMPILE_SPECS = [
     dict(name="sparse_mla_decode[V41_528 + V41_FP4_288, split]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, True, (L.V41_528, L.V41_FP4_288)),
          options=_matrix_options, matrix=True, fp8_convert=True, ptxas_spills=_FP4_SPILLS),
+    # vLLM's gfx942 sliding-window cache: FNUZ-flavour records in the main set, OCP ones in the extra set
+    dict(name="sparse_mla_decode[V40_584 FNUZ window]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
+         floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.with_fnuz(L.V40_584),
+                                                                                        L.V40_584)),
+         options=_matrix_options, matrix=True, fp8_convert=True),
     dict(name="sparse_mla_combine", fn=_combine_kernel,
          pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
          floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, BLOCK_H=MERGE_H, PARTS=True),

@@ -23,45 +23,51 @@ into the K ring while the last tiles of the current one are multiplied.
 
 Three partitions, 12 warps:
 
-* loader (the default partition, 4 warps): walks the CTA's tiles in chunks of RAW_KEYS keys. Two tiles
-  ahead it copies the tile's BLOCK_N indices into a ring of three index rows (cp.async) and loads its
-  unit's lengths (registers); one tile ahead it turns the indices into record offsets (two int64 address
-  rows per tile, two tiles' worth: data offset or -16 for an absent key, scale-word offset) and, with
-  L2_AHEAD, asks L2 for every valid record (``prefetch.global.L2``: the five or six lines of its data and
-  its scale word); RAW_STAGES - 1 chunks ahead it gathers the records with cp.async into a ring of
-  RAW_STAGES raw slots: NoPE bytes block-major [8, RAW_KEYS, 64] u8 (block 7 unused) so that the
-  dequantizing reads are conflict-free, RoPE [RAW_KEYS, 64] bf16, the 8 UE8M0 scale bytes of a record as
-  one int64, and a bias per key (0, or -inf when absent; an absent key's copies are zero fills). No
-  global load and no index arithmetic sit on the chunk loop's path. It dequantizes the oldest chunk with
-  integer ops (e4m3 -> bf16 times 2^-120 by byte shuffles, then two exact packed-bf16 multiplies by powers
-  of two, as ``_decode_tiles.e4m3_to_scaled_bf16_ptx``) into its rows of the tile's K slot: bf16
-  [BLOCK_N, 512] in the 128-byte-swizzled wgmma layout, in the natural order (NoPE 448, RoPE 64), plus the
-  slot's bias row. A dead tile's slot is handed over without being written.
+* loader (the default partition, 4 warps): walks the CTA's tiles, each as two chunks of RAW_KEYS = 32 keys.
+  Two tiles ahead it copies the tile's BLOCK_N indices into a ring of three index rows (cp.async) and
+  loads its unit's lengths (registers; first used a tile later, so nothing waits for the load); one tile
+  ahead it turns the indices into record offsets (two int64 address rows per tile, two tiles' worth: data
+  offset or -16 for an absent key, scale-word offset) and, with L2_AHEAD, asks L2 for every valid record
+  (``prefetch.global.L2``: the five or six lines of its data and its scale word). It gathers a chunk's
+  NoPE bytes and scale words straight into registers as 32-bit words (16-byte loads: a thread takes one
+  key and one 16-byte piece of each 64-byte column block), the second chunk of tile i at the top of
+  iteration i and the first of tile i + 1 before the second of tile i is dequantized; an absent key's
+  loads are masked off. It dequantizes a chunk with integer ops (e4m3 -> bf16 times 2^-120 by byte
+  shuffles, then two exact packed-bf16 multiplies by powers of two, as
+  ``_decode_tiles.e4m3_to_scaled_bf16_ptx``) into its rows of the tile's K slot: bf16 [BLOCK_N, 512] in
+  the 128-byte-swizzled wgmma layout, in the natural order (NoPE 448, RoPE 64), written as bf16x2 words;
+  the RoPE columns are copied by cp.async straight into the slot; plus the slot's bias row (0, or -inf for
+  an absent key) and its liveness flag. A dead tile's slot is handed over without being written.
+  KV_BF16 (prefill over bf16 rows, ``sparse_mla_prefill``): rows of 512 bf16 are one-key pages, copied by
+  cp.async straight into the K slot, two tiles in flight (``_loader_rows``).
 * consumer 0 (worker, one warpgroup): per live tile S = Q K^T (64 x BLOCK_N, K-dim 512, both operands in
   shared memory), the online softmax, P (bf16) and the row rescale alpha into shared memory for consumer
   1, then O[:, 0:256] = alpha O + P V with P in registers as the A operand and V = the K slot viewed
-  [BLOCK_N, 256] (MN-major B operand). At a unit part's first tile it loads the unit's Q (all 512
-  columns) into the shared Q tile and asks L2 for the next unit's Q; at the part's last tile it hands the
-  output row factor to consumer 1 and writes its columns and the lse (or the partial lse).
+  [BLOCK_N, 256] (MN-major B operand). The unit's Q (all 512 columns) is in the shared Q tile: with
+  Q_ASYNC (q's rows 16-byte aligned) copied by cp.async once the previous unit's last S has completed,
+  its latency hidden behind that tile's softmax, P.V and epilogue; otherwise loaded through registers at
+  the unit's first tile. At the part's last tile it hands the output row factor to consumer 1 and writes
+  its columns and the lse (or the partial lse), and with HAS_MAXL the max logits.
 * consumer 1 (worker, one warpgroup): per live tile O[:, 256:512] = alpha O + P V with P read from shared
   memory (both operands in shared memory); at the part's last tile it takes the row factor and writes
-  its columns. S is computed once per tile (no duplicated Q K^T).
+  its columns. S is computed once per tile (no duplicated Q K^T). Neither consumer loads anything from
+  global memory per tile: the liveness of a tile is the loader's flag.
 
 Registers: the kernel cap is 65536 / 384 threads = 168; consumer 0 takes C0_REGS (a 64 x 256 fp32
 accumulator is 128 of them, S and P 48 more), consumer 1 C1_REGS, the loader what is left,
 3 * 168 - C0_REGS - C1_REGS.
-Shared memory (BLOCK_N 64, RAW_KEYS 8 x RAW_STAGES 4; the default 16 x 2 takes the same): Q 64 KB + K
-ring 2 x 64 KB + P 8 KB + raw ring 4 x 5.1 KB + index and address rows 2.8 KB + biases, alpha, row
-factors and barriers 1.1 KB = 224.5 KB of the 227 KB.
+Shared memory (BLOCK_N 64): Q 64 KB + K ring 2 x 64 KB + P 8 KB + index and address rows 3 KB + biases,
+liveness flags, alpha, row factors and barriers 1.2 KB = 204 KB of the 227 KB.
 
 Barriers. An mbarrier arrive is made by one thread of its partition, after a partition barrier
 (``gl.thread_barrier``, a named barrier of the partition's warps) that orders every thread's
 shared-memory work before it; waits are by every thread of the waiting partition. Phases count fills: the
 n-th fill is waited for with parity n & 1, and a wait for parity (n & 1) ^ 1 before the n-th fill passes a
 fresh barrier at once.
-* ``k_ready[s]`` (count 1): the loader arrives when slot s holds the tile (K rows and bias row, K made
-  visible to the async proxy by each writer's fence; nothing written for a dead tile); both consumers
-  wait, parity (fill of s) & 1, for every tile, live or dead.
+* ``k_ready[s]`` (count 1): the loader arrives when slot s holds the tile (liveness flag, K rows and bias
+  row, K made visible to the async proxy by each writer's fence after its RoPE copies landed; nothing
+  but the flag written for a dead tile); both consumers wait, parity (fill of s) & 1, for every tile,
+  live or dead, then read the flag.
 * ``k_free[s]`` (count 2): each consumer arrives when done with slot s (after the wait on its last wgmma
   reading it); the loader waits, parity ((fill of s) & 1) ^ 1, before its first write into s.
 * ``p_ready`` (count 1): consumer 0 arrives when P and alpha of its n-th live tile are stored (P fenced
@@ -71,11 +77,12 @@ fresh barrier at once.
 * ``o_ready`` / ``o_free`` (count 1): the same hand-over of the row factors at the end of the k-th unit
   part (consumer 0 stores them after waiting on o_free, parity (k & 1) ^ 1; consumer 1 waits on o_ready,
   parity k & 1, reads them and arrives on o_free).
-The raw ring, the index and address rows need no mbarrier: only the loader touches them. cp.async
-completion is per thread (wait_group, one group per chunk step), so the partition barrier after it makes
-a chunk's bytes (and an index row that rode in an earlier group) visible to every loader thread, and tells
-the loader that every thread is done reading the slot it refills next. Q is written and read by consumer
-0 alone (its S of the previous unit has completed before the next Q is stored).
+The index and address rows need no mbarrier: only the loader touches them. cp.async completion is per
+thread (wait_group), so the partition barrier after it makes an index row visible to every loader
+thread, and tells the loader that every thread is done reading the rows it refills next; a second
+partition barrier a tile publishes the address rows it wrote. Q is written and read by consumer 0 alone
+(its S of the previous unit has completed, and every thread has passed a partition barrier, before the
+next Q is copied; the copy is waited for, fenced and barriered before the next S).
 """
 import functools
 
@@ -89,22 +96,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx
 
 MAX_PARTS = 16        # parts of one split unit: the combine kernel's MAX_SPLITS
-
-
-_DEQUANT_E4M3 = gl.constexpr("{\n.reg .b32 t0, t1;\n" + e4m3_to_scaled_bf16_ptx("t0", "t1")
-                             + "mul.rn.bf16x2 t0, t0, $3;\nmul.rn.bf16x2 t1, t1, $3;\n"
-                             + "mul.rn.bf16x2 $0, t0, $7;\nmul.rn.bf16x2 $1, t1, $7;\n}")
-
-
-@gluon.jit
-def _dequant_e4m3(kb, m1, m2):
-    """OCP e4m3 bytes times 2^(byte - 127) of their UE8M0 scale byte -> bf16, four values per asm block.
-
-    The e4m3 -> bf16 step is ``_decode_tiles.e4m3_to_scaled_bf16_ptx`` (value * 2^-120, integer ops
-    only); ``m1`` and ``m2`` hold bf16x2 pairs of the two exact power-of-two factors of the scale (one
-    per key, the same for the four values), applied with packed bf16 multiplies."""
-    return gl.inline_asm_elementwise(asm=_DEQUANT_E4M3, constraints="=r,=r,r,r,r,r,r,r,r,r,r", args=[kb, m1, m2],
-                                     dtype=gl.bfloat16, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -126,11 +117,14 @@ def _opaque_zero(x):
 # ---- the schedule: which unit and tile a CTA's i-th tile is ------------------------------------------------
 @gluon.jit
 def _tiles_per_unit(main_topk, extra_topk, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr):
-    """(Mm, M): main tiles and all tiles of a unit (at least one)."""
-    mm = gl.cdiv(main_topk, BLOCK_N)
+    """(Mm, M): main tiles and all tiles of a unit (at least one). Made in each partition (an opaque 0 keeps
+    the compiler from computing them once before the partitions split, which passes them through local
+    memory)."""
+    z = _opaque_zero(main_topk)
+    mm = gl.cdiv(main_topk + z, BLOCK_N)
     m = mm
     if HAS_EXTRA:
-        m = mm + gl.cdiv(extra_topk, BLOCK_N)
+        m = mm + gl.cdiv(extra_topk + z, BLOCK_N)
     return mm, gl.maximum(m, 1)
 
 
@@ -152,27 +146,30 @@ def _unit_tile(gt, sa, M):
 
 
 @gluon.jit
-def _lengths(la, bi, si, ok, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
-    """(n_main, n_extra): the valid prefix of each index set of query (bi, si), its length clamped to
-    [0, topk]; 0 and 0 where not ``ok`` (nothing is read then)."""
+def _load_lengths(la, bi, si, ok, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
+    """The lengths of query (bi, si) as loaded (0 where not ``ok``, nothing read then); ``_clamp_lengths``
+    makes them usable. Apart so that a load's latency is not waited for where it is issued."""
     main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk = la
-    n_main = main_topk
+    n_main = gl.where(ok, main_topk, 0)
     if HAS_MAIN_LEN:
-        n_main = gl.minimum(gl.load(main_len_ptr + bi * main_len_sb + si * main_len_ss, mask=ok, other=0), main_topk)
-    n_main = gl.where(ok, gl.maximum(n_main, 0), 0)
+        n_main = gl.load(main_len_ptr + bi * main_len_sb + si * main_len_ss, mask=ok, other=0)
     n_extra = n_main * 0
     if HAS_EXTRA:
-        n_extra = extra_topk
+        n_extra = gl.where(ok, extra_topk, 0)
         if HAS_EXTRA_LEN:
-            n_extra = gl.minimum(gl.load(extra_len_ptr + bi * extra_len_sb + si * extra_len_ss, mask=ok, other=0),
-                                 extra_topk)
-        n_extra = gl.where(ok, gl.maximum(n_extra, 0), 0)
+            n_extra = gl.load(extra_len_ptr + bi * extra_len_sb + si * extra_len_ss, mask=ok, other=0)
     return n_main, n_extra
 
 
 @gluon.jit
+def _clamp_lengths(la, n_main, n_extra):
+    """(n_main, n_extra): the valid prefix of each index set, its loaded length clamped to [0, topk]."""
+    return gl.maximum(gl.minimum(n_main, la[3]), 0), gl.maximum(gl.minimum(n_extra, la[7]), 0)
+
+
+@gluon.jit
 def _tile_live(t, n_main, n_extra, Mm, BLOCK_N: gl.constexpr):
-    """A tile holds a key below its set's length."""
+    """A tile holds a key below its set's length (lengths as loaded: clamped here)."""
     in_main = t < Mm
     return gl.where(in_main, t, t - Mm) * BLOCK_N < gl.where(in_main, n_main, n_extra)
 
@@ -194,14 +191,15 @@ def _copy_indices(ka, dst, t, bi, si, ok, Mm, BLOCK_N: gl.constexpr, LOAD_WARPS:
 
 @gluon.jit
 def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_AHEAD: gl.constexpr,
-                    BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr):
+                    BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, KV_BF16: gl.constexpr):
     """Tile t's records, once per tile: from its shared index row to two int64 rows [BLOCK_N] (``data_row``:
     byte offset of each record's data from its cache's base, -16 when the key is absent (negative, and a
     multiple of 16 like every offset, so the masked-off 16-byte copies keep aligned addresses);
     ``scal_row``: element offset of its 8 scale bytes as an int64), so the chunk gathers do no index
     arithmetic. With L2_AHEAD also asks L2 for every valid record: bytes 0, 128, ..., 512 and 575 of its
     data (the five or six 128-byte lines it spans) and its scale word, one request per element of
-    [BLOCK_N keys, 8]."""
+    [BLOCK_N keys, 8]. KV_BF16 (rows of 512 bf16, MAIN_BS 1): the data offset is the row's, and the
+    requests are its eight 128-byte lines."""
     (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_topk,
      extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_topk) = ka
     # 2 warps along the keys, 2 along the 8 requests of a key (4 each)
@@ -221,148 +219,222 @@ def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_
     scal_row.store(scal // 8)
     if L2_AHEAD:
         c = gl.arange(0, 8, layout=gl.SliceLayout(0, LP))
-        off8 = gl.where(c[None, :] < 5, (c * 128).to(gl.int64)[None, :],
-                        gl.where(c[None, :] == 5, data[:, None] * 0 + 575, (scal - data)[:, None]))
         base = gl.where(in_main, main_ptr, extra_ptr)
-        _prefetch_l2(base.to(gl.int64) + data[:, None] + off8, valid[:, None] & (c < 7)[None, :])
+        if KV_BF16:
+            _prefetch_l2(base.to(gl.int64) + data[:, None] + (c * 128).to(gl.int64)[None, :],
+                         valid[:, None] & (c < 8)[None, :])
+        else:
+            off8 = gl.where(c[None, :] < 5, (c * 128).to(gl.int64)[None, :],
+                            gl.where(c[None, :] == 5, data[:, None] * 0 + 575, (scal - data)[:, None]))
+            _prefetch_l2(base.to(gl.int64) + data[:, None] + off8, valid[:, None] & (c < 7)[None, :])
+
+
+_DEQUANT_WORD = gl.constexpr("{\n.reg .b32 t0, t1;\n" + e4m3_to_scaled_bf16_ptx("t0", "t1")
+                              + "mul.rn.bf16x2 t0, t0, $3;\nmul.rn.bf16x2 t1, t1, $3;\n"
+                              + "mul.rn.bf16x2 $0, t0, $4;\nmul.rn.bf16x2 $1, t1, $4;\n}")
 
 
 @gluon.jit
-def _issue_chunk(ka, addr_rows, a, t, key0, Mm, slot, raw_nope, raw_rope, raw_scale, raw_bias, RAW_KEYS: gl.constexpr,
-                 LOAD_WARPS: gl.constexpr):
-    """Start the gather of keys key0 .. key0 + RAW_KEYS of tile t (record offsets from its address rows 2a and
-    2a + 1) into raw slot ``slot`` (cp.async; an absent key's copies are zero fills)."""
+def _dequant_words(w, m1, m2):
+    """Words of four OCP e4m3 bytes -> (bf16x2 of bytes 0 and 1, bf16x2 of bytes 2 and 3) times 2^(byte - 127)
+    of their UE8M0 scale byte (m1, m2: the bf16x2 pairs of the scale's two factors, ``_scale_pairs``): the
+    integer decode of ``_decode_tiles.e4m3_to_scaled_bf16_ptx`` (value * 2^-120), then two exact packed-bf16
+    multiplies by powers of two."""
+    return gl.inline_asm_elementwise(asm=_DEQUANT_WORD, constraints="=r,=r,r,r,r", args=[w, m1, m2],
+                                     dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.constexpr_function
+def _pair_layout(LOAD_WARPS):
+    """[keys, 2 column blocks, 16 words] of a 32-key chunk: a thread holds one key and one 16-byte piece
+    (four words) of each of two 64-wide column blocks."""
+    return gl.BlockedLayout([1, 2, 4], [8, 1, 4], [LOAD_WARPS, 1, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _gather_chunk(ka, addr_rows, a, t, key0, Mm, RAW_KEYS: gl.constexpr, PROBE: gl.constexpr,
+                  LOAD_WARPS: gl.constexpr):
+    """Register loads of keys key0 .. key0 + RAW_KEYS of tile t (record offsets from address rows 2a and
+    2a + 1), as 32-bit words (bytes kept four to a register): NoPE column blocks 0-1, 2-3, 4-5 as
+    [RAW_KEYS, 2, 16] and block 6 as [RAW_KEYS, 16] words of four e4m3 bytes, and the scale words
+    [RAW_KEYS] i64 (an absent key's loads, data offset negative, are masked off). A thread takes one key
+    and one 16-byte piece of each of its NoPE blocks (seven 16-byte loads) and the scale word; nothing
+    waits for them until they are used. RoPE needs no dequantization: ``_copy_rope`` copies it."""
     main_ptr = ka[0]
     extra_ptr = ka[7]
     base = gl.where(t < Mm, main_ptr, extra_ptr)
-    data_row = addr_rows.index(2 * a).slice(key0, RAW_KEYS)
-    KW: gl.constexpr = RAW_KEYS // 4           # warps along the keys, the others along the column blocks
-    BW: gl.constexpr = LOAD_WARPS // KW
-    # NoPE bytes as [8 column blocks, keys, 64]: 16 bytes per copy; block 7 (past the 448 NoPE bytes) is
-    # never copied
-    LN: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 4, 4], [BW, KW, 1], [2, 1, 0])
-    data = gl.multiple_of(data_row.load(gl.SliceLayout(0, gl.SliceLayout(2, LN))), 16)
-    c8 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LN)))
-    d64 = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, LN)))
-    ptr = base + data[None, :, None] + (c8 * 64)[:, None, None] + d64[None, None, :]
-    msk = (data >= 0)[None, :, None] & (c8 < 7)[:, None, None]
-    async_copy.async_copy_global_to_shared(raw_nope.index(slot).reshape([8, RAW_KEYS, 64]), ptr, mask=msk)
-    # RoPE: 64 bf16 right after the NoPE bytes
-    LR: gl.constexpr = gl.BlockedLayout([1, 8 // BW], [4, 8], [KW, BW], [1, 0])
-    data = gl.multiple_of(data_row.load(gl.SliceLayout(1, LR)), 16)
-    d = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))
-    rope = base.to(gl.pointer_type(gl.bfloat16)) + gl.multiple_of((data + 448) // 2, 8)
-    async_copy.async_copy_global_to_shared(raw_rope.index(slot), rope[:, None] + d[None, :],
-                                           mask=(data >= 0)[:, None])
-    # scale words and the per-key bias (0 valid, -inf absent)
-    LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
-    valid = data_row.load(LS) >= 0
-    scal = addr_rows.index(2 * a + 1).slice(key0, RAW_KEYS).load(LS)
-    async_copy.async_copy_global_to_shared(raw_scale.index(slot), base.to(gl.pointer_type(gl.int64)) + scal,
-                                           mask=valid)
-    raw_bias.index(slot).store(gl.where(valid, 0.0, float("-inf")))
+    wbase = base.to(gl.pointer_type(gl.int32))
+    LP: gl.constexpr = _pair_layout(LOAD_WARPS)
+    L1: gl.constexpr = gl.SliceLayout(1, LP)
+    row = addr_rows.index(2 * a).slice(key0, RAW_KEYS)
+    data = row.load(gl.SliceLayout(1, gl.SliceLayout(2, LP)))
+    ok = (data >= 0) & ((PROBE & 1) == 0)
+    wp = gl.multiple_of(data // 4, 4)
+    c2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, LP)))
+    w16 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP)))
+    ptr = wbase + wp[:, None, None] + (c2 * 16)[None, :, None] + w16[None, None, :]
+    m = ok[:, None, None] & (c2 < 2)[None, :, None] & (w16 < 16)[None, None, :]
+    k01 = gl.load(ptr, mask=m, other=0)
+    k23 = gl.load(ptr + 32, mask=m, other=0)
+    k45 = gl.load(ptr + 64, mask=m, other=0)
+    d1 = row.load(gl.SliceLayout(1, L1))
+    w1 = gl.arange(0, 16, layout=gl.SliceLayout(0, L1))
+    k6 = gl.load(wbase + gl.multiple_of(d1 // 4, 4)[:, None] + 96 + w1[None, :],
+                 mask=((d1 >= 0) & ((PROBE & 1) == 0))[:, None], other=0)
+    scal = addr_rows.index(2 * a + 1).slice(key0, RAW_KEYS).load(gl.SliceLayout(1, gl.SliceLayout(2, LP)))
+    word = gl.load(base.to(gl.pointer_type(gl.int64)) + scal, mask=ok, other=0)
+    return k01, k23, k45, k6, word
 
 
 @gluon.jit
-def _dequant_chunk(raw_nope, raw_rope, raw_scale, raw_bias, rs, k_slot, bias_slot, SUB: gl.constexpr,
-                   RAW_KEYS: gl.constexpr, LOAD_WARPS: gl.constexpr):
-    """Raw slot rs -> rows [SUB * RAW_KEYS, +RAW_KEYS) of a K slot (bf16 in the natural 448 + 64 order) and
-    of its bias row, each with one shared-memory store (few partition barriers)."""
-    # [keys, 8 column blocks of 64, 64]: 8 values (one 8-byte read, one 16-byte write) per thread and block;
-    # a warp reads 4 keys x 64 contiguous bytes of one block and writes 4 full 128-byte rows: no conflicts
-    KW: gl.constexpr = RAW_KEYS // 4
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 1, 8], [KW, LOAD_WARPS // KW, 1], [2, 1, 0])
-    kb = raw_nope.index(rs).reshape([8, RAW_KEYS, 64]).permute((1, 0, 2)).load(L3)
-    word = raw_scale.index(rs).load(gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    sb = ((word[:, None] >> (8 * c8).to(gl.int64)[None, :]) & 0xFF).to(gl.int32)
-    # value * 2^-120 times 2^(byte - 7), as two exact bf16 multiplies: 2^(min(byte, 134) - 7) and
-    # 2^(max(byte, 134) - 134) are both representable; a scale byte of 0xFF (a poisoned block) multiplies
-    # by NaN. Packed as bf16x2 pairs, one per key and block.
+def _scale_pairs(sb):
+    """UE8M0 bytes -> the bf16x2 pairs of their two exact power-of-two factors: value * 2^-120 times
+    2^(byte - 7) is two exact bf16 multiplies, 2^(min(byte, 134) - 7) and 2^(max(byte, 134) - 134), both
+    representable (bf16 stops at 2^127); a scale byte of 0xFF (a poisoned block) multiplies by NaN."""
     m1 = (gl.minimum(sb, 134) + 120) << 7
     m2 = gl.where(sb == 255, 0x7FC0, (gl.maximum(sb, 134) - 7) << 7)
-    kq = _dequant_e4m3(kb, (m1 | (m1 << 16))[:, :, None], (m2 | (m2 << 16))[:, :, None])
-    # block 7 holds the RoPE values (the NoPE bytes it decoded are not the record's)
-    rope = raw_rope.index(rs).load(gl.SliceLayout(1, L3))
-    k3 = gl.where((c8 < 7)[None, :, None], kq, rope[:, None, :])
-    k_slot.slice(SUB * RAW_KEYS, RAW_KEYS, dim=0).store(gl.reshape(k3, [RAW_KEYS, 512]))
-    LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
-    bias_slot.slice(SUB * RAW_KEYS, RAW_KEYS).store(raw_bias.index(rs).load(LS))
+    return m1 | (m1 << 16), m2 | (m2 << 16)
 
 
 @gluon.jit
-def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, RAW_KEYS: gl.constexpr,
-            RAW_STAGES: gl.constexpr, K_STAGES: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr,
-            HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
-            L2_AHEAD: gl.constexpr, LOAD_WARPS: gl.constexpr):
-    (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
-     raw_bias) = bufs
-    k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
+def _store_pair(rows, kw, word, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """Column blocks 2J, 2J + 1 of a chunk, dequantized, -> words [64 J, 64 J + 64) of the rows."""
+    LP: gl.constexpr = _pair_layout(LOAD_WARPS)
+    c2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, LP)))
+    m1, m2 = _scale_pairs(((word[:, None] >> (8 * (2 * J + c2)).to(gl.int64)[None, :]) & 0xFF).to(gl.int32))
+    lo, hi = _dequant_words(kw, m1[:, :, None], m2[:, :, None])
+    rows.slice(64 * J, 64, dim=1).store(gl.reshape(gl.join(lo, hi), [RAW_KEYS, 64]))
+
+
+@gluon.jit
+def _store_chunk(k01, k23, k45, k6, word, addr_rows, a, k_slot, bias_slot, SUB: gl.constexpr,
+                 RAW_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """A chunk gathered by ``_gather_chunk`` -> rows [SUB * RAW_KEYS, +RAW_KEYS) of a K slot (bf16 in the
+    natural 448 + 64 order, written as bf16x2 words through a 32-bit view of the same 128-byte-swizzled
+    bytes; the RoPE columns are ``_copy_rope``'s) and of its bias row, a few column blocks at a time (few registers live). A warp writes eight
+    keys x 128 bytes per two 16-byte stores: eight rows of the swizzle, no bank conflicts."""
+    LP: gl.constexpr = _pair_layout(LOAD_WARPS)
+    L1: gl.constexpr = gl.SliceLayout(1, LP)
+    WL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    rows = k_slot._reinterpret(gl.int32, [BLOCK_N, 256], WL).slice(SUB * RAW_KEYS, RAW_KEYS, dim=0)
+    _store_pair(rows, k01, word, 0, RAW_KEYS, LOAD_WARPS)
+    _store_pair(rows, k23, word, 1, RAW_KEYS, LOAD_WARPS)
+    _store_pair(rows, k45, word, 2, RAW_KEYS, LOAD_WARPS)
+    w6 = gl.convert_layout(word, gl.SliceLayout(1, L1))
+    m1, m2 = _scale_pairs(((w6 >> 48) & 0xFF).to(gl.int32))
+    lo, hi = _dequant_words(k6, m1[:, None], m2[:, None])
+    rows.slice(192, 32, dim=1).store(gl.reshape(gl.join(lo, hi), [RAW_KEYS, 32]))
+    # the bias from the tile's address rows (still in place: they are rewritten a tile later)
+    LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
+    data = addr_rows.index(2 * a).slice(SUB * RAW_KEYS, RAW_KEYS).load(LS)
+    bias_slot.slice(SUB * RAW_KEYS, RAW_KEYS).store(gl.where(data >= 0, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _publish(k_live, ks, live, LOAD_WARPS: gl.constexpr):
+    """Tile liveness for the consumers: slot ks's flag (a row of 32 int32, all equal), written before the
+    slot's k_ready arrive (the consumers read it after their wait, with no global load)."""
+    LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
+    k_live.index(ks).store(gl.full([32], 0, gl.int32, LS) + live.to(gl.int32))
+
+
+@gluon.jit
+def _copy_rope(ka, addr_rows, a, t, Mm, k_slot, LOAD_WARPS: gl.constexpr):
+    """cp.async of tile t's RoPE values (64 bf16 after the 448 NoPE bytes of each record; offsets from
+    address row 2a) straight into the K slot's last 64 columns, one commit group; an absent key's are
+    zero-filled."""
+    base = gl.where(t < Mm, ka[0], ka[7]).to(gl.pointer_type(gl.bfloat16))
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
+    data = addr_rows.index(2 * a).load(gl.SliceLayout(1, LC))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, LC))
+    ptr = base + gl.multiple_of((data + 448) // 2, 8)[:, None] + cols[None, :]
+    async_copy.async_copy_global_to_shared(k_slot.slice(448, 64, dim=1), ptr,
+                                           mask=(data >= 0)[:, None] & (cols < 64)[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _loader_start(sa, la, ka, idx_rows, addr_rows, BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr,
+                  EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
+                  HAS_EXTRA_LEN: gl.constexpr, L2_AHEAD: gl.constexpr, KV_BF16: gl.constexpr,
+                  LOAD_WARPS: gl.constexpr):
+    """Both loaders' start: the CTA's tiles, tiles 0 and 1 (tile of its unit, lengths as loaded), their
+    index rows (tile j in row j % 3) and tile 0's address rows (tile j in rows 2 (j % 2), 2 (j % 2) + 1),
+    published by a partition barrier. -> (Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1)."""
     num_tokens, s_q, W = sa
-    main_topk = la[3]
-    extra_topk = la[7]
-    Mm, M = _tiles_per_unit(main_topk, extra_topk, BLOCK_N, HAS_EXTRA)
+    Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
     p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
-    CPT: gl.constexpr = BLOCK_N // RAW_KEYS
-    D: gl.constexpr = RAW_STAGES - 1           # chunks in flight while one is dequantized
-    # tiles i and i + 1: their units' lengths (registers) and index rows (i % 3, (i + 1) % 3)
     u0, t0, b0, s0 = _unit_tile(A, sa, M)
-    nm0, ne0 = _lengths(la, b0, s0, n_tiles > 0, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    nm0, ne0 = _load_lengths(la, b0, s0, n_tiles > 0, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
     u1, t1, b1, s1 = _unit_tile(A + 1, sa, M)
-    nm1, ne1 = _lengths(la, b1, s1, n_tiles > 1, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+    nm1, ne1 = _load_lengths(la, b1, s1, n_tiles > 1, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
     _copy_indices(ka, idx_rows.index(0), t0, b0, s0, n_tiles > 0, Mm, BLOCK_N, LOAD_WARPS)
     _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
     async_copy.commit_group()
     async_copy.wait_group(0)
     gl.thread_barrier()
-    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, nm0, ne0, Mm, L2_AHEAD,
-                    BLOCK_N, MAIN_BS, EXTRA_BS)
+    cm0, ce0 = _clamp_lengths(la, nm0, ne0)
+    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, cm0, ce0, Mm, L2_AHEAD,
+                    BLOCK_N, MAIN_BS, EXTRA_BS, KV_BF16)
     gl.thread_barrier()
-    # chunk g goes to raw slot g % RAW_STAGES; D chunks are in flight before the first wait. Every step
-    # commits one cp.async group (empty past the last chunk), so "chunk g is done" is always "at most D - 1
-    # groups pending" at step g. The index row of tile i + 2 rides in the group of step i * CPT: done by step
-    # i * CPT + D, before its reader (the address rows of tile i + 2, at step (i + 1) * CPT). The address rows
-    # of tile i + 1 (2 ((i + 1) % 2), + 1) are written at step i * CPT, read by gathers from step (i + 1) * CPT - D >
-    # i * CPT on (a partition barrier between), and last read for tile i - 1 before step i * CPT.
-    for g0 in gl.static_range(D):
-        _issue_chunk(ka, addr_rows, 0, t0, g0 * RAW_KEYS, Mm, g0, raw_nope, raw_rope, raw_scale, raw_bias,
-                     RAW_KEYS, LOAD_WARPS)
-        async_copy.commit_group()
+    return Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1
+
+
+@gluon.jit
+def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, MAIN_BS: gl.constexpr,
+            EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
+            L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """Tile i is two chunks of RAW_KEYS = 32 keys gathered into registers. Its second chunk is loaded at the
+    top of iteration i, while its first (loaded during tile i - 1) is dequantized into the K slot; the
+    first chunk of tile i + 1 is loaded before the second of tile i is dequantized. Tile i + 1's record
+    offsets are made (and asked of L2) during tile i, from its index row, copied during tile i - 1; tile
+    i + 2's lengths are loaded during tile i and first used during tile i + 1."""
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
+    num_tokens, s_q, W = sa
+    RAW_KEYS: gl.constexpr = BLOCK_N // 2
+    gl.static_assert(RAW_KEYS == 8 * LOAD_WARPS)
+    Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1 = _loader_start(
+        sa, la, ka, idx_rows, addr_rows, BLOCK_N, MAIN_BS, EXTRA_BS, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD,
+        False, LOAD_WARPS)
+    c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, 0, t0, 0, Mm, RAW_KEYS, PROBE, LOAD_WARPS)
     for i in range(n_tiles):
         ks = i % K_STAGES
         k_slot = k_ring.index(ks)
         bias_slot = k_bias.index(ks)
         live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
-        # tile i + 2: its unit's lengths now (registers, used from the next tile on), its indices at step 0
+        c1a, c1b, c1c, c1d, word1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, PROBE,
+                                                  LOAD_WARPS)
         u2, t2, b2, s2 = _unit_tile(A + i + 2, sa, M)
         ok2 = i + 2 < n_tiles
-        nm2, ne2 = _lengths(la, b2, s2, ok2, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
-        for sub in gl.static_range(CPT):
-            g = i * CPT + sub
-            async_copy.wait_group(D - 1)
-            # every loader thread's copies of chunk g have landed, and every thread is done reading chunk
-            # g - 1 (whose slot the next issue refills) and the index row of tile i - 1
-            gl.thread_barrier()
-            if sub == 0:
-                _copy_indices(ka, idx_rows.index((i + 2) % 3), t2, b2, s2, ok2, Mm, BLOCK_N, LOAD_WARPS)
-                _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
-                                addr_rows.index(2 * ((i + 1) % 2) + 1), t1, nm1, ne1, Mm, L2_AHEAD, BLOCK_N, MAIN_BS,
-                                EXTRA_BS)
-            if sub + D < CPT:
-                _issue_chunk(ka, addr_rows, i % 2, t0, (sub + D) * RAW_KEYS, Mm, (g + D) % RAW_STAGES, raw_nope,
-                             raw_rope, raw_scale, raw_bias, RAW_KEYS, LOAD_WARPS)
-            else:
-                _issue_chunk(ka, addr_rows, (i + 1) % 2, t1, (sub + D - CPT) * RAW_KEYS, Mm, (g + D) % RAW_STAGES,
-                             raw_nope, raw_rope, raw_scale, raw_bias, RAW_KEYS, LOAD_WARPS)
-            async_copy.commit_group()
-            if sub == 0:
-                # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
-                mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
-            if live:
-                _dequant_chunk(raw_nope, raw_rope, raw_scale, raw_bias, g % RAW_STAGES, k_slot, bias_slot, sub,
-                               RAW_KEYS, LOAD_WARPS)
-        # K rows written by the generic proxy are read by wgmma (async proxy): fence, then one arrive
-        # once every loader thread has fenced its stores
+        nm2, ne2 = _load_lengths(la, b2, s2, ok2, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
+        # tile i + 1's index row (copied during tile i - 1, or before the loop) has landed in every thread's
+        # view; every thread is done reading the rows the next writes replace (tile i - 1's)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _copy_indices(ka, idx_rows.index((i + 2) % 3), t2, b2, s2, ok2, Mm, BLOCK_N, LOAD_WARPS)
+        async_copy.commit_group()
+        cm1, ce1 = _clamp_lengths(la, nm1, ne1)
+        _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
+                        addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, MAIN_BS, EXTRA_BS,
+                        False)
+        # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
+        mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        _publish(k_live, ks, live, LOAD_WARPS)
+        if live:
+            _copy_rope(ka, addr_rows, i % 2, t0, Mm, k_slot, LOAD_WARPS)
+            _store_chunk(c0a, c0b, c0c, c0d, word0, addr_rows, i % 2, k_slot, bias_slot, 0, RAW_KEYS,
+                         BLOCK_N, LOAD_WARPS)
+        # tile i + 1's address rows are written by every thread
+        gl.thread_barrier()
+        c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, (i + 1) % 2, t1, 0, Mm, RAW_KEYS, PROBE,
+                                                  LOAD_WARPS)
+        if live:
+            _store_chunk(c1a, c1b, c1c, c1d, word1, addr_rows, i % 2, k_slot, bias_slot, 1, RAW_KEYS,
+                         BLOCK_N, LOAD_WARPS)
+        # the RoPE copies have landed; K rows written by the generic proxy are read by wgmma (async
+        # proxy): fence, then one arrive once every loader thread has fenced its stores
+        async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(k_ready.index(ks), count=1)
@@ -371,14 +443,100 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, RAW_KEYS: gl.constexp
     async_copy.wait_group(0)
 
 
+@gluon.jit
+def _copy_rows(ka, addr_rows, a, t, Mm, k_slot, bias_slot, BLOCK_N: gl.constexpr, PROBE: gl.constexpr,
+               LOAD_WARPS: gl.constexpr):
+    """KV_BF16: cp.async of tile t's BLOCK_N rows of 512 bf16 (offsets from address row 2a) straight into the
+    K slot (16 bytes a copy, the slot's swizzle applied by the copy; an absent key's row is zero-filled),
+    and its bias row."""
+    base = gl.where(t < Mm, ka[0], ka[7]).to(gl.pointer_type(gl.bfloat16))
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOAD_WARPS, 1], [1, 0])
+    data = addr_rows.index(2 * a).load(gl.SliceLayout(1, LC))
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, LC))
+    ok = (data >= 0) & ((PROBE & 1) == 0)
+    ptr = base + gl.multiple_of(data // 2, 8)[:, None] + cols[None, :]
+    async_copy.async_copy_global_to_shared(k_slot, ptr, mask=ok[:, None] & (cols < 512)[None, :])
+    LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
+    bias_slot.store(gl.where(addr_rows.index(2 * a).load(LS) >= 0, 0.0, float("-inf")))
+
+
+@gluon.jit
+def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
+                 L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """The loader for KV_BF16 (prefill over a bf16 kv, no extra set): tile i's rows are copied (cp.async)
+    into its K slot as soon as the slot is free, and handed over once they have landed, which is after
+    tile i + 1's copies are issued (two tiles in flight). Indices two tiles ahead, record offsets (and L2
+    requests) one tile ahead, lengths loaded two tiles ahead, as ``_loader``."""
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
+    num_tokens, s_q, W = sa
+    Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1 = _loader_start(
+        sa, la, ka, idx_rows, addr_rows, BLOCK_N, 1, 1, False, HAS_MAIN_LEN, False, L2_AHEAD, True, LOAD_WARPS)
+    for i in range(n_tiles):
+        ks = i % K_STAGES
+        live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
+        u2, t2, b2, s2 = _unit_tile(A + i + 2, sa, M)
+        ok2 = i + 2 < n_tiles
+        nm2, ne2 = _load_lengths(la, b2, s2, ok2, False, HAS_MAIN_LEN, False)
+        # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
+        mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        _publish(k_live, ks, live, LOAD_WARPS)
+        if live:
+            _copy_rows(ka, addr_rows, i % 2, t0, Mm, k_ring.index(ks), k_bias.index(ks), BLOCK_N, PROBE, LOAD_WARPS)
+        _copy_indices(ka, idx_rows.index((i + 2) % 3), t2, b2, s2, ok2, Mm, BLOCK_N, LOAD_WARPS)
+        async_copy.commit_group()
+        # tile i - 1's rows (and tile i + 1's index row, in the same group) have landed in every thread's view
+        async_copy.wait_group(1)
+        fence_async_shared()
+        gl.thread_barrier()
+        if i > 0:
+            mbarrier.arrive(k_ready.index((i - 1) % K_STAGES), count=1)
+        cm1, ce1 = _clamp_lengths(la, nm1, ne1)
+        _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
+                        addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, 1, 1, True)
+        # tile i + 1's address rows, read by its copies at the next iteration, are written by every thread
+        gl.thread_barrier()
+        t0, nm0, ne0 = t1, nm1, ne1
+        t1, nm1, ne1 = t2, nm2, ne2
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    if n_tiles > 0:
+        mbarrier.arrive(k_ready.index((n_tiles - 1) % K_STAGES), count=1)
+
+
 # ---- consumers ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-                   HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
-    """The CTA's i-th tile as a consumer sees it: (K slot, token, tile of its unit, batch row, query, live)."""
-    u, t, bi, si = _unit_tile(A + i, sa, M)
-    nm, ne = _lengths(la, bi, si, i < n_tiles, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
-    return i % K_STAGES, u, t, bi, si, _tile_live(t, nm, ne, Mm, BLOCK_N)
+def _copy_q(oa, q_smem, gt, sa, M, hb, num_tokens):
+    """cp.async of the Q rows (64 heads x 512, 16 bytes a copy) of the unit of tile gt into the Q tile, one
+    commit group (Q_ASYNC: q's rows are 16-byte aligned)."""
+    (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+     part_o_ptr, part_lse_ptr, sm_log2, maxl_ptr) = oa
+    u, t, bi, si = _unit_tile(gt, sa, M)
+    # a thread copies half a head row (32 copies off one row address: few registers beside the accumulator)
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+    rows = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LC))
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, LC))
+    off = gl.multiple_of(bi * stride_qb + si * stride_qs + rows.to(gl.int64) * stride_qh, 8)
+    async_copy.async_copy_global_to_shared(q_smem.index(0), q_ptr + off[:, None] + cols[None, :],
+                                           mask=(u < num_tokens) & (cols < 512)[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _next_q(oa, q_smem, A, i, t, n_tiles, sa, M, hb, num_tokens):
+    """At a unit's last tile, once its S has completed (or when it has none): copy the next unit's Q,
+    whose latency then hides behind this tile's softmax, P.V and epilogue."""
+    if (t == M - 1) & (i + 1 < n_tiles):
+        gl.thread_barrier()
+        _copy_q(oa, q_smem, A + i + 1, sa, M, hb, num_tokens)
+
+
+@gluon.jit
+def _slot_live(k_live, ks):
+    """The liveness flag the loader published for K slot ks (read after the slot's k_ready wait)."""
+    LS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(k_live.index(ks).load(LS), axis=0) != 0
 
 
 @gluon.jit
@@ -387,7 +545,7 @@ def _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, factor, acc, O_L: gl.
     """Write columns [c0, c0 + 256) of a unit part: acc * factor to out (bf16) when the unit is whole, to
     its partial row j = p - first CTA of the unit (fp32) when split."""
     (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-     part_o_ptr, part_lse_ptr, sm_log2) = oa
+     part_o_ptr, part_lse_ptr, sm_log2, maxl_ptr) = oa
     # the rows made here (an opaque 0 keeps loop-invariant code motion from holding their offsets in
     # registers across the tile loop); the columns stay constants, folded into the stores' offsets
     oh = hb * 64 + _opaque_zero(u) + gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
@@ -405,12 +563,11 @@ def _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, factor, acc, O_L: gl.
 @gluon.jit
 def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
-               HAS_SINK: gl.constexpr):
-    (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
-     raw_bias) = bufs
+               HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr, Q_ASYNC: gl.constexpr, PROBE: gl.constexpr):
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-     part_o_ptr, part_lse_ptr, sm_log2) = oa
+     part_o_ptr, part_lse_ptr, sm_log2, maxl_ptr) = oa
     num_tokens, s_q, W = sa
     Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
     p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
@@ -427,34 +584,48 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_L))
     n_live = 0
     n_parts = 0
+    if Q_ASYNC:
+        _copy_q(oa, q_smem, A, sa, M, hb, num_tokens)
     for i in range(n_tiles):
-        ks, u, t, bi, si, live = _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN,
-                                                HAS_EXTRA_LEN)
+        ks = i % K_STAGES
+        u, t, bi, si = _unit_tile(A + i, sa, M)
         k_slot = k_ring.index(ks)
         if (i == 0) | (t == 0):
-            # offsets made here (an opaque 0 keeps loop-invariant code motion from holding them, and their
-            # products with the strides, in registers across the loop)
-            z = _opaque_zero(i)
-            qr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-            qc = z + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-            pr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, PQ))
-            pc = z + gl.arange(0, 8, layout=gl.SliceLayout(0, PQ))
-            # the unit's Q -> the shared Q tile (consumer 0's own wgmma of the previous unit have completed)
-            q_row = q_ptr + bi * stride_qb + si * stride_qs + (hb * 64 + qr).to(gl.int64) * stride_qh
-            for j in gl.static_range(8):
-                q_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_row[:, None] + (64 * j + qc)[None, :]))
-            fence_async_shared()
-            gl.thread_barrier()
-            # ask L2 for the next unit's Q (eight 128-byte lines per head row)
-            un, tn, bn, sn = _unit_tile((u + 1) * M, sa, M)
-            nq = q_ptr + bn * stride_qb + sn * stride_qs + (hb * 64 + pr).to(gl.int64) * stride_qh
-            _prefetch_l2(nq.to(gl.int64)[:, None] + (pc * 128).to(gl.int64)[None, :],
-                         (pr[:, None] * 0 + pc[None, :] * 0 + un) < num_tokens)
+            if Q_ASYNC:
+                # the unit's Q, copied after the previous unit's last S (or before the loop), has landed
+                async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
+            else:
+                # offsets made here (an opaque 0 keeps loop-invariant code motion from holding them, and their
+                # products with the strides, in registers across the loop)
+                z = _opaque_zero(i)
+                qr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+                qc = z + gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+                # the unit's Q -> the shared Q tile (consumer 0's own wgmma of the previous unit have completed)
+                q_row = q_ptr + bi * stride_qb + si * stride_qs + (hb * 64 + qr).to(gl.int64) * stride_qh
+                for j in gl.static_range(8):
+                    q_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_row[:, None] + (64 * j + qc)[None, :]))
+                fence_async_shared()
+                gl.thread_barrier()
+                # ask L2 for the next unit's Q (eight 128-byte lines per head row)
+                pr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, PQ))
+                pc = z + gl.arange(0, 8, layout=gl.SliceLayout(0, PQ))
+                un, tn, bn, sn = _unit_tile((u + 1) * M, sa, M)
+                nq = q_ptr + bn * stride_qb + sn * stride_qs + (hb * 64 + pr).to(gl.int64) * stride_qh
+                _prefetch_l2(nq.to(gl.int64)[:, None] + (pc * 128).to(gl.int64)[None, :],
+                             (pr[:, None] * 0 + pc[None, :] * 0 + un) < num_tokens)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
+        live = _slot_live(k_live, ks)
         if live:
-            s = warpgroup_mma(q_smem.index(_opaque_zero(i)), k_slot.permute((1, 0)),
-                              gl.zeros([64, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s, ))
+            if (PROBE & 2) == 0:
+                s = warpgroup_mma(q_smem.index(_opaque_zero(i)), k_slot.permute((1, 0)),
+                                  gl.zeros([64, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+            else:
+                s = gl.zeros([64, BLOCK_N], gl.float32, S_L) + _opaque_zero(i).to(gl.float32)
+            if Q_ASYNC:
+                _next_q(oa, q_smem, A, i, t, n_tiles, sa, M, hb, num_tokens)
             bias = k_bias.index(ks).load(gl.SliceLayout(0, S_L))
             s = s * sm_log2 + bias[None, :]
             m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -474,11 +645,15 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
             # the accumulator layout of S is the A-operand layout of P.V (16-bit operands): no data movement
             pa = gl.convert_layout(p16, P_L, assert_trivial=True)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L), assert_trivial=True)
-            acc = warpgroup_mma(pa, k_slot.slice(0, 256, dim=1), acc * alpha_o[:, None], is_async=True)
-            # P.V completes inside the iteration: a wgmma left in flight across the loop's back edge makes
-            # ptxas serialize every wgmma of the kernel
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if (PROBE & 2) == 0:
+                acc = warpgroup_mma(pa, k_slot.slice(0, 256, dim=1), acc * alpha_o[:, None], is_async=True)
+                # P.V completes inside the iteration: a wgmma left in flight across the loop's back edge makes
+                # ptxas serialize every wgmma of the kernel
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
             n_live += 1
+        else:
+            if Q_ASYNC:
+                _next_q(oa, q_smem, A, i, t, n_tiles, sa, M, hb, num_tokens)
         gl.thread_barrier()
         mbarrier.arrive(k_free.index(ks), count=1)
         if (i == n_tiles - 1) | (t == M - 1):
@@ -498,6 +673,8 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                     factor = gl.where(empty, 0.0, inv_l / (1.0 + gl.exp2(sink * 1.4426950408889634 - lse2)))
                 gl.store(lse_ptr + u.to(gl.int64) * HEADS + heads,
                          gl.where(empty, float("inf"), lse2 * 0.6931471805599453))
+                if HAS_MAXL:
+                    gl.store(maxl_ptr + u.to(gl.int64) * HEADS + heads, m_i * 0.6931471805599453)
             # the row factors for consumer 1, once it has taken the previous ones
             mbarrier.wait(o_free, (n_parts & 1) ^ 1)
             o_scale.store(factor)
@@ -515,9 +692,9 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
 
 @gluon.jit
 def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
-               HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr):
-    (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
-     raw_bias) = bufs
+               HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
+               PROBE: gl.constexpr):
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
     Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
@@ -527,15 +704,17 @@ def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
     n_parts = 0
     acc = gl.zeros([64, 256], gl.float32, O_L)
     for i in range(n_tiles):
-        ks, u, t, bi, si, live = _consumer_tile(sa, la, A, i, n_tiles, Mm, M, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN,
-                                                HAS_EXTRA_LEN)
+        ks = i % K_STAGES
+        u, t, bi, si = _unit_tile(A + i, sa, M)
         k_slot = k_ring.index(ks)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
-        if live:
+        if _slot_live(k_live, ks):
             mbarrier.wait(p_ready, n_live & 1)
             alpha = alpha_smem.load(gl.SliceLayout(1, O_L))
-            acc = warpgroup_mma(p_smem.index(0), k_slot.slice(256, 256, dim=1), acc * alpha[:, None], is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if (PROBE & 2) == 0:
+                acc = warpgroup_mma(p_smem.index(0), k_slot.slice(256, 256, dim=1), acc * alpha[:, None],
+                                    is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
             gl.thread_barrier()
             mbarrier.arrive(p_free, count=1)
             n_live += 1
@@ -564,31 +743,25 @@ def _sparse_mla_ws_kernel(
         extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_len_ptr, extra_len_sb,
         extra_len_ss, extra_topk,
         sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-        part_o_ptr, part_lse_ptr, num_tokens, s_q, tiles_per_cta, sm_log2,
+        part_o_ptr, part_lse_ptr, num_tokens, s_q, tiles_per_cta, sm_log2, maxl_ptr,
         MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
         HAS_EXTRA_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr, HEADS: gl.constexpr,
-        RAW_KEYS: gl.constexpr, RAW_STAGES: gl.constexpr, K_STAGES: gl.constexpr, L2_AHEAD: gl.constexpr,
-        C0_REGS: gl.constexpr, C1_REGS: gl.constexpr, num_warps: gl.constexpr):
+        K_STAGES: gl.constexpr, L2_AHEAD: gl.constexpr, C0_REGS: gl.constexpr, C1_REGS: gl.constexpr,
+        KV_BF16: gl.constexpr, HAS_MAXL: gl.constexpr, Q_ASYNC: gl.constexpr, PROBE: gl.constexpr,
+        num_warps: gl.constexpr):
     LOAD_WARPS: gl.constexpr = num_warps      # the loader is the default partition
     gl.static_assert(BLOCK_N == 64 and LOAD_WARPS == 4)
-    gl.static_assert(BLOCK_N % RAW_KEYS == 0)
-    gl.static_assert(RAW_KEYS % 4 == 0 and LOAD_WARPS % (RAW_KEYS // 4) == 0 and LOAD_WARPS // (RAW_KEYS // 4) <= 4)
-    gl.static_assert(RAW_STAGES >= 2 and RAW_STAGES - 1 < BLOCK_N // RAW_KEYS)
     KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], KL)
     k_ring = gl.allocate_shared_memory(gl.bfloat16, [K_STAGES, BLOCK_N, 512], KL)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, BLOCK_N], KL)
     k_bias = gl.allocate_shared_memory(gl.float32, [K_STAGES, BLOCK_N], PLAIN1)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [64], PLAIN1)
     o_scale = gl.allocate_shared_memory(gl.float32, [64], PLAIN1)
+    k_live = gl.allocate_shared_memory(gl.int32, [K_STAGES, 32], PLAIN1)
     idx_rows = gl.allocate_shared_memory(gl.int32, [3, BLOCK_N], PLAIN1)
     addr_rows = gl.allocate_shared_memory(gl.int64, [4, BLOCK_N], PLAIN1)
-    raw_nope = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, 8 * RAW_KEYS, 64], PLAIN2)
-    raw_rope = gl.allocate_shared_memory(gl.bfloat16, [RAW_STAGES, RAW_KEYS, 64], PLAIN2)
-    raw_scale = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, RAW_KEYS], PLAIN1)
-    raw_bias = gl.allocate_shared_memory(gl.float32, [RAW_STAGES, RAW_KEYS], PLAIN1)
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -603,34 +776,51 @@ def _sparse_mla_ws_kernel(
     mbarrier.init(o_ready, count=1)
     mbarrier.init(o_free, count=1)
 
-    bufs = (q_smem, k_ring, k_bias, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, raw_nope, raw_rope, raw_scale,
-            raw_bias)
+    bufs = (q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows)
     bars = (k_ready, k_free, p_ready, p_free, o_ready, o_free)
     sa = (num_tokens, s_q, tiles_per_cta)
     la = (main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk)
     ka = (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_topk,
           extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_topk)
     oa = (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
-          part_o_ptr, part_lse_ptr, sm_log2)
+          part_o_ptr, part_lse_ptr, sm_log2, maxl_ptr)
     # the loader gets what the consumers leave of the kernel's register cap (65536 / 384 threads -> 168):
     # 3 * 168 - C0_REGS - C1_REGS per thread
-    gl.warp_specialize([
-        (_loader, (sa, la, ka, bufs, bars, BLOCK_N, RAW_KEYS, RAW_STAGES, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA,
-                   HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD, LOAD_WARPS)),
-        (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
-                      HAS_SINK)),
-        (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)),
-    ], [4, 4], [C0_REGS, C1_REGS])
+    if KV_BF16:
+        gl.static_assert(not HAS_EXTRA and MAIN_BS == 1)
+        gl.warp_specialize([
+            (_loader_rows, (sa, la, ka, bufs, bars, BLOCK_N, K_STAGES, HAS_MAIN_LEN, L2_AHEAD, PROBE, LOAD_WARPS)),
+            (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
+                          HAS_SINK, HAS_MAXL, Q_ASYNC, PROBE)),
+            (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
+                          PROBE)),
+        ], [4, 4], [C0_REGS, C1_REGS])
+    else:
+        gl.warp_specialize([
+            (_loader, (sa, la, ka, bufs, bars, BLOCK_N, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA, HAS_MAIN_LEN,
+                       HAS_EXTRA_LEN, L2_AHEAD, PROBE, LOAD_WARPS)),
+            (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
+                          HAS_SINK, HAS_MAXL, Q_ASYNC, PROBE)),
+            (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
+                          PROBE)),
+        ], [4, 4], [C0_REGS, C1_REGS])
 
 
 # ---- launch ----------------------------------------------------------------------------------------------
-def default_config() -> dict:
-    """The H100 defaults: 64-key tiles, two K slots, gathers in 16-key chunks two deep (one in flight while
-    one is dequantized), L2 requests a tile ahead, consumer 0 at 200 registers, consumer 1 at 160 (the loader
-    gets 144), no spills (compile matrix). 16-key chunks two deep measured 4-13% faster than 8-key chunks
-    four deep on the H100 (ci/gpu_decode_ws.py, BENCHMARKS.md): fewer chunk handshakes a tile."""
-    return dict(BLOCK_N=64, RAW_KEYS=16, RAW_STAGES=2, K_STAGES=2, L2_AHEAD=True, C0_REGS=200, C1_REGS=160,
-                num_warps=4)
+def default_config(num_heads: int = 64) -> dict:
+    """The H100 defaults: 64-key tiles, two K slots, consumer 0 at 200 registers, consumer 1 at 160 (the
+    loader gets 144), no spills (compile matrix); L2 requests a tile ahead with 64 heads only (with 128 the
+    second head block's gathers hit L2 anyway: 1-3% faster without, 0-2% slower with 64 heads; H100,
+    ci/gpu_decode_ws.py). The register gathers measured 10-18% faster on every timed row than the earlier
+    raw ring in shared memory fed by cp.async (BENCHMARKS.md). ``PROBE`` is for measurement only
+    (ci/gpu_decode_ws.py): 1 masks off every record load, 2 skips the matrix products, 3 both; the outputs
+    are then wrong."""
+    return dict(BLOCK_N=64, K_STAGES=2, L2_AHEAD=num_heads <= 64, C0_REGS=200, C1_REGS=160, PROBE=0, num_warps=4)
+
+
+def prefill_config() -> dict:
+    """The kernel over a bf16 kv (``KV_BF16``, ``sparse_mla_prefill``): the decode defaults."""
+    return default_config()
 
 
 CONFIG_KEYS = tuple(default_config())
@@ -641,13 +831,16 @@ def tiles_per_unit(main_topk: int, extra_topk: int, block_n: int) -> int:
     return max(triton.cdiv(main_topk, block_n) + triton.cdiv(extra_topk, block_n), 1)
 
 
-def schedule(units: int, m: int, sm_count: int, num_splits: int = None) -> int:
+def schedule(units: int, m: int, sm_count: int, num_splits: int = None, whole: bool = False) -> int:
     """W, the tiles per CTA of the persistent grid of one head block (``units`` tokens of m tiles each on
     ``sm_count`` SMs: cdiv(units * m, W) CTAs).
 
     By default every SM gets the same number of tiles (cdiv(units * m, sm_count)); when whole units per CTA
     come within 10% of that, whole units (no partials, no combine). A unit is cut into at most MAX_PARTS
-    parts. ``num_splits`` = s asks for each unit cut into about s parts (1: one unit per CTA)."""
+    parts. ``num_splits`` = s asks for each unit cut into about s parts (1: one unit per CTA); ``whole``:
+    whole units per CTA always (prefill: no partials)."""
+    if whole:
+        return triton.cdiv(units, sm_count) * m
     if num_splits is not None:
         w = triton.cdiv(m, max(1, min(int(num_splits), MAX_PARTS)))
     else:
@@ -666,27 +859,55 @@ def max_parts(m: int, w: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
+def q_rows_aligned(q) -> bool:
+    """q's rows start at 16-byte boundaries (its address and every stride but the last a multiple of 8
+    elements): Q_ASYNC, the Q tile copied by cp.async; otherwise loaded through registers."""
+    return q.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in q.stride()[:-1])
+
+
+@functools.lru_cache(maxsize=1024)
 def constexprs(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-               has_extra_len: bool, has_sink: bool) -> dict:
+               has_extra_len: bool, has_sink: bool, q_async: bool = True) -> dict:
     """The kernel's constexprs and launch options for a config (items of a ``sparse_mla_decode`` plan)."""
     cfg = dict(cfg_items)
     return dict(MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len,
-                HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, HEADS=h, **{k: cfg[k] for k in CONFIG_KEYS})
+                HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, HEADS=h, KV_BF16=False, HAS_MAXL=False,
+                Q_ASYNC=q_async, **{k: cfg[k] for k in CONFIG_KEYS})
+
+
+def prefill_constexprs(cfg_items: tuple, h: int, has_len: bool, has_sink: bool, q_async: bool = True) -> dict:
+    """The constexprs and launch options of the kernel over a bf16 kv (prefill: one index set, rows as
+    one-key pages, max logits written)."""
+    cfg = dict(cfg_items)
+    return dict(MAIN_BS=1, EXTRA_BS=1, HAS_EXTRA=False, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=False,
+                HAS_SINK=has_sink, HEADS=h, KV_BF16=True, HAS_MAXL=True, Q_ASYNC=q_async,
+                **{k: cfg[k] for k in CONFIG_KEYS})
 
 
 def _matrix_constexprs(arch, small_pages=False):
     return dict(MAIN_BS=64 if small_pages else 256, EXTRA_BS=2 if small_pages else 64, HAS_EXTRA=True,
                 HAS_MAIN_LEN=True, HAS_EXTRA_LEN=True, HAS_SINK=True, HEADS=128 if small_pages else 64,
-                **{k: v for k, v in default_config().items() if k != "num_warps"})
+                KV_BF16=False, HAS_MAXL=False, Q_ASYNC=True,
+                **{k: v for k, v in default_config(128 if small_pages else 64).items() if k != "num_warps"})
+
+
+_POINTERS = dict(DECODE_POINTERS, maxl_ptr="*fp32")
 
 
 # entries of the CPU compile matrix (build_tools/compile_matrix.py): sm_90a only (wgmma, setmaxnreg)
 COMPILE_SPECS = [
-    dict(name="sparse_mla_decode_ws", fn=_sparse_mla_ws_kernel, pointers=DECODE_POINTERS, floats=("sm_log2",),
+    dict(name="sparse_mla_decode_ws", fn=_sparse_mla_ws_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=_matrix_constexprs, options=lambda arch: dict(num_warps=default_config()["num_warps"]),
          matrix=True, fp8_convert=True, targets=("sm_90a",), wgmma_pipelined=True),
-    dict(name="sparse_mla_decode_ws[h128,bs2]", fn=_sparse_mla_ws_kernel, pointers=DECODE_POINTERS,
+    dict(name="sparse_mla_decode_ws[h128,bs2]", fn=_sparse_mla_ws_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, small_pages=True),
          options=lambda arch: dict(num_warps=default_config()["num_warps"]), matrix=True, fp8_convert=True,
          targets=("sm_90a",), wgmma_pipelined=True),
+    dict(name="sparse_mla_prefill_ws", fn=_sparse_mla_ws_kernel, pointers=_POINTERS, floats=("sm_log2",),
+         constexprs=lambda arch: dict(
+             MAIN_BS=1, EXTRA_BS=1, HAS_EXTRA=False, HAS_MAIN_LEN=True, HAS_EXTRA_LEN=False, HAS_SINK=True, HEADS=64,
+             KV_BF16=True, HAS_MAXL=True, Q_ASYNC=True,
+             **{k: v for k, v in prefill_config().items() if k != "num_warps"}),
+         options=lambda arch: dict(num_warps=prefill_config()["num_warps"]), matrix=True, targets=("sm_90a",),
+         wgmma_pipelined=True),
 ]

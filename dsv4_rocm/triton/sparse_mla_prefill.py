@@ -12,6 +12,12 @@ max_logits -inf whatever its sink (-inf, finite or +inf).
 
 For the fp8 pages themselves (no bf16 workspace), use ``sparse_mla_decode`` with one query per token:
 it reads the 584-byte records directly and is the workspace-free prefill path.
+
+On Hopper the launcher can run the warp-specialized Gluon kernel of ``sparse_mla_decode_ws.py`` over the
+bf16 rows instead (``KV_BF16``: each row a one-key page, copied by cp.async straight into the wgmma K slot;
+whole query tokens per CTA of a persistent grid, no partials; the same outputs);
+``DEFAULT_SM90_KERNEL`` / ``config=dict(kernel=...)`` pick the kernel. It needs 16-byte aligned rows
+(kv's address and row stride); other kv views run this file's kernel.
 """
 import functools
 
@@ -19,7 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import device_facts, launch
+from ._launch import cdiv, device_cache, device_facts, launch
+
+try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
+    from . import sparse_mla_decode_ws as _ws
+except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Triton kernel runs everywhere)
+    _ws = None
 
 LOG2E = 1.4426950408889634
 
@@ -70,6 +81,18 @@ def _sparse_mla_prefill_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, stride_kv, s
     tl.store(maxl_ptr + t * stride_lt + heads, m_i * 0.6931471805599453)
 
 
+# the prefill kernel Hopper runs by default: "ws" (sparse_mla_decode_ws.py over bf16 rows) or "triton" (this
+# file's), as the H100 timing of ci/gpu_decode_ws.py decides (BENCHMARKS.md): the Hopper kernel over bf16 rows
+# was faster on all four timed rows (s_q 4096, h 64 / 128, s_kv 8K / 64K)
+DEFAULT_SM90_KERNEL = "ws"
+
+
+def default_kernel(arch: str) -> str:
+    """Which prefill kernel a target runs by default: on Hopper DEFAULT_SM90_KERNEL (the warp-specialized
+    kernel only where Triton has Gluon), this file's kernel everywhere else."""
+    return "ws" if arch == "sm_90" and DEFAULT_SM90_KERNEL == "ws" and _ws is not None else "triton"
+
+
 def default_config(arch: str) -> dict:
     if arch in ("gfx942", "gfx90a", "gfx950"):
         # all 64 heads per program, 16-key tiles, 8 waves: 206-256 VGPRs, no spills (two waves per SIMD),
@@ -80,9 +103,49 @@ def default_config(arch: str) -> dict:
     return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=3)   # 2 stages spill 16 B on sm_90a
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache()
 def _config(device: torch.device) -> dict:
-    return default_config(device_facts(device)[0])
+    arch = device_facts(device)[0]
+    return dict(default_config(arch), kernel=default_kernel(arch))
+
+
+@functools.lru_cache(maxsize=256)
+def _ws_kernel(cfg_items: tuple, h: int, has_len: bool, has_sink: bool, q_async: bool):
+    """The Hopper kernel over bf16 rows with the constexprs of a call's variant bound (``cfg_items``: the
+    call's config overrides; those of the Hopper kernel's keys replace its defaults)."""
+    cfg = dict(_ws.prefill_config(), **{k: v for k, v in cfg_items if k in _ws.CONFIG_KEYS})
+    return launch(_ws._sparse_mla_ws_kernel).bind(**_ws.prefill_constexprs(tuple(cfg.items()), h, has_len, has_sink,
+                                                                            q_async))
+
+
+def _ws_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, lse, maxl, over, compile_only):
+    """The warp-specialized kernel's launch (module docstring): q as [s_q, 1, h, 512], kv's rows as the
+    pages of one key, whole tokens per CTA."""
+    s_q, h, _ = q.shape
+    topk = indices.shape[2]
+    m = _ws.tiles_per_unit(topk, 0, 64)
+    w = _ws.schedule(s_q, m, max(device_facts(q.device)[2] // (h // 64), 1), whole=True)
+    kvb = kv.view(torch.uint8)
+    lens = topk_length if topk_length is not None else indices
+    lst = topk_length.stride(0) if topk_length is not None else 0
+    sink = attn_sink if attn_sink is not None else lse
+    ist = indices.stride(0)
+    args = (q, q.stride(0), 0, q.stride(1),
+            kvb, kv.stride(0) * 2, kv.shape[0], indices, ist, 0, lens, lst, 0, topk,
+            kvb, 0, 0, indices, 0, 0, lens, 0, 0, 0,
+            sink, out, out.stride(0), 0, out.stride(1), lse, lse, lse, s_q, 1, w, sm_scale * LOG2E, maxl)
+    kern = _ws_kernel(tuple(sorted(over.items())), h, topk_length is not None, attn_sink is not None,
+                      _ws.q_rows_aligned(q))
+    grid = (cdiv(s_q * m, w), h // 64)
+    if compile_only:
+        kern.warmup(*args, grid=grid)
+    else:
+        kern[grid](*args)
+
+
+def _rows_aligned(kv) -> bool:
+    """kv's rows start at 16-byte boundaries (what the Hopper kernel's 16-byte row copies need)."""
+    return kv.data_ptr() % 16 == 0 and (kv.stride(0) * 2) % 16 == 0
 
 
 def sparse_mla_prefill(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sink=None, topk_length=None,
@@ -101,6 +164,15 @@ def sparse_mla_prefill(q, kv, indices, sm_scale: float, d_v: int = 512, attn_sin
     maxl = torch.empty((s_q, h), dtype=torch.float32, device=dev)
     if s_q == 0:
         return out, maxl, lse
+    kernel = cfg.get("kernel", "triton")
+    if kernel == "ws":
+        if _ws is None or device_facts(dev)[0] != "sm_90":
+            raise ValueError("config kernel='ws' runs on Hopper (sm_90) with Triton's Gluon only")
+        if kv.shape[0] == 0 or _rows_aligned(kv):
+            _ws_prefill(q, kv, indices, sm_scale, attn_sink, topk_length, out, lse, maxl, config or {}, compile_only)
+            return out, maxl, lse
+    elif kernel != "triton":
+        raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")
     BH = min(cfg["BLOCK_H"], h)
     grid = (s_q, h // BH)
     args = (q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.shape[0], indices, indices.stride(0), indices.shape[2],

@@ -13,8 +13,9 @@ token t of the step:
     state slot (state table entry q // sbs, offset q % sbs); C4: the indexer length (q + 1) // 4 (0 for
     the other tokens); C128: the n = min((q + 1) // 128, Kmax) compressed slots of entries 0..n-1 of the
     compressed table, -1 after, and n (build_c128a_topk_metadata with every token a decode token).
-A block-table column past the table or a negative page gives -1 in place (the length stays), as in the
-ops; no index is read outside its tensor.
+A block-table column past the table, a negative page, or a slot past 2**31 - 1 in an int32 output
+(swa_indices, c128_indices) gives -1 in place (the length stays), as in the ops; no index is read outside
+its tensor.
 
 Layout: a 2-D grid. Program (i, j) owns the BLOCK_T tokens i*BLOCK_T.. and the C128 columns
 [j*BLOCK_K, (j+1)*BLOCK_K) of their rows; the j = 0 programs also write every per-token value and the
@@ -38,7 +39,7 @@ def _compressed_slot(bt_ptr, row_offset, cols, pos, ok, RATIO: tl.constexpr, BS:
     ok = ok & ((p + 1) % RATIO == 0)
     j = p // RATIO
     col = j // BS
-    return paged_slot(bt_ptr, row_offset, col, j % BS, ok & (col < cols), BS)
+    return paged_slot(bt_ptr, row_offset, col, j % BS, ok & (col < cols), BS, False)
 
 
 @triton.jit
@@ -47,7 +48,7 @@ def _state_slot(bt_ptr, row_offset, cols, pos, ok, SBS: tl.constexpr):
     ok = ok & (pos >= 0)
     p = tl.where(ok, pos, 0)
     col = p // SBS
-    return paged_slot(bt_ptr, row_offset, col, p % SBS, ok & (col < cols), SBS)
+    return paged_slot(bt_ptr, row_offset, col, p % SBS, ok & (col < cols), SBS, False)
 
 
 @triton.jit
@@ -82,7 +83,8 @@ def _step_index_sets_kernel(
         c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         c_col = c // C128_BS
         c_ok = (c[None, :] < n128[:, None]) & (c_col[None, :] < comp_bt_cols)
-        c_slot = paged_slot(comp_bt_ptr, comp_row[:, None], c_col[None, :], (c % C128_BS)[None, :], c_ok, C128_BS)
+        c_slot = paged_slot(comp_bt_ptr, comp_row[:, None], c_col[None, :], (c % C128_BS)[None, :], c_ok, C128_BS,
+                            True)
         tl.store(c128_idx_ptr + t64[:, None] * kmax + c[None, :], c_slot.to(tl.int32),
                  mask=live[:, None] & (c[None, :] < kmax))
     if tl.program_id(1) == 0:
@@ -98,7 +100,7 @@ def _step_index_sets_kernel(
             q = start[:, None] + k[None, :]
             col = q // SWA_BS
             m = (k[None, :] < n[:, None]) & (col < swa_bt_cols)
-            s = paged_slot(swa_bt_ptr, swa_row[:, None], col, q % SWA_BS, m, SWA_BS)
+            s = paged_slot(swa_bt_ptr, swa_row[:, None], col, q % SWA_BS, m, SWA_BS, True)
             tl.store(swa_idx_ptr + t64[:, None] * window + k[None, :], s.to(tl.int32),
                      mask=live[:, None] & (k[None, :] < window))
         state_row = r * state_bt_row

@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
-from ._launch import cdiv, counters, launch, next_power_of_2, scratch
+from ._launch import cdiv, counters, emulated_target, launch, next_power_of_2, scratch
 
 RANGES, REQUEST_LENS, ROW_LENS = 0, 1, 2   # how a row's valid columns are given (``_row_range``)
 
@@ -510,8 +510,9 @@ def _device_facts(index: int):
 
 
 def _facts(device):
-    if device.type != "cuda":            # the Triton interpreter (CPU tensors): an H100-like setup
-        return "sm_90", 132
+    if device.type != "cuda":            # the Triton interpreter (CPU tensors): the emulated target, else an H100
+        emu = emulated_target()
+        return (emu.arch, emu.sm_count) if emu else ("sm_90", 132)
     return _device_facts(device.index if device.index is not None else torch.cuda.current_device())
 
 

@@ -21,24 +21,25 @@ static int cs_bf16(const at::Tensor& cs) {
 }
 
 void quantize_and_insert_k_cache(const at::Tensor& k, at::Tensor& pages, const at::Tensor& slots, int64_t block_size,
-                                 int64_t fmt, bool interleaved) {
+                                 int64_t fmt, bool fnuz, bool interleaved) {
   const c10::cuda::OptionalCUDAGuard guard(k.device());
   dsv4_insert_args a = {k.data_ptr(), k.stride(0), pages.data_ptr(), pages.stride(0), pages.size(0), (int)block_size,
-                        (int)fmt, interleaved ? 1 : 0, slots.data_ptr(), is64(slots), (int)slots.size(0)};
+                        (int)fmt, fnuz ? 1 : 0, interleaved ? 1 : 0, slots.data_ptr(), is64(slots), (int)slots.size(0)};
   check(dsv4_quantize_and_insert_k_cache(&a, current_stream()), "quantize_and_insert_k_cache");
 }
 
 void fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(const at::Tensor& q, const at::Tensor& kv, at::Tensor& q_out,
                                                        at::Tensor& pages, const at::Tensor& slots,
                                                        const at::Tensor& positions, const at::Tensor& cos_sin,
-                                                       double eps, int64_t block_size, int64_t fmt, bool interleaved,
+                                                       double eps, int64_t block_size, int64_t fmt, bool fnuz,
+                                                       bool interleaved,
                                                        bool apply_q_norm, bool apply_q_rope, bool q_interleaved) {
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   dsv4_qnorm_insert_args a = {q.data_ptr(), q.stride(0), q.stride(1), (int)q.size(1),
                               q_out.data_ptr(), q_out.stride(0), q_out.stride(1), (int)q_out.size(1),
                               kv.data_ptr(), kv.stride(0),
                               pages.data_ptr(), pages.stride(0), pages.size(0), (int)block_size,
-                              (int)fmt, interleaved ? 1 : 0,
+                              (int)fmt, fnuz ? 1 : 0, interleaved ? 1 : 0,
                               slots.data_ptr(), is64(slots), (int)slots.size(0),
                               positions.data_ptr(), is64(positions),
                               cos_sin.data_ptr(), cs_bf16(cos_sin), cos_sin.size(0),
@@ -67,10 +68,11 @@ void qnorm_rope_and_insert_full_k_cache(const at::Tensor& q, const at::Tensor& k
 
 void dequantize_and_gather_k_cache(at::Tensor& out, const at::Tensor& pages, const at::Tensor& seq_lens,
                                    const c10::optional<at::Tensor>& gather_lens, const at::Tensor& block_table,
-                                   int64_t block_size, int64_t offset, int64_t fmt, bool interleaved) {
+                                   int64_t block_size, int64_t offset, int64_t fmt, bool fnuz, bool interleaved) {
   const c10::cuda::OptionalCUDAGuard guard(out.device());
   const bool has_gl = gather_lens.has_value();
-  dsv4_gather_args a = {pages.data_ptr(), pages.stride(0), pages.size(0), (int)block_size, (int)fmt, interleaved ? 1 : 0,
+  dsv4_gather_args a = {pages.data_ptr(), pages.stride(0), pages.size(0), (int)block_size, (int)fmt, fnuz ? 1 : 0,
+                        interleaved ? 1 : 0,
                         out.data_ptr(), out.stride(0), out.stride(1), out.size(1),
                         seq_lens.data_ptr(), is64(seq_lens),
                         has_gl ? gather_lens->data_ptr() : nullptr, has_gl ? is64(*gather_lens) : 0,
@@ -80,10 +82,10 @@ void dequantize_and_gather_k_cache(at::Tensor& out, const at::Tensor& pages, con
 }
 
 void dequantize_global_slots_k_cache(at::Tensor& out, const at::Tensor& pages, const at::Tensor& slot_ids,
-                                     int64_t block_size, int64_t fmt, bool interleaved) {
+                                     int64_t block_size, int64_t fmt, bool fnuz, bool interleaved) {
   const c10::cuda::OptionalCUDAGuard guard(out.device());
   dsv4_global_gather_args a = {pages.data_ptr(), pages.stride(0), pages.size(0), (int)block_size, (int)fmt,
-                               interleaved ? 1 : 0,
+                               fnuz ? 1 : 0, interleaved ? 1 : 0,
                                out.data_ptr(), out.stride(0), out.stride(1),
                                slot_ids.data_ptr(), is64(slot_ids), slot_ids.stride(0), slot_ids.stride(1),
                                slot_ids.size(0), slot_ids.size(1)};
@@ -101,17 +103,17 @@ void fused_q_kv_rmsnorm(const at::Tensor& qr, const at::Tensor& kv, const at::Te
 
 TORCH_LIBRARY(dsv4_rocm_hip, m) {
   m.def("quantize_and_insert_k_cache(Tensor k, Tensor(a!) pages, Tensor slots, int block_size, int fmt, "
-        "bool interleaved) -> ()");
+        "bool fnuz, bool interleaved) -> ()");
   m.def("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(Tensor q, Tensor kv, Tensor(a!) q_out, "
         "Tensor(b!) pages, Tensor slots, Tensor positions, Tensor cos_sin_cache, float eps, int block_size, "
-        "int fmt, bool interleaved, bool apply_q_norm, bool apply_q_rope, bool q_interleaved) -> ()");
+        "int fmt, bool fnuz, bool interleaved, bool apply_q_norm, bool apply_q_rope, bool q_interleaved) -> ()");
   m.def("qnorm_rope_and_insert_full_k_cache(Tensor q, Tensor kv, Tensor(a!) q_fp8, Tensor(b!) k_cache, "
         "Tensor slots, Tensor positions, Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, "
         "float eps, int block_size) -> ()");
   m.def("dequantize_and_gather_k_cache(Tensor(a!) out, Tensor pages, Tensor seq_lens, Tensor? gather_lens, "
-        "Tensor block_table, int block_size, int offset, int fmt, bool interleaved) -> ()");
+        "Tensor block_table, int block_size, int offset, int fmt, bool fnuz, bool interleaved) -> ()");
   m.def("dequantize_global_slots_k_cache(Tensor(a!) out, Tensor pages, Tensor slot_ids, int block_size, int fmt, "
-        "bool interleaved) -> ()");
+        "bool fnuz, bool interleaved) -> ()");
   m.def("fused_q_kv_rmsnorm(Tensor qr, Tensor kv, Tensor q_weight, Tensor kv_weight, Tensor(a!) qr_out, "
         "Tensor(b!) kv_out, float eps) -> ()");
 }

@@ -4,15 +4,16 @@
 // Conventions: strides are in elements of the tensor they describe (bytes for uint8 caches); an index
 // tensor (slots, positions, lengths, block table) is int32 or int64 as the engine passes it, and its
 // `*64` flag says which; a cache is a `[num_blocks, block_size * record]` byte view whose page stride is
-// `page_stride` (dsv4_rocm/cache_views.py), whose records are of the format `fmt` (DSV4_FMT_*, dsv4/record.h)
-// in the page layout `interleaved` (0: page-split). Every index is bounds-checked in the kernels against these.
+// `page_stride` (dsv4_rocm/cache_views.py), whose records are of the format `fmt` (DSV4_FMT_*, dsv4/record.h),
+// its e4m3 bytes of the FNUZ flavour when `fnuz` (V40_584, V41_528 only), in the page layout `interleaved`
+// (0: page-split). Every index is bounds-checked in the kernels against these.
 #pragma once
 #include <stdint.h>
 
 typedef struct {
   const void* k; int64_t k_stride;                       // bf16 [n, 512] rows
   void* cache; int64_t page_stride, num_blocks; int bs;  // record pages
-  int fmt, interleaved;
+  int fmt, fnuz, interleaved;
   const void* slots; int slots64; int n;                 // [n] slots, < 0 or past the cache: skipped
 } dsv4_insert_args;
 
@@ -21,7 +22,7 @@ typedef struct {
   void* q_out; int64_t qo_st, qo_sh; int Hp;             // bf16 [T, Hp, 512]
   const void* kv; int64_t kv_stride;                     // bf16 [T, 512]
   void* cache; int64_t page_stride, num_blocks; int bs;  // record pages
-  int fmt, interleaved;
+  int fmt, fnuz, interleaved;
   const void* slots; int slots64; int n_slots;           // first n_slots tokens are inserted
   const void* positions; int pos64;                      // [T]
   const void* cos_sin; int cs_bf16; int64_t max_pos;     // [max_pos, 64] fp32 or bf16, rows contiguous
@@ -43,7 +44,7 @@ typedef struct {
 
 typedef struct {
   const void* cache; int64_t page_stride, num_blocks; int bs;
-  int fmt, interleaved;
+  int fmt, fnuz, interleaved;
   void* out; int64_t out_s0, out_s1, rows;               // bf16 [R, rows, 512], rows 16-byte aligned
   const void* seq_lens; int seq64;                       // [R]
   const void* gather_lens; int gl64;                     // [R] or NULL (= seq_lens)
@@ -53,7 +54,7 @@ typedef struct {
 
 typedef struct {
   const void* cache; int64_t page_stride, num_blocks; int bs;
-  int fmt, interleaved;
+  int fmt, fnuz, interleaved;
   void* out; int64_t out_s0, out_s1;                     // bf16 [N, K, 512], rows 16-byte aligned
   const void* slots; int slots64; int64_t s_s0, s_s1;    // [N, K]
   int64_t N, K;

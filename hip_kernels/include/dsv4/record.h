@@ -9,6 +9,12 @@
 //            bf16 RoPE dims; 7 UE8M0 bytes and a pad byte 0.
 //   V41_528: every lane 16 e4m3 values (2 lanes = one 32-value UE8M0 block); 16 UE8M0 bytes.
 //   V41_FP4_288: every lane 16 e2m1 values (8 bytes, one e4m3 scale); 32 scale bytes.
+// FNUZ (a member of the e4m3 formats' structs: dsv4_v40_fnuz, dsv4_v41_fnuz; the format's `fnuz` launch
+// flag): the FNUZ flavour of the record, vLLM's gfx942 sliding-window cache (docs/cache_format.md#fnuz-flavour,
+// dsv4_rocm/layout.py with_fnuz). Its e4m3fnuz bytes are the OCP bytes of the same block and each scale byte
+// is one higher, so the writer and the reader differ from the OCP ones only in the scale byte, a poisoned
+// block's fill byte (0x80, fnuz NaN) and the bytes fnuz reads differently (0x80 NaN; 0x7F / 0xFF +-240,
+// which an FNUZ writer never emits).
 #pragma once
 #include "dsv4/portable.h"
 
@@ -20,18 +26,33 @@
 #define DSV4_FMT_V41 1
 #define DSV4_FMT_V41_FP4 2
 
-template <int CODE, int TOKEN_BYTES_, int DATA_BYTES_, int QUANT_DIMS_, int ELEM_BITS_, int QUANT_BLOCK_>
+template <int CODE, int TOKEN_BYTES_, int DATA_BYTES_, int QUANT_DIMS_, int ELEM_BITS_, int QUANT_BLOCK_,
+          bool FNUZ_ = false>
 struct dsv4_format {
   static constexpr int CODE_ = CODE;
+  static constexpr bool FNUZ = FNUZ_;                             // e4m3fnuz bytes, scale bytes one higher
   static constexpr int TOKEN_BYTES = TOKEN_BYTES_, DATA_BYTES = DATA_BYTES_, SCALE_BYTES = TOKEN_BYTES_ - DATA_BYTES_;
   static constexpr int QUANT_DIMS = QUANT_DIMS_, ELEM_BITS = ELEM_BITS_, QUANT_BLOCK = QUANT_BLOCK_;
   static constexpr int LANES_PER_BLOCK = QUANT_BLOCK_ / 16;      // 4 (V40), 2 (V41), 1 (FP4)
   static constexpr int QUANT_LANES = QUANT_DIMS_ / 16;           // lanes holding quantized values
   static constexpr int LANE_BYTES = 16 * ELEM_BITS_ / 8;         // data bytes of a quantized lane
 };
-struct dsv4_v40 : dsv4_format<DSV4_FMT_V40, 584, 576, 448, 8, 64> {};
-struct dsv4_v41 : dsv4_format<DSV4_FMT_V41, 528, 512, 512, 8, 32> {};
+template <bool FNUZ = false> struct dsv4_v40_t : dsv4_format<DSV4_FMT_V40, 584, 576, 448, 8, 64, FNUZ> {};
+template <bool FNUZ = false> struct dsv4_v41_t : dsv4_format<DSV4_FMT_V41, 528, 512, 512, 8, 32, FNUZ> {};
+typedef dsv4_v40_t<false> dsv4_v40;
+typedef dsv4_v40_t<true> dsv4_v40_fnuz;
+typedef dsv4_v41_t<false> dsv4_v41;
+typedef dsv4_v41_t<true> dsv4_v41_fnuz;
 struct dsv4_v41_fp4 : dsv4_format<DSV4_FMT_V41_FP4, 288, 256, 512, 4, 16> {};
+
+// KERNEL<F> for the e4m3 format (V40_584 or V41_528, OCP or FNUZ) that launch arguments `a` name (a->fmt,
+// a->fnuz); with the V41_FP4_288 reader as well for DSV4_ANY_FORMAT_KERNEL. Every instance has the same
+// function type, so the launcher picks one pointer and launches it.
+#define DSV4_FP8_FORMAT_KERNEL(KERNEL, a)                                                               \
+  ((a)->fmt == DSV4_FMT_V41 ? ((a)->fnuz ? KERNEL<dsv4_v41_fnuz> : KERNEL<dsv4_v41>)                   \
+                            : ((a)->fnuz ? KERNEL<dsv4_v40_fnuz> : KERNEL<dsv4_v40>))
+#define DSV4_ANY_FORMAT_KERNEL(KERNEL, a) \
+  ((a)->fmt == DSV4_FMT_V41_FP4 ? KERNEL<dsv4_v41_fp4> : DSV4_FP8_FORMAT_KERNEL(KERNEL, a))
 
 // Byte offsets inside a page of record `off`'s data and scale bytes.
 template <class F>
@@ -113,14 +134,15 @@ __device__ __forceinline__ void dsv4_amax16(const float v[16], float& amax, int&
 }
 
 // This lane's 16 values times inv (a power of two: exact) as e4m3 bytes, four a word; a poisoned block
-// (bad) is 0x7F throughout.
+// (bad) is NaN throughout: 0x7F, or 0x80 in the FNUZ flavour.
+template <bool FNUZ>
 __device__ __forceinline__ void dsv4_fp8_words16(const float v[16], float inv, int bad, uint32_t w[4]) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     uint32_t word = 0;
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      uint8_t q = bad ? (uint8_t)0x7f : dsv4_fp8_encode(dsv4_mul(v[4 * j + b], inv));
+      uint8_t q = bad ? (uint8_t)(FNUZ ? 0x80 : 0x7f) : dsv4_fp8_encode(dsv4_mul(v[4 * j + b], inv));
       word |= (uint32_t)q << (8 * b);
     }
     w[j] = word;
@@ -128,6 +150,7 @@ __device__ __forceinline__ void dsv4_fp8_words16(const float v[16], float inv, i
 }
 
 // v: bf16-exact values of the whole group's vector (16 per lane). All 32 lanes must call this.
+template <bool FNUZ>
 __device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lane, uint8_t* page, int64_t off,
                                                       int bs, int interleaved) {
   float amax;
@@ -138,7 +161,7 @@ __device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lan
   uint8_t* data = page + dsv4_data_off<dsv4_v40>(off, interleaved);
   int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
   // the 8 scale bytes (7 UE8M0 + pad 0) leave in one 8-byte store from lane 0, not 8 byte stores
-  int sbyte = lane < DSV4_NOPE_LANES ? (bad ? 0xff : e + 127) : 0;
+  int sbyte = lane < DSV4_NOPE_LANES ? (bad ? 0xff : e + 127 + FNUZ) : 0;
   uint32_t lo = 0, hi = 0;
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
@@ -147,7 +170,7 @@ __device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lan
   }
   if (lane < DSV4_NOPE_LANES) {
     uint32_t w[4];
-    dsv4_fp8_words16(v, dsv4_exp2i(-e), bad, w);
+    dsv4_fp8_words16<FNUZ>(v, dsv4_exp2i(-e), bad, w);
     *reinterpret_cast<uint4*>(data + lane * 16) = make_uint4(w[0], w[1], w[2], w[3]);
     if (lane == 0)
       *reinterpret_cast<uint2*>(page + dsv4_scale_off<dsv4_v40>(off, bs, interleaved)) = make_uint2(lo, hi & 0x00ffffffu);
@@ -157,7 +180,8 @@ __device__ __forceinline__ void dsv4_write_record_v40(const float v[16], int lan
 }
 
 // V41_528: every lane quantizes its 16 values against the UE8M0 scale of its 32-value block (lanes 2b, 2b+1);
-// the even lane of a block writes its scale byte. A block holding NaN or +-inf: bytes 0x7F, scale 0xFF.
+// the even lane of a block writes its scale byte. A block holding NaN or +-inf: bytes 0x7F (0x80 FNUZ), scale 0xFF.
+template <bool FNUZ>
 __device__ __forceinline__ void dsv4_write_record_v41(const float v[16], int lane, uint8_t* page, int64_t off,
                                                       int bs, int interleaved) {
   float amax;
@@ -167,10 +191,10 @@ __device__ __forceinline__ void dsv4_write_record_v41(const float v[16], int lan
   bad = dsv4_group_or(bad, 2);
   int e = dsv4_ceil_log2(dsv4_fmaxf(amax, DSV4_KV_EPS) / 448.0f);
   uint32_t w[4];
-  dsv4_fp8_words16(v, dsv4_exp2i(-e), bad, w);
+  dsv4_fp8_words16<FNUZ>(v, dsv4_exp2i(-e), bad, w);
   *reinterpret_cast<uint4*>(page + dsv4_data_off<dsv4_v41>(off, interleaved) + lane * 16) = make_uint4(w[0], w[1], w[2], w[3]);
   if ((lane & 1) == 0)
-    page[dsv4_scale_off<dsv4_v41>(off, bs, interleaved) + (lane >> 1)] = (uint8_t)(bad ? 0xff : e + 127);
+    page[dsv4_scale_off<dsv4_v41>(off, bs, interleaved) + (lane >> 1)] = (uint8_t)(bad ? 0xff : e + 127 + FNUZ);
 }
 
 // V41_FP4_288: each lane is one 16-value block: scale sc = e4m3(clamp(amax * fp32(1/6), 2^-9, 448)), codes
@@ -198,8 +222,8 @@ __device__ __forceinline__ void dsv4_write_record_fp4(const float v[16], int lan
 template <class F>
 __device__ __forceinline__ void dsv4_write_record(const float v[16], int lane, uint8_t* page, int64_t off, int bs,
                                                   int interleaved) {
-  if (F::CODE_ == DSV4_FMT_V40) dsv4_write_record_v40(v, lane, page, off, bs, interleaved);
-  else if (F::CODE_ == DSV4_FMT_V41) dsv4_write_record_v41(v, lane, page, off, bs, interleaved);
+  if (F::CODE_ == DSV4_FMT_V40) dsv4_write_record_v40<F::FNUZ>(v, lane, page, off, bs, interleaved);
+  else if (F::CODE_ == DSV4_FMT_V41) dsv4_write_record_v41<F::FNUZ>(v, lane, page, off, bs, interleaved);
   else dsv4_write_record_fp4(v, lane, page, off, bs, interleaved);
 }
 
@@ -230,10 +254,19 @@ __device__ __forceinline__ void dsv4_load_record_lane(const uint8_t* page, int64
   }
 }
 
+// Twice the value of an e4m3fnuz byte (integer path): the OCP value of the same byte, except 0x80 (fnuz
+// NaN) and 0x7F / 0xFF (fnuz +-240, twice that 480 where OCP has NaN).
+__device__ __forceinline__ float dsv4_fp8_decode_fnuz_x2(uint8_t b) {
+  if (b == 0x80) return __uint_as_float(0x7fc00000u);
+  uint32_t e = (b >> 3) & 0xf, m = b & 7;
+  float mag = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+  return (b & 0x80) ? -mag : mag;
+}
+
 // Store this lane's 16 bf16 values of a row loaded by dsv4_load_record_lane (dst = the row's first value):
-// fp8 lanes dequantize (fp8 * 2^(sb - 127), exact in bf16; sb 0xFF gives NaN), e2m1 lanes multiply each
-// code's value by the e4m3 scale (exact; a NaN scale gives NaN), bf16 lanes copy verbatim; an invalid row is
-// all zeros (its loads were zero).
+// fp8 lanes dequantize (fp8 * 2^(sb - 127), exact in bf16; sb 0xFF gives NaN; FNUZ: fnuz(byte) * 2^(sb - 127),
+// computed as 2 fnuz(byte) * 2^(sb - 128)), e2m1 lanes multiply each code's value by the e4m3 scale (exact;
+// a NaN scale gives NaN), bf16 lanes copy verbatim; an invalid row is all zeros (its loads were zero).
 template <class F>
 __device__ __forceinline__ void dsv4_store_record_lane(uint16_t* dst, const uint4 p[2], uint8_t sb, int lane,
                                                        bool valid) {
@@ -251,10 +284,15 @@ __device__ __forceinline__ void dsv4_store_record_lane(uint16_t* dst, const uint
     for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(dsv4_e2m1_decode(w[i / 8] >> (4 * (i % 8))), scale);
   } else {
     uint32_t w[4] = {p[0].x, p[0].y, p[0].z, p[0].w};
-    // 2^(sb - 127): sb 0 is the one subnormal scale (2^-127); sb 0xFF is UE8M0 NaN
-    float scale = sb == 0xff ? __uint_as_float(0x7fc00000u) : sb == 0 ? __uint_as_float(1u << 22) : dsv4_exp2i((int)sb - 127);
+    // 2^(sb - 127 - FNUZ): the scales below 2^-126 are subnormal (sb 0, and sb 1 for FNUZ); sb 0xFF is UE8M0 NaN
+    const int se = (int)sb - 127 - F::FNUZ;
+    float scale = sb == 0xff ? __uint_as_float(0x7fc00000u) : se < -126 ? __uint_as_float(1u << (se + 149))
+                                                                         : dsv4_exp2i(se);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = dsv4_mul(dsv4_fp8_decode((uint8_t)(w[i / 4] >> (8 * (i % 4)))), scale);
+    for (int i = 0; i < 16; ++i) {
+      uint8_t b = (uint8_t)(w[i / 4] >> (8 * (i % 4)));
+      v[i] = dsv4_mul(F::FNUZ ? dsv4_fp8_decode_fnuz_x2(b) : dsv4_fp8_decode(b), scale);
+    }
   }
   dsv4_store_bf16x16(dst + lane * 16, v);
 }

@@ -1,0 +1,157 @@
+"""DeepSeek-V4.1 compressor in vLLM's call forms (vllm/models/deepseek_v41/common/ops/fused_compress_quant_cache.py):
+``fused_save_compress_norm`` (ring save, pooling of ratio-1 / ratio-2 groups, RMSNorm -> bf16 latent) and
+``rope_quant_insert`` (latent -> RoPE -> compressed-cache record). The math is in
+``dsv4_rocm.reference.compressor_v41``; bad input is a ValueError naming the argument before anything is
+written, value checks follow ``value_checks`` (docs/conventions.md).
+"""
+import torch
+
+from .. import _checks as C
+from ..reference import compressor_v41 as _rv
+from ._dispatch import register, run as _run, value_checks
+
+__all__ = ["fused_save_compress_norm", "rope_quant_insert"]
+
+register("fused_save_compress_norm", _rv.fused_save_compress_norm,
+         triton="dsv4_rocm.triton.fused_save_compress_norm:fused_save_compress_norm")
+register("rope_quant_insert", _rv.rope_quant_insert, triton="dsv4_rocm.triton.rope_quant_insert:rope_quant_insert")
+
+D = _rv.LATENT_DIM
+OTHER_RECORDS = {528: "the V4.1 MXFP8 record", 288: "the V4.1 NVFP4 record"}
+
+
+def _ratio(compress_ratio):
+    if compress_ratio not in (1, 2) or isinstance(compress_ratio, bool):
+        raise ValueError(f"compress_ratio must be 1 or 2 (DeepSeek-V4.1), got {compress_ratio!r}")
+
+
+def _token_vector(name, t, n):
+    C.tensor(name, t, dtype=C.INDEX, dim=1)
+    if t.shape[0] < n:
+        raise ValueError(f"{name} has {t.shape[0]} entries for the {n} tokens of slot_mapping")
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, query_start_loc, token_to_req_indices,
+                             rms_norm_weight, rms_norm_eps, compress_ratio, latent_out) -> None:
+    """kv_score fp32 [T, 512 * r] (rows 16-byte aligned), positions int [>= n], slot_mapping int [n] (r = 2:
+    ring slots of ``state_cache`` fp32 [blocks, capacity, 1024]; r = 1: any slots, negative = padding, and
+    state_cache / query_start_loc / token_to_req_indices are unused and may be None), query_start_loc int32
+    [R + 1], token_to_req_indices int [>= n], rms_norm_weight [512], latent_out bf16 [T, 512] contiguous:
+    writes the latents of the group-closing tokens and saves the ring (reference.compressor_v41)."""
+    _ratio(compress_ratio)
+    C.tensor("kv_score", kv_score, dtype=torch.float32, shape=(None, D * compress_ratio))
+    if kv_score.shape[0] and (kv_score.stride(1) != 1 or (kv_score.shape[0] > 1 and kv_score.stride(0) % 4)):
+        raise ValueError(f"kv_score rows must be contiguous and 16-byte aligned, got strides {kv_score.stride()}")
+    T = kv_score.shape[0]
+    C.tensor("latent_out", latent_out, dtype=torch.bfloat16, shape=(T, D), contiguous=True)
+    n = C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1).shape[0]
+    if n > T:
+        raise ValueError(f"slot_mapping has {n} entries for the {T} rows of kv_score")
+    if n > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError("slot_mapping must be contiguous")
+    _token_vector("positions", positions, n)
+    C.tensor("rms_norm_weight", rms_norm_weight, dtype=(torch.bfloat16, torch.float32), shape=(D,))
+    C.finite_float("rms_norm_eps", rms_norm_eps, minimum=0.0)
+    if compress_ratio == 2:
+        C.tensor("state_cache", state_cache, dtype=torch.float32, dim=3)
+        if state_cache.shape[2] != 2 * D or state_cache.stride(2) != 1 or state_cache.shape[1] < 1 or (
+                state_cache.shape[1] > 1 and state_cache.stride(1) % 4):
+            raise ValueError(f"state_cache must be fp32 [blocks, capacity, {2 * D}] with contiguous 16-byte aligned "
+                             f"rows, got shape {tuple(state_cache.shape)} stride {state_cache.stride()}")
+        C.tensor("query_start_loc", query_start_loc, dtype=torch.int32, dim=1)
+        if query_start_loc.shape[0] < 1 or (query_start_loc.shape[0] > 1 and query_start_loc.stride(0) != 1):
+            raise ValueError("query_start_loc must be a contiguous int32 [num_reqs + 1] tensor")
+        _token_vector("token_to_req_indices", token_to_req_indices, n)
+    C.same_device(kv_score=kv_score, positions=positions, state_cache=state_cache if compress_ratio == 2 else None,
+                  slot_mapping=slot_mapping, query_start_loc=query_start_loc if compress_ratio == 2 else None,
+                  token_to_req_indices=token_to_req_indices if compress_ratio == 2 else None,
+                  rms_norm_weight=rms_norm_weight, latent_out=latent_out)
+    if compress_ratio == 2 and value_checks(slot_mapping) and n:
+        _check_ring(state_cache, slot_mapping, positions, query_start_loc, token_to_req_indices, n)
+    if n == 0:
+        return
+    _run("fused_save_compress_norm", kv_score.device, kv_score, positions, state_cache, slot_mapping,
+         query_start_loc, token_to_req_indices, rms_norm_weight, float(rms_norm_eps), compress_ratio, latent_out)
+
+
+def _check_ring(state_cache, slot_mapping, positions, query_start_loc, token_to_req, n):
+    """Value checks of a ratio-2 call: ring slots inside the cache, each live token's request and position."""
+    s = slot_mapping.long()
+    cap = state_cache.shape[0] * state_cache.shape[1]
+    if int(s.max()) >= cap:
+        raise ValueError(f"slot_mapping: slot {int(s.max())} is outside the ring state cache ({cap} rows)")
+    live = s >= 0
+    if not bool(live.any()):
+        return
+    req = token_to_req[:n].long()[live]
+    R = query_start_loc.shape[0] - 1
+    if int(req.min()) < 0 or int(req.max()) >= R:
+        raise ValueError(f"token_to_req_indices must name a request in [0, {R}) for every token with a slot")
+    if int(positions[:n].long()[live].min()) < 0:
+        raise ValueError("positions: a token with a slot has a negative position")
+    qsl = query_start_loc.long()
+    if bool((qsl[1:] < qsl[:-1]).any()):
+        raise ValueError("query_start_loc must be non-decreasing")
+
+
+def _kv_cache_records(kv_cache):
+    """Block size of a paged fp8_ds_mla cache [nb, bs, 584] or [nb, bs, 1, 584]."""
+    C.tensor("kv_cache", kv_cache, dtype=(torch.uint8, torch.float8_e4m3fn))
+    if kv_cache.dim() not in (3, 4) or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1):
+        raise ValueError(f"kv_cache must be the paged compressed cache [num_blocks, block_size, record bytes] (or "
+                         f"[nb, bs, 1, record bytes]), got shape {tuple(kv_cache.shape)}")
+    rec = kv_cache.shape[-1]
+    if rec in OTHER_RECORDS:
+        raise ValueError(f"kv_cache: {rec}-byte records ({OTHER_RECORDS[rec]}) are not written by this build; "
+                         "the compressed cache holds 584-byte fp8_ds_mla records")
+    if rec != _rv.RECORD_BYTES:
+        raise ValueError(f"kv_cache records must be {_rv.RECORD_BYTES} bytes, got {rec}")
+    bs = kv_cache.shape[1]
+    if bs < 1 or kv_cache.stride(-1) != 1 or (bs > 1 and kv_cache.stride(1) != rec):
+        raise ValueError(f"kv_cache records must be dense, got shape {tuple(kv_cache.shape)} stride "
+                         f"{kv_cache.stride()}")
+    if kv_cache.shape[0] > 1 and (kv_cache.stride(0) < bs * rec or kv_cache.stride(0) % 16):
+        raise ValueError(f"kv_cache page stride {kv_cache.stride(0)} must hold the page's {bs * rec} record bytes "
+                         "and be a multiple of 16")
+    return bs
+
+
+def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio,
+                      fp8_scale=None) -> None:
+    """latent bf16 [T, 512] contiguous, positions int [>= n], cos_sin_cache fp32 or bf16 [P, 64], kv_cache the
+    paged compressed cache (uint8 [nb, bs, 584]), slot_mapping int [n] (negative = padding): the record of
+    each group-closing token (reference.compressor_v41). ``fp8_scale`` belongs to vLLM's plain-row caches and
+    must be None here."""
+    _ratio(compress_ratio)
+    if fp8_scale is not None:
+        raise ValueError("fp8_scale: only the paged fp8_ds_mla record is written (plain fp8 rows are not supported)")
+    C.tensor("latent", latent, dtype=torch.bfloat16, shape=(None, D), contiguous=True)
+    n = C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1).shape[0]
+    if n > latent.shape[0]:
+        raise ValueError(f"slot_mapping has {n} entries for the {latent.shape[0]} rows of latent")
+    if n > 1 and slot_mapping.stride(0) != 1:
+        raise ValueError("slot_mapping must be contiguous")
+    _token_vector("positions", positions, n)
+    C.tensor("cos_sin_cache", cos_sin_cache, dtype=(torch.float32, torch.bfloat16), shape=(None, 64))
+    if cos_sin_cache.stride(1) != 1:
+        raise ValueError("cos_sin_cache rows must be contiguous")
+    bs = _kv_cache_records(kv_cache)
+    C.same_device(latent=latent, positions=positions, cos_sin_cache=cos_sin_cache, kv_cache=kv_cache,
+                  slot_mapping=slot_mapping)
+    if value_checks(slot_mapping) and n:
+        check_record_slots(slot_mapping, positions, n, kv_cache.shape[0] * bs, cos_sin_cache.shape[0])
+    if n == 0:
+        return
+    _run("rope_quant_insert", latent.device, latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio)
+
+
+def check_record_slots(slot_mapping, positions, n, capacity, cs_rows):
+    """Value checks of a record writer: slots inside the cache, positions of live tokens in the RoPE table."""
+    s = slot_mapping[:n].long()
+    if int(s.max()) >= capacity:
+        raise ValueError(f"slot_mapping: slot {int(s.max())} is outside the cache ({capacity} slots)")
+    p = positions[:n].long()[s >= 0]
+    if p.numel() and (int(p.min()) < 0 or int(p.max()) >= cs_rows):
+        raise ValueError(f"positions must lie in [0, {cs_rows}) (rows of cos_sin_cache) for tokens with a slot")

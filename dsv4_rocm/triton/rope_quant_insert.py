@@ -1,0 +1,75 @@
+"""DeepSeek-V4.1 compressor, second half (vLLM's ``rope_quant_insert``): the compressed-cache record of
+every group-closing token's latent.
+
+Math (dsv4_rocm/reference/compressor_v41.py): token t (t < len(slot_mapping)) at position p with
+(p + 1) % r == 0, a slot inside the cache and p inside the cos/sin table: x = fp32(latent[t]); the
+fp8_ds_mla record of (x, RoPE(x) at (p // r) * r): UE8M0 fp8 of x[:448] in blocks of 64, bf16 of the
+rotated dims 448..511, 7 scales and a 0 pad byte (the store of dsv4_rocm/triton/compress_norm_rope_store.py,
+so the bytes are those of every other writer of the record). Page p = slot // bs at
+``kv_cache.stride(0)``, record o = slot % bs: data at p + o * 576, scales at p + bs * 576 + o * 8.
+
+Grid: one program per ROWS tokens, each token's record made in turn (a decode step writes a record for
+half the tokens or fewer, a prefill chunk one per r tokens).
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..platform import detect
+from ._launch import cdiv, launch
+from .compress_norm_rope_store import _rope_last64, _store_main
+
+D = 512
+ROWS = 4
+
+
+@triton.jit
+def record_token(slot_ptr, pos_ptr, t, capacity, cs_rows, RATIO: tl.constexpr):
+    """(slot, position, writes): token t writes a record when its slot is inside the cache, its position
+    inside the cos/sin table, and it closes a group ((p + 1) % RATIO == 0)."""
+    s = tl.load(slot_ptr + t).to(tl.int64)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    return s, p, (s >= 0) & (s < capacity) & (p >= 0) & (p < cs_rows) & ((p + 1) % RATIO == 0)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _rope_quant_insert_kernel(latent_ptr, pos_ptr, cs_ptr, cs_stride, cs_rows, cache_ptr, page_stride, capacity,
+                              slot_ptr, n, RATIO: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
+                              FNUZ: tl.constexpr):
+    d = tl.arange(0, 512)
+    for i in range(R):
+        t = tl.program_id(0) * R + i
+        if t < n:
+            s, p, writes = record_token(slot_ptr, pos_ptr, t, capacity, cs_rows, RATIO)
+            if writes:
+                x = tl.load(latent_ptr + t.to(tl.int64) * 512 + d).to(tl.float32)
+                roped = _rope_last64(x, cs_ptr + ((p // RATIO) * RATIO) * cs_stride, 512)
+                _store_main(cache_ptr + (s // BS) * page_stride, s % BS, BS, x, roped, FNUZ)
+
+
+@functools.lru_cache(maxsize=None)
+def _fnuz(device) -> bool:
+    return detect(device).arch == "gfx942"
+
+
+def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None) -> None:
+    """vLLM's call form; arguments checked by ``dsv4_rocm.ops.rope_quant_insert``."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    bs = kv_cache.shape[1]
+    cache = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
+    launch(_rope_quant_insert_kernel)[(cdiv(n, ROWS),)](
+        latent, positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], cache, kv_cache.stride(0),
+        kv_cache.shape[0] * bs, slot_mapping, n, RATIO=compress_ratio, BS=bs, R=ROWS, FNUZ=_fnuz(latent.device),
+        num_warps=4, num_stages=1, enable_fp_fusion=False)
+
+
+COMPILE_SPECS = [   # the ratio only changes a constant of the position test
+    dict(name="rope_quant_insert", fn=_rope_quant_insert_kernel,
+         pointers=dict(latent_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", cache_ptr="*u8", slot_ptr="*i64"),
+         floats=(), constexprs=lambda arch: dict(RATIO=2, BS=64, R=ROWS, FNUZ=arch == "gfx942"),
+         options=lambda arch: dict(num_warps=4, num_stages=1, enable_fp_fusion=False), matrix=False,
+         fp8_encode=True, exact_fp32=True)]

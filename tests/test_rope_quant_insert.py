@@ -1,0 +1,145 @@
+"""DeepSeek-V4.1 compressor, second half (rope_quant_insert): the oracle against the record written out by
+hand and against the V4.0 record writer, padding and rejected calls; the Triton kernel under the
+interpreter on values every conversion represents exactly (bytes equal), and on a GPU on random latents
+(bytes equal), through the cache views an engine holds."""
+import pytest
+import torch
+
+from dsv4_rocm import ops
+from dsv4_rocm.reference import cache as rcache
+from dsv4_rocm.reference.qkv import kv_rope
+from dsv4_rocm.reference.quant import ue8m0_qdq
+from dsv4_rocm.reference.rope import build_cos_sin_cache, rope_fwd
+from helpers import patch_interpreter_scalars, run_file_interpreted
+from v41_inputs import e4m3_grid, quarter_turn_table
+
+BS = 64
+
+
+def _cache(nb, seed, device="cpu"):
+    """[nb, 64, 584] over random page bytes (padding included)."""
+    g = torch.Generator().manual_seed(seed)
+    page = rcache.new_cache(nb, BS).shape[1]
+    buf = torch.randint(0, 256, (nb, page), generator=g, dtype=torch.uint8).to(device)
+    return torch.as_strided(buf, (nb, BS, 584), (page, 584, 1)), buf
+
+
+def _case(ratio, seed, T=40, nb=3):
+    g = torch.Generator().manual_seed(seed)
+    latent = (torch.randn(T, 512, generator=g) * torch.exp2(torch.randint(-4, 4, (T, 1), generator=g).float())
+              ).bfloat16()
+    pos = torch.randint(0, 500, (T,), generator=g)
+    slots = torch.randperm(nb * BS, generator=g)[:T].long()
+    slots[3] = -1
+    return latent, pos, slots
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_oracle_is_the_record_by_hand(ratio):
+    latent, pos, slots = _case(ratio, 0)
+    cs = build_cos_sin_cache(160000.0, 600)
+    cache, buf = _cache(3, 1)
+    before = buf.clone()
+    ops.rope_quant_insert(latent, pos, cs, cache, slots, ratio)
+    written = 0
+    for t in range(latent.shape[0]):
+        s, p = int(slots[t]), int(pos[t])
+        if s < 0 or (p + 1) % ratio:
+            continue
+        rec = rcache.gather_k_records(buf, torch.tensor([s]), BS)
+        k = rcache.decode_k_records(rec)[0]
+        x = latent[t].float()
+        assert torch.equal(k[:448], ue8m0_qdq(x[:448].unsqueeze(0), 64, 1e-4)[0])
+        rope = rope_fwd(x.unsqueeze(0), torch.tensor([(p // ratio) * ratio]), cs)[0, 448:].bfloat16().float()
+        assert torch.equal(k[448:], rope)
+        assert rec[0, 583] == 0
+        written += 1
+    untouched = before.clone()
+    keep = torch.ones_like(buf, dtype=torch.bool)
+    for t in range(latent.shape[0]):
+        s, p = int(slots[t]), int(pos[t])
+        if s >= 0 and (p + 1) % ratio == 0:
+            blk, o = divmod(s, BS)
+            keep[blk, o * 576:(o + 1) * 576] = False
+            keep[blk, BS * 576 + o * 8:BS * 576 + o * 8 + 8] = False
+    assert written > 10 and torch.equal(buf[keep], untouched[keep])
+
+
+def test_bytes_equal_the_v40_record_writer():
+    """The record of a latent is the fp8_ds_mla record every other writer makes of RoPE(latent)."""
+    latent, pos, slots = _case(2, 2)
+    cs = build_cos_sin_cache(160000.0, 600)
+    a, abuf = _cache(3, 3)
+    b, bbuf = _cache(3, 3)
+    ops.rope_quant_insert(latent, pos, cs, a, slots, 2)
+    closes = (pos + 1) % 2 == 0
+    rcache.quantize_and_insert_k_cache(kv_rope(latent, (pos // 2) * 2, cs), b, torch.where(closes, slots, -1), BS)
+    assert torch.equal(abuf, bbuf)
+
+
+def test_rejected_calls_write_nothing():
+    latent, pos, slots = _case(1, 4)
+    cs = build_cos_sin_cache(160000.0, 600)
+    cache, buf = _cache(3, 5)
+    before = buf.clone()
+    mx = torch.zeros(3, BS, 528, dtype=torch.uint8)
+    for kwargs, match in ((dict(compress_ratio=4), "compress_ratio"), (dict(kv_cache=mx), "528-byte"),
+                          (dict(slot_mapping=slots + 10 ** 5), "slot_mapping"),
+                          (dict(positions=pos + 10 ** 4), "positions"), (dict(fp8_scale=torch.ones(1)), "fp8_scale"),
+                          (dict(latent=latent.float()), "latent")):
+        args = dict(latent=latent, positions=pos, cos_sin_cache=cs, kv_cache=cache, slot_mapping=slots,
+                    compress_ratio=1)
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            ops.rope_quant_insert(**args)
+        assert torch.equal(buf, before)
+
+
+def _exact_case(ratio, seed):
+    """Latents on the e4m3 grid (UE8M0 quantization exact) and a quarter-turn RoPE table: the kernel's bf16
+    and fp8 conversions are exact, so even the interpreter writes the oracle's bytes."""
+    g = torch.Generator().manual_seed(seed)
+    latent = e4m3_grid((48, 512), g).bfloat16()
+    pos = torch.randint(0, 300, (48,), generator=g)
+    slots = torch.randperm(4 * BS, generator=g)[:48].long()
+    slots[5] = -1
+    return latent, pos, slots, quarter_turn_table(300, seed)
+
+
+def interpreter_main():
+    from dsv4_rocm.reference.compressor_v41 import rope_quant_insert as oracle
+    from dsv4_rocm.triton.rope_quant_insert import rope_quant_insert as kernel
+    patch_interpreter_scalars()
+    for ratio in (1, 2):
+        latent, pos, slots, cs = _exact_case(ratio, 10 + ratio)
+        a, abuf = _cache(4, 6)
+        b, bbuf = _cache(4, 6)
+        oracle(latent, pos, cs, a, slots, ratio)
+        kernel(latent, pos, cs, b.unsqueeze(-2), slots, ratio)          # FlashMLA's 4-D view
+        written = int((abuf != _cache(4, 6)[1]).sum())
+        print(f"ratio {ratio}: bytes differing {int((abuf != bbuf).sum())}, written {written}")
+
+
+def test_kernel_under_the_interpreter():
+    r = run_file_interpreted(__file__)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("bytes differing 0," in l and int(l.split()[-1]) > 1000 for l in lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("view", ["3d", "4d", "fp8"])
+def test_kernel_equals_oracle_bytes_on_gpu(ratio, view, gpu):
+    latent, pos, slots = _case(ratio, 20 + ratio, T=3000, nb=80)
+    cs = build_cos_sin_cache(160000.0, 600)
+    a, abuf = _cache(80, 7)
+    b, bbuf = _cache(80, 7, gpu)
+    ops.rope_quant_insert(latent, pos, cs, a, slots, ratio)
+    cache = {"3d": b, "4d": b.unsqueeze(-2), "fp8": b.view(torch.float8_e4m3fn)}[view]
+    ops.rope_quant_insert(latent.to(gpu), pos.to(gpu), cs.to(gpu), cache, slots.to(gpu), ratio)
+    assert torch.equal(bbuf.cpu(), abuf)
+
+
+if __name__ == "__main__":
+    interpreter_main()
