@@ -91,11 +91,11 @@ def test_opcheck_hip_launchers(gpu):
     pages = V.pages(cache, 64)
     q, _, _, _, pos, cs, _, _, _ = c["fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert"]
     checks = [
-        (hip.quantize_and_insert_k_cache, (k, pages, slots, 64)),
+        (hip.quantize_and_insert_k_cache, (k, pages, slots, 64, False)),
         (hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
          (q, k, torch.empty(8, 8, 512, device=gpu).bfloat16(), pages, slots.int(), pos, cs, 1e-6, 64)),
         (hip.dequantize_and_gather_k_cache, (c["dequantize_and_gather_k_cache"][0], pages,
-                                             *c["dequantize_and_gather_k_cache"][2:])),
+                                             *c["dequantize_and_gather_k_cache"][2:], False)),
         (hip.dequantize_global_slots_k_cache, (c["dequantize_global_slots_k_cache"][0], pages,
                                                *c["dequantize_global_slots_k_cache"][2:])),
         (hip.fused_q_kv_rmsnorm, (*c["fused_q_kv_rmsnorm"][:4], torch.empty(8, 1024, device=gpu).bfloat16(),
