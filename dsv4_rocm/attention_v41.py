@@ -113,7 +113,9 @@ class DeepseekV41Attention(DeepseekV4Attention):
         step = _current_step(step)
         x = hidden_states
         T = self._check_inputs(positions, x, step)
-        rows = min(b.shape[0] for b in (self.shared.topk, self.shared.candidates) if b is not None)
+        uses = ([self.shared.topk] if self.ratio else []) + \
+            ([self.shared.candidates] if self.spec.candidate_source or self.spec.uses_candidates else [])
+        rows = min((b.shape[0] for b in uses), default=T)
         if T > rows:
             raise ValueError(f"the step has {T} tokens; the shared top-k / candidate buffers hold {rows} rows")
         if self.ratio and self.ratio not in step.v41_lens:

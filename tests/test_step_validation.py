@@ -371,6 +371,40 @@ def test_v41_caches_validate_as_the_model_reads_them():
         st.validate(s.caches[layer], built=True)
 
 
+def test_v41_layer_checks_its_decode_rows_and_shared_buffers_before_writing():
+    """An index source's paged logits take at most MAX_NEXT_N decode rows a request, and every layer writes
+    or reads its step's rows of the shared top-k and candidate buffers: steps past either are refused
+    before the first write (they used to fail inside the indexer, after the SWA, compressed and ring
+    writes)."""
+    from dsv4_rocm.attention_v41 import DeepseekV41Attention, V41SharedBuffers
+    from dsv4_rocm.ops.indexer import MAX_NEXT_N
+    s = V41Stack(V41_CFG, None, 2, 256, layers=(0, 1), decode_query_len=MAX_NEXT_N + 1)
+    tg = Target(s, None, None, {f"{x} {n}": getattr(c, n) for x, c in s.caches.items() for n in ("swa", "comp",
+                                                                                                  "idx", "ring")
+                                if getattr(c, n) is not None})
+    g = torch.Generator().manual_seed(3)
+    st = s.make_step({0: MAX_NEXT_N + 1, 1: MAX_NEXT_N + 1})
+    st.build(s.ratios())
+    x = torch.randn(st.num_tokens, V41_CFG.hidden_size, generator=g).bfloat16()
+    refill(tg, g)
+    before = snapshot(tg)
+    with ops.use_backend("reference"), pytest.raises(ValueError, match=f"takes at most {MAX_NEXT_N}"):
+        s.modules[1](st.positions, x, st)
+    assert not changed(tg, before)
+    s.modules[0](st.positions, x, st)                            # a sliding-window layer runs no indexer
+    s = V41Stack(V41_CFG, None, 2, 256, layers=(3,))                # the candidate source
+    tg = tg._replace(tensors={n: getattr(s.caches[3], n) for n in ("swa", "comp", "idx")})
+    small = V41SharedBuffers(s.shared.topk, s.shared.candidates[:6])
+    layer = DeepseekV41Attention(V41_CFG, 3, s.layer_weights[3], s.caches[3], small, 256)
+    st = s.make_step({0: 3, 1: 4})
+    st.build(s.ratios())
+    refill(tg, g)
+    before = snapshot(tg)
+    with pytest.raises(ValueError, match="the step has 7 tokens; the shared top-k / candidate buffers hold 6 rows"):
+        layer(st.positions, x[:7], st)
+    assert not changed(tg, before)
+
+
 def test_structure_of_an_unbuilt_step_is_named():
     s = server("c128")
     st = s.make_step({0: 3})
