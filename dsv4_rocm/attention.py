@@ -85,6 +85,7 @@ class DeepseekV4Attention(torch.nn.Module):
         self.eps = cfg.rms_norm_eps
         self.w = weights.to(device)
         self.cache = cache
+        self._bounds = cache.bounds()           # what a step may index in the caches (StepMetadata.validate)
         # the views the public ops take, made once (a view costs a dispatch on every call)
         self._swa_pages = cache.swa_view().unsqueeze(-2)
         self._comp = cache.comp_view() if cache.comp is not None else None
@@ -112,11 +113,7 @@ class DeepseekV4Attention(torch.nn.Module):
         step = _current_step(step)
         x, w = hidden_states, self.w
         self._check_inputs(positions, x, step)
-        if self.ratio == 4 and step.num_decodes and step.decode_query_len > MAX_DECODE_QUERY_LEN:
-            raise ValueError(f"the step's decode requests have {step.decode_query_len} tokens each; the C4 indexer "
-                             f"takes at most {MAX_DECODE_QUERY_LEN} (1 + speculative tokens)")
-        # the whole step against this layer's caches before the first write: a rejected step writes nothing
-        step.validate(self.cache, built=True)
+        self._check_step(step, indexer=self.ratio == 4)
         self._mark("start")
         qr, kv, q = self._projections(x)
         self._mark("projections")
@@ -170,6 +167,15 @@ class DeepseekV4Attention(torch.nn.Module):
             raise ValueError(f"positions ({tuple(positions.shape)}) and the step ({step.num_tokens} tokens) must "
                              f"cover the {T} tokens of hidden_states")
         return T
+
+    def _check_step(self, step: StepMetadata, indexer: bool) -> None:
+        """The whole step against this layer's caches (``StepMetadata.validate``) and, for a layer that runs an
+        indexer, the decode rows its paged logits take, before the first write: a rejected step writes
+        nothing."""
+        if indexer and step.num_decodes and step.decode_query_len > MAX_DECODE_QUERY_LEN:
+            raise ValueError(f"the step's decode requests have {step.decode_query_len} tokens each; the indexer "
+                             f"takes at most {MAX_DECODE_QUERY_LEN} (1 + speculative tokens)")
+        step.validate(self._bounds, built=True)
 
     def _projections(self, x):
         """(qr, kv, q [T, H, 512]): the fused wq_a + wkv projection, the q / kv RMSNorms, wq_b."""

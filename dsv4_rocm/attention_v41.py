@@ -87,6 +87,7 @@ class DeepseekV41Attention(DeepseekV4Attention):
         self.w = weights.to(device)
         self._check_weights()
         self.cache, self.shared = cache, shared
+        self._bounds = cache.bounds()           # what a step may index in the caches (StepMetadata.validate)
         self._swa_pages = cache.swa_view().unsqueeze(-2)
         self._comp = cache.comp_view() if self.ratio else None
         self._comp_pages = self._comp.unsqueeze(-2) if self.ratio else None
@@ -112,10 +113,16 @@ class DeepseekV41Attention(DeepseekV4Attention):
         step = _current_step(step)
         x = hidden_states
         T = self._check_inputs(positions, x, step)
-        if T > self.shared.topk.shape[0]:
-            raise ValueError(f"the step has {T} tokens; the shared buffers hold {self.shared.topk.shape[0]}")
+        uses = ([self.shared.topk] if self.ratio else []) + \
+            ([self.shared.candidates] if self.spec.candidate_source or self.spec.uses_candidates else [])
+        rows = min((b.shape[0] for b in uses), default=T)
+        if T > rows:
+            raise ValueError(f"the step has {T} tokens; the shared top-k / candidate buffers hold {rows} rows")
         if self.ratio and self.ratio not in step.v41_lens:
             raise ValueError(f"the step was not built for ratio {self.ratio} (StepMetadata.build(ratios=...))")
+        # the whole step against the caches this layer writes or reads (its own SWA cache, its kv source's
+        # compressed, indexer-K and ring caches) before the first write: a rejected step writes nothing
+        self._check_step(step, indexer=self.spec.owns_index)
         self._mark("start")
         qr, kv, q = self._projections(x)
         self._mark("projections")

@@ -21,7 +21,7 @@ from . import layout as L
 from .config import AttentionConfig, LayerType
 from .reference.compressor import kv_cache_view, new_state_cache
 from .reference.compressor_v41 import RING_CAPACITY
-from .step import V41_COMPRESSED_BLOCK
+from .step import V41_COMPRESSED_BLOCK, CacheBounds
 
 
 @dataclass
@@ -59,6 +59,20 @@ class LayerCache:
     def comp_view(self) -> torch.Tensor:
         return kv_cache_view(self.comp, self.compressed_block_size, L.TOKEN_BYTES)
 
+    def bounds(self) -> CacheBounds:
+        """What a step may index in these caches (``StepMetadata.validate``): ratio 1 is the sliding window
+        alone; C4 and C128 add the compressed cache (C4: and the indexer-K cache, 64 entries a page, which its
+        indexer reads through the compressed table) and the compressor state (C4: and the indexer's)."""
+        if self.ratio == 1:
+            return CacheBounds(self.swa.shape[0])
+        comp = ((self.comp.shape[0], self.compressed_block_size, "compressed cache"),)
+        state = ((self.comp_state.shape[0], self.comp_state.shape[1], "compressor state cache"),)
+        if self.ratio != 4:
+            return CacheBounds(self.swa.shape[0], self.ratio, comp, state)
+        comp += ((self.idx.shape[0], 64, "indexer-K cache"),)
+        state += ((self.idx_state.shape[0], self.idx_state.shape[1], "indexer compressor state cache"),)
+        return CacheBounds(self.swa.shape[0], 4, comp, state, index_ratio=4, index_lens="indexer_lens")
+
     def idx_view(self) -> torch.Tensor:
         return kv_cache_view(self.idx, 64, L.INDEXER_TOKEN_BYTES)
 
@@ -84,6 +98,21 @@ class V41LayerCache:
     def comp_view(self) -> torch.Tensor:
         """[nb, 64, 584] (FlashMLA's [nb, 64, 1, 584] is ``.unsqueeze(-2)`` of it)."""
         return kv_cache_view(self.comp, V41_COMPRESSED_BLOCK, L.TOKEN_BYTES)
+
+    def bounds(self) -> CacheBounds:
+        """What a step may index in these caches (``StepMetadata.validate``). Ratio 0 is the sliding window
+        alone. A compressed layer (ratio 1 or 2; its kv source's tensors) indexes the compressed and indexer-K
+        caches through compressed_block_table and compressed_slots[ratio] (64 entries a page, whatever the
+        indexer record's size), and its index source reads entries 0 .. seq_len // ratio - 1 of each request
+        through that table, bounded by v41_lens[ratio]; ratio 2 adds the compressor ring, one block a request
+        (state_block_table[b, 0]) of ``RING_CAPACITY`` rows, which state_slots[2] index."""
+        if not self.ratio:
+            return CacheBounds(self.swa.shape[0])
+        comp = ((self.comp.shape[0], V41_COMPRESSED_BLOCK, "compressed cache"),
+                (self.idx.shape[0], self.idx.shape[1], "indexer-K cache"))
+        ring = ((self.ring.shape[0], self.ring.shape[1], "compressor ring"),) if self.ratio == 2 else ()
+        return CacheBounds(self.swa.shape[0], self.ratio, comp, ring, ring=bool(ring), index_ratio=self.ratio,
+                           index_block=self.idx.shape[1], index_lens=f"v41_lens[{self.ratio}]")
 
 
 def allocate_v41(cfg: AttentionConfig, layers: Sequence[int], num_blocks: int, num_ring_blocks: int,

@@ -34,6 +34,31 @@ V41_RATIOS = (1, 2)               # DeepSeek-V4.1's compressed layers (ratio 0 i
 V41_COMPRESSED_BLOCK = 64         # V4.1 compressed / indexer-K entries a page (vLLM: cache block_size entries)
 
 
+@dataclass(frozen=True)
+class CacheBounds:
+    """What the caches of one layer let a step index, as ``StepMetadata.validate`` checks it; each cache class
+    describes itself (``LayerCache.bounds``, ``V41LayerCache.bounds`` in dsv4_rocm/kv_cache.py), so one
+    validation serves every model version.
+
+    ``swa_pages``: SWA pages (64 slots each), which slot_mapping and swa_block_table index. ``ratio``: the key
+    of the step's built sets the layer reads (compressed_slots[ratio], state_slots[ratio], ...); 0 for a
+    layer with the sliding window alone. ``compressed``: (pages, entries a page, name) of each cache that
+    compressed_block_table and compressed_slots[ratio] index; ``state``: (blocks, rows a block, name) of each
+    cache that state_block_table and state_slots[ratio] index. ``ring``: state slots are rows of a ring
+    (block state_block_table[b, 0], row position % rows) rather than position-paged (block position // rows
+    of the row). ``index_ratio``: an indexer reads entries 0 .. seq_len // index_ratio - 1 of each request
+    through its compressed_block_table row (``index_block`` entries a page), bounded by the built length
+    field ``index_lens`` (0: no indexer reads the tables)."""
+    swa_pages: int
+    ratio: int = 0
+    compressed: tuple = ()
+    state: tuple = ()
+    ring: bool = False
+    index_ratio: int = 0
+    index_block: int = 64
+    index_lens: str = ""
+
+
 @dataclass
 class StepMetadata:
     query_start_loc: torch.Tensor          # int32 [B + 1]
@@ -218,48 +243,57 @@ class StepMetadata:
 
     # ---- whole-step validation (docs/conventions.md, "Argument checks") --------------------------------
     def validate(self, caches, built: bool = False) -> None:
-        """Check the whole step against the caches of the layers that run it (a LayerCache, or several)
-        before any of them writes: a ValueError naming the table, slot or field, so that a rejected step
-        changes no byte of any cache. Structure always; values where ``ops.value_checks`` allows (CPU
-        tensors; GPU tensors under ``ops.validation("full")``, a host sync; never in a graph capture):
+        """Check the whole step against the caches of the layers that run it (a LayerCache or V41LayerCache,
+        or several; or their ``bounds()``, a ``CacheBounds`` each, which a layer computes once) before any of
+        them writes: a ValueError naming the table, slot or field, so that a rejected step changes no byte of
+        any cache. Structure always; values where ``ops.value_checks`` allows (CPU tensors; GPU tensors
+        under ``ops.validation("full")``, a host sync; never in a graph capture):
 
           * the batch: query_start_loc non-decreasing from >= 0 up to at most the step's tokens, seq_lens at
-            least the query lengths; a token with a slot (slot_mapping >= 0) inside a request at the
-            position its request implies (seq_len - query_len + its place);
+            least the query lengths and at most max_model_len; a token with a slot (slot_mapping >= 0) inside a
+            request at the position its request implies (seq_len - query_len + its place);
           * slot_mapping below the SWA cache's slots; every entry >= 0 of each block table below the blocks of
-            the caches it indexes (SWA; compressed and indexer-K; compressor state), negative = padding;
-          * a C4 layer's indexer reads each request's compressed entries through its table row: the row has
-            the columns they need, and a prefill request has no negative entry among them;
+            the caches it indexes (SWA; compressed and indexer-K; compressor state or ring), negative = padding;
+          * where an indexer reads a request's compressed entries through its table row (a C4 layer; every
+            compressed V4.1 layer, whose kv source's indexer-K cache its index source reads): the row has the
+            columns they need, and a prefill request has no negative entry among them;
           * ``built``: the index sets exist for every cache's ratio with the step's rows, the compressed and
             state slots lie inside their caches (a state slot only for a token inside a request, at a
-            position >= 0 its table row covers), the lengths within their index widths.
+            position >= 0 its table row covers), the lengths within their index widths (the indexer's
+            entries within seq_len // ratio).
 
         The metadata ops treat such lookups as padding; a layer instead refuses a step whose tables point
         past its caches, before its first write."""
-        caches = [caches] if hasattr(caches, "swa") else list(caches)
+        one = isinstance(caches, CacheBounds) or hasattr(caches, "bounds")
+        bounds = [c if isinstance(c, CacheBounds) else c.bounds() for c in ([caches] if one else caches)]
         T, R = self.num_tokens, self.num_requests
-        ratios = sorted({c.ratio for c in caches if c.ratio > 1})
+        ratios = sorted({b.ratio for b in bounds if b.ratio})
         # structure: once per step object and set of fields (every layer of a step sees the same tensors;
         # a field assigned anew, or other caches, checks again)
-        key = (built, tuple(map(id, caches)), self.num_decodes, self.num_decode_tokens, self.window,
+        key = (built, tuple(bounds), self.num_decodes, self.num_decode_tokens, self.window, self.max_model_len,
                *map(id, (self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping, self.swa_block_table,
                          self.compressed_block_table, self.state_block_table)),
                *((id(self.token_to_req), id(self.swa_indices), id(self.swa_lens), id(self.indexer_lens),
                   id(self.c128_indices), id(self.c128_lens),
-                  *(id(d.get(r)) for r in ratios for d in (self.compressed_slots, self.state_slots))) if built else ()))
+                  *(id(d.get(r)) for r in ratios for d in (self.compressed_slots, self.state_slots, self.v41_lens)))
+                 if built else ()))
         if self.__dict__.get("_structure_checked") != key:
             self._check(())
             if not 0 <= self.num_decodes <= R or not 0 <= self.num_decode_tokens <= T:
                 raise ValueError(f"num_decodes / num_decode_tokens ({self.num_decodes} / {self.num_decode_tokens}) "
                                  f"must lie within the step's {R} requests / {T} tokens")
+            for b in bounds:
+                for name, parts in (("compressed_block_table", b.compressed), ("state_block_table", b.state)):
+                    if parts and getattr(self, name) is None:
+                        raise ValueError(f"{name} is None: the {parts[0][2]} of a ratio-{b.ratio} layer needs it")
             if built:
-                self._check_built(ratios)
+                self._check_built(bounds)
             self._structure_checked = key
         if not (T or R) or not ops.value_checks(self.positions):
             return
         cpu = {k: getattr(self, k).cpu().long() for k in (
             "query_start_loc", "seq_lens", "positions", "slot_mapping", "swa_block_table", "compressed_block_table",
-            "state_block_table")}
+            "state_block_table") if getattr(self, k) is not None}
         qsl, seq, pos, slot = cpu["query_start_loc"], cpu["seq_lens"], cpu["positions"], cpu["slot_mapping"]
         ql = qsl[1:] - qsl[:-1]
         if int(qsl[0]) < 0 or bool((ql < 0).any()) or int(qsl[-1]) > T:
@@ -268,6 +302,9 @@ class StepMetadata:
         if bool((seq < ql).any()):
             b = int(torch.nonzero(seq < ql)[0])
             raise ValueError(f"seq_lens[{b}] = {int(seq[b])} is below its query length {int(ql[b])}")
+        if bool((seq > self.max_model_len).any()):
+            b = int(torch.nonzero(seq > self.max_model_len)[0])
+            raise ValueError(f"seq_lens[{b}] = {int(seq[b])} exceeds max_model_len {self.max_model_len}")
         t = torch.arange(T)
         req = torch.searchsorted(qsl[1:], t, right=True)
         inside = (req < R) & (t >= qsl[0])
@@ -278,34 +315,31 @@ class StepMetadata:
             i = int(torch.nonzero(bad)[0])
             raise ValueError(f"positions[{i}] = {int(pos[i])}, but its request {int(r[i])} puts it at {int(want[i])} "
                              "(seq_lens - query length + its place)")
-        for c in caches:
-            self._check_caches(c, cpu, ql, seq, built)
+        for b in bounds:
+            self._check_tables(b, cpu, ql, seq)
         if built:
-            self._check_built_values(caches, cpu, inside, r, seq)
+            self._check_built_values(bounds, cpu, inside, r, seq)
 
-    def _check_caches(self, cache, cpu, ql, seq, built):
+    def _check_tables(self, bounds: CacheBounds, cpu, ql, seq):
         """Value checks of slot_mapping and the block tables against one layer's caches."""
         def table_within(name, blocks, what):
             t = cpu[name]
             if t.numel() and int(t.max()) >= blocks:
                 raise ValueError(f"{name} names block {int(t.max())}, past the {blocks} blocks of the {what}")
-        swa_pages = cache.swa.shape[0]
+        swa_pages = bounds.swa_pages
         if self.slot_mapping.numel() and int(cpu["slot_mapping"].max()) >= swa_pages * L.SWA_BLOCK_SIZE:
             raise ValueError(f"slot_mapping: slot {int(cpu['slot_mapping'].max())} is outside the SWA cache "
                              f"({swa_pages} pages x {L.SWA_BLOCK_SIZE})")
         table_within("swa_block_table", swa_pages, "SWA cache")
-        if cache.ratio == 1:
-            return
-        table_within("compressed_block_table", cache.comp.shape[0], "compressed cache")
-        table_within("state_block_table", cache.comp_state.shape[0], "compressor state cache")
-        if cache.idx is not None:
-            table_within("compressed_block_table", cache.idx.shape[0], "indexer-K cache")
-        if cache.idx_state is not None:
-            table_within("state_block_table", cache.idx_state.shape[0], "indexer compressor state cache")
-        if cache.ratio == 4 and self.num_requests:
-            # the indexer's logits read entries 0 .. seq_len // 4 - 1 of each request through its table row
+        for pages, _, what in bounds.compressed:
+            table_within("compressed_block_table", pages, what)
+        for blocks, _, what in bounds.state:
+            table_within("state_block_table", blocks, what)
+        k = bounds.index_ratio
+        if k and self.num_requests:
+            # the indexer's logits read entries 0 .. seq_len // k - 1 of each request through its table row
             bt = cpu["compressed_block_table"]
-            need = (seq.clamp(min=0) // 4 + 63) // 64
+            need = (seq.clamp(min=0) // k + bounds.index_block - 1) // bounds.index_block
             if int(need.max()) > bt.shape[1]:
                 b = int(torch.argmax(need))
                 raise ValueError(f"compressed_block_table has {bt.shape[1]} columns; request {b} (seq_lens "
@@ -316,25 +350,31 @@ class StepMetadata:
                 raise ValueError("compressed_block_table has a negative entry where a prefill request's indexer "
                                  "reads its compressed entries")
 
-    def _check_built(self, ratios):
+    def _built(self, name: str):
+        """A built field by name: ``swa_lens``, or ``compressed_slots[4]`` for a per-ratio one."""
+        if "[" not in name:
+            return getattr(self, name)
+        return getattr(self, name[:name.index("[")]).get(int(name[name.index("[") + 1:-1]))
+
+    def _check_built(self, bounds):
         """Structure of the index sets a layer reads: built for its ratios, with the step's rows."""
         T, dev, i32 = self.num_tokens, self.positions.device, torch.int32
+        ratios = tuple(sorted({b.ratio for b in bounds if b.ratio}))
         need = [("token_to_req", (T,), i32), ("is_valid_token", (T,), torch.bool),
                 ("swa_indices", (T, self.window), i32), ("swa_lens", (T,), i32)]
-        need += [("indexer_lens", (T,), i32)] if 4 in ratios else []
         need += [("c128_indices", (T, None), i32), ("c128_lens", (T,), i32)] if 128 in ratios else []
-        need += [(f"{name}[{r}]", (T,), torch.int64) for r in ratios for name in ("compressed_slots", "state_slots")]
+        for b in bounds:
+            need += [(f"compressed_slots[{b.ratio}]", (T,), torch.int64)] if b.compressed else []
+            need += [(f"state_slots[{b.ratio}]", (T,), torch.int64)] if b.state else []
+            need += [(b.index_lens, (T,), i32)] if b.index_lens else []
         for name, shape, dtype in need:
-            if "[" in name:
-                t = getattr(self, name[:name.index("[")]).get(int(name[name.index("[") + 1:-1]))
-            else:
-                t = getattr(self, name)
+            t = self._built(name)
             if t is None or t.dtype != dtype or t.device != dev or len(t.shape) != len(shape) or \
                     any(s is not None and s != n for s, n in zip(shape, t.shape)) or (t.dim() == 2 and t.stride(1) != 1):
-                raise ValueError(f"{name}: the step is not built for ratios {tuple(ratios)} with its {T} tokens "
+                raise ValueError(f"{name}: the step is not built for ratios {ratios} with its {T} tokens "
                                  f"(want {dtype} {shape} on {dev}; call step.build(ratios) first)")
 
-    def _check_built_values(self, caches, cpu, inside, r, seq):
+    def _check_built_values(self, bounds, cpu, inside, r, seq):
         """Value checks of the built index sets a layer writes through (slots) or bounds by (lengths)."""
         pos = cpu["positions"]
         t2r = self.token_to_req.cpu().long()
@@ -343,36 +383,38 @@ class StepMetadata:
         lens = self.swa_lens.cpu()
         if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > self.window):
             raise ValueError(f"swa_lens must lie in [0, {self.window}] (the window)")
-        for c in caches:
-            if c.ratio == 1:
-                continue
-            rr = c.ratio
-            states = [c.comp_state] + ([c.idx_state] if c.idx_state is not None else [])
-            comps = [(c.comp.shape[0] * c.compressed_block_size, "compressed cache")]
-            comps += [(c.idx.shape[0] * 64, "indexer-K cache")] if c.idx is not None else []
-            ks, ss = self.compressed_slots[rr].cpu(), self.state_slots[rr].cpu()
-            for cap, what in comps:
-                if ks.numel() and int(ks.max()) >= cap:
-                    raise ValueError(f"compressed_slots[{rr}]: slot {int(ks.max())} is outside the {what} ({cap} slots)")
-            for st in states:
-                cap = st.shape[0] * st.shape[1]
-                if ss.numel() and int(ss.max()) >= cap:
-                    raise ValueError(f"state_slots[{rr}]: slot {int(ss.max())} is outside the state cache ({cap} slots)")
-            live = ss >= 0
-            cols = cpu["state_block_table"].shape[1]
-            sbs = c.comp_state.shape[1]
-            if bool((live & (~inside | (pos < 0) | (pos // sbs >= cols))).any()):
-                raise ValueError(f"state_slots[{rr}] has a slot for a token outside every request, at a negative "
-                                 "position, or past its state_block_table row")
-            if rr == 4:
-                il = self.indexer_lens.cpu().long()
-                cap = torch.where(inside, seq[r] // 4, 0) if seq.numel() else torch.zeros_like(il)
+        for b in bounds:
+            rr = b.ratio
+            if b.compressed:
+                ks = self.compressed_slots[rr].cpu()
+                for pages, per, what in b.compressed:
+                    cap = pages * per
+                    if ks.numel() and int(ks.max()) >= cap:
+                        raise ValueError(f"compressed_slots[{rr}]: slot {int(ks.max())} is outside the {what} "
+                                         f"({cap} slots)")
+            if b.state:
+                ss = self.state_slots[rr].cpu()
+                for blocks, rows, what in b.state:
+                    cap = blocks * rows
+                    if ss.numel() and int(ss.max()) >= cap:
+                        raise ValueError(f"state_slots[{rr}]: slot {int(ss.max())} is outside the {what} ({cap} slots)")
+                live = ss >= 0
+                cols = cpu["state_block_table"].shape[1]
+                past = (cols < 1) if b.ring else (pos // b.state[0][1] >= cols)
+                if bool((live & (~inside | (pos < 0) | past)).any()):
+                    raise ValueError(f"state_slots[{rr}] has a slot for a token outside every request, at a negative "
+                                     "position, or past its state_block_table row")
+            if b.index_lens:
+                il = self._built(b.index_lens).cpu().long()
+                cap = torch.where(inside, seq[r] // b.index_ratio, 0) if seq.numel() else torch.zeros_like(il)
                 if bool(((il < 0) | (inside & (il > cap))).any()):
-                    raise ValueError("indexer_lens must lie in [0, seq_lens // 4] for the tokens of a request")
+                    raise ValueError(f"{b.index_lens} must lie in [0, seq_lens // {b.index_ratio}] for the tokens of "
+                                     "a request")
             if rr == 128:
                 cl = self.c128_lens.cpu()
                 if cl.numel() and (int(cl.min()) < 0 or int(cl.max()) > self.c128_indices.shape[1]):
                     raise ValueError(f"c128_lens must lie in [0, {self.c128_indices.shape[1]}] (the C128 indices)")
+
 
 def _split(ratios) -> tuple:
     """(V4.0 ratios, V4.1 ratios) of a checked ratio tuple."""

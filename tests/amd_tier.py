@@ -39,8 +39,11 @@ CASES = {
     "compress_norm_rope_store": ("gfx942", "gfx950"),
     "compress_norm_rope_store_v41": ("gfx942", "gfx950"),
     "indexer_k_quant_and_cache": ("gfx942", "gfx950"),
+    "indexer_k_norm_rope_store": ("gfx942", "gfx950"),
+    "rope_quant_insert": ("gfx942", "gfx950"),
     "fused_indexer_q_rope_quant": ("gfx942", "gfx950"),
     "fused_inv_rope_fp8_quant": ("gfx942", "gfx950"),
+    "merge_attn_states": ("gfx942", "gfx950"),
     "fp8_einsum": ("gfx942", "gfx950"),
     "fp8_linear": ("gfx942", "gfx950"),
     "fp8_mqa_logits": ("gfx942", "gfx950"),
@@ -163,6 +166,69 @@ def case_indexer_k_quant_and_cache(target):
         FNUZ=target == "gfx942")}
 
 
+def _v41_writes(g, T, nb, ratio, width, cs_rows):
+    """Random rows of ``width`` with a spread of magnitudes (a NaN-poisoned row, a zero row, -0s, a row near
+    the e4m3 subnormals after scaling), positions of which about 1 / ratio close a group, distinct slots with
+    padding, a slot past the cache and a position past the RoPE table (both skipped)."""
+    x = torch.randn(T, width, generator=g) * torch.exp2(torch.randint(-14, 10, (T, 1), generator=g).float())
+    x[1, 5] = float("nan")
+    x[2] = 0.0
+    x[3, ::4] = -0.0
+    x[4] *= 2.0 ** -12
+    pos = torch.randint(0, cs_rows - 1, (T,), generator=g)
+    pos[:8] = (pos[:8] // ratio) * ratio + ratio - 1                    # rows 0..7 close a group
+    slots = torch.randperm(nb * 64, generator=g)[:T]
+    slots[[6, 9]] = -1
+    slots[10] = nb * 64 + 3
+    pos[11] = cs_rows + 2
+    return x.bfloat16(), pos, slots
+
+
+def case_indexer_k_norm_rope_store(target):
+    from dsv4_rocm.reference import indexer_v41 as ri
+    from dsv4_rocm.reference.rope import build_cos_sin_cache
+    from dsv4_rocm.triton import indexer_k_norm_rope_store as K
+    g = torch.Generator().manual_seed(10)
+    cs = build_cos_sin_cache(160000.0, 300, factor=16.0, original_max=64)
+    lines = []
+    # the FP8 record (gfx942: fnuz encode of x / 2) and the MXFP4 one (integer code, no fp8 convert), both ratios
+    for ratio, fp4 in ((1, False), (2, False), (2, True)):
+        k_pre, pos, slots = _v41_writes(g, 24, 3, ratio, 128, cs.shape[0])
+        w = (1 + 0.25 * torch.randn(128, generator=g)).bfloat16()
+        caches = []
+        for _ in range(2):
+            c = ri.pages_bytes(3, 64, fp4)
+            c.view(torch.uint8).fill_(0xA5)
+            caches.append(c)
+        K.indexer_k_norm_rope_store(k_pre, pos, cs, w, 1e-6, caches[0], slots, ratio, fp4)
+        ri.indexer_k_norm_rope_store(k_pre, pos, cs, w, 1e-6, caches[1], slots, ratio, fp4)
+        written = int((caches[1] != 0xA5).sum())
+        assert written > 500, written
+        lines.append(_bytes_equal(caches[0], caches[1], f"ratio {ratio} {'MXFP4' if fp4 else 'FP8'} indexer-K "
+                                                        f"pages ({written} written)"))
+    return lines, {"_indexer_k_norm_rope_store_kernel": dict(FNUZ=target == "gfx942", FP4=False)}
+
+
+def case_rope_quant_insert(target):
+    from dsv4_rocm.reference import cache as rcache
+    from dsv4_rocm.reference import compressor_v41 as rv
+    from dsv4_rocm.reference.rope import build_cos_sin_cache
+    from dsv4_rocm.triton import rope_quant_insert as K
+    g = torch.Generator().manual_seed(11)
+    cs = build_cos_sin_cache(160000.0, 300, factor=16.0, original_max=64)
+    lines = []
+    for ratio in (1, 2):
+        latent, pos, slots = _v41_writes(g, 20, 3, ratio, 512, cs.shape[0])
+        pages = [rcache.new_cache(3, 64).fill_(0xA5) for _ in range(2)]
+        views = [torch.as_strided(p, (3, 64, 584), (p.stride(0), 584, 1)) for p in pages]
+        K.rope_quant_insert(latent, pos, cs, views[0].unsqueeze(-2), slots, ratio)      # FlashMLA's 4-D view
+        rv.rope_quant_insert(latent, pos, cs, views[1], slots, ratio)
+        written = int((pages[1] != 0xA5).sum())
+        assert written > 2000, written
+        lines.append(_bytes_equal(pages[0], pages[1], f"ratio {ratio} compressed pages ({written} written)"))
+    return lines, {"_rope_quant_insert_kernel": dict(FNUZ=target == "gfx942", RATIO=2)}
+
+
 def case_fused_indexer_q_rope_quant(target):
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.rope import build_cos_sin_cache
@@ -199,6 +265,32 @@ def case_fused_inv_rope_fp8_quant(target):
                   _bytes_equal(s.transpose(0, 1).contiguous(), rs.transpose(0, 1).contiguous(),
                                f"scales (packed={packed})")]
     return lines, {"_inv_rope_fp8_quant_kernel": dict(FNUZ=target == "gfx942", BH=K.default_config(target)["BH"])}
+
+
+def case_merge_attn_states(target):
+    from dsv4_rocm.reference import output as O
+    from dsv4_rocm.triton import merge_attn_states as M
+    from test_merge_attn_states import ordinal, states
+    T, H, D, n_ctx = 12, 4, 128, 9
+    po, pl, so, sl = states(T, H, D, seed=12, empty_frac=0.3)
+    so[10, 0, :4] = torch.tensor([1e-9, -1e-9, 1e4, -1e4])             # past the context: 0x00 for -0, +-448
+    scale = torch.tensor([0.03])
+    out, ref = (torch.zeros(T, H, D, dtype=torch.float8_e4m3fn) for _ in range(2))
+    M.merge_attn_states(out, po, pl, so, sl, None, n_ctx, scale)
+    O.merge_attn_states(ref, po, pl, so, sl, None, n_ctx, scale)
+    a, b = out.view(torch.uint8), ref.view(torch.uint8)
+    # rows whose merge weights are exact (an empty part: exp(0) = 1 and exp(-inf) = 0; tokens past the context
+    # copy the suffix) give the oracle's bytes; elsewhere the fp32 values differ by ulps of exp and log
+    p, q = (torch.where(torch.isposinf(x), float("-inf"), x).t() for x in (pl, sl))
+    exact = (torch.isneginf(p) | torch.isneginf(q) | (torch.arange(T) >= n_ctx)[:, None]).unsqueeze(-1)
+    exact = exact.expand(T, H, D)
+    assert int(exact.sum()) > 1000 and int((~exact).sum()) > 1000
+    line = _bytes_equal(a[exact], b[exact], "fp8 output, exact merge weights")
+    step = int((ordinal(a[~exact]) - ordinal(b[~exact])).abs().max())
+    assert step <= 1, f"fp8 output: {step} e4m3 steps from the oracle"
+    assert int(a[10, 0, 1]) == 0 and int(a[10, 0, 2]) == 0x7E and int(a[10, 0, 3]) == 0xFE
+    return [line, f"fp8 output, other rows: within one e4m3 step of the oracle ({int((a != b).sum())} differ)"], {
+        "_merge_attn_states_kernel": dict(FNUZ=target == "gfx942", FP8_OUT=True)}
 
 
 def _einsum_bound(out, ref, S, name):

@@ -99,18 +99,19 @@ def test_opcheck_hip_launchers(gpu):
     _, v41, *_ = c["quantize_and_insert_k_cache[528]"]
     v41_pages = V.pages(v41, 64, "k_cache", L.V41_528)
     checks = [
-        (hip.quantize_and_insert_k_cache, (k, pages, slots, 64, 0, False)),
-        (hip.quantize_and_insert_k_cache, (k, v41_pages, slots, 64, 1, False)),
+        (hip.quantize_and_insert_k_cache, (k, pages, slots, 64, 0, False, False)),
+        (hip.quantize_and_insert_k_cache, (k, pages, slots, 64, 0, True, False)),          # the FNUZ flavour
+        (hip.quantize_and_insert_k_cache, (k, v41_pages, slots, 64, 1, False, False)),
         (hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
          (q, k, torch.empty(8, 8, 512, device=gpu).bfloat16(), pages, slots.int(), pos, cs, 1e-6, 64, 0, False,
-          True, True, False)),
+          False, True, True, False)),
         (hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
          (q, k, torch.empty(8, 8, 512, device=gpu).bfloat16(), v41_pages, slots.int(), pos, cs, 1e-6, 64, 1, False,
-          False, False, True)),
+          False, False, False, True)),
         (hip.dequantize_and_gather_k_cache, (c["dequantize_and_gather_k_cache"][0], pages,
-                                             *c["dequantize_and_gather_k_cache"][2:], 0, False)),
+                                             *c["dequantize_and_gather_k_cache"][2:], 0, True, False)),
         (hip.dequantize_global_slots_k_cache, (c["dequantize_global_slots_k_cache"][0], pages,
-                                               *c["dequantize_global_slots_k_cache"][2:], 0, False)),
+                                               *c["dequantize_global_slots_k_cache"][2:], 0, False, False)),
         (hip.fused_q_kv_rmsnorm, (*c["fused_q_kv_rmsnorm"][:4], torch.empty(8, 1024, device=gpu).bfloat16(),
                                   torch.empty(8, 512, device=gpu).bfloat16(), 1e-6)),
     ]

@@ -8,8 +8,9 @@ import torch
 from helpers import run_file_interpreted
 
 from dsv4_rocm import ops
-from dsv4_rocm.config import LayerType, tiny_config
+from dsv4_rocm.config import LayerType, tiny_config, tiny_v41_config
 from dsv4_rocm.serving import SyntheticServer
+from dsv4_rocm.serving_v41 import V41Stack
 from dsv4_rocm.step import StepMetadata
 
 CFG = tiny_config()
@@ -43,6 +44,27 @@ def check_layers(device="cpu"):
         assert all(torch.equal(a, b) for a, b in zip(before, caches(s))), lt
 
 
+def check_v41_layers(device="cpu"):
+    """Every DeepSeek-V4.1 layer kind (tiny-v4.1: sliding window, ratio-2 and ratio-1 kv sources, readers of
+    their caches, the candidate source, an index source scoring inside the candidates) on empty steps: an
+    empty [0, hidden] bf16 result; no byte of any cache (SWA, compressed, indexer-K, ring) or of the shared
+    top-k and candidate buffers changed."""
+    cfg = tiny_v41_config()
+    s = V41Stack(cfg, None, 2, 512, device=str(device), layers=tuple(range(8)))
+    tensors = [t for c in s.caches.values() for t in (c.swa, c.comp, c.idx, c.ring) if t is not None]
+    tensors += [s.shared.topk, s.shared.candidates]
+    for t in tensors:                                    # not zeros: a write of zeros would show
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+    before = [t.clone() for t in tensors]
+    for R in (0, 2):
+        step = empty_step(R, s.ratios(), device)
+        for layer, m in s.modules.items():
+            y = m(torch.zeros(0, dtype=I64, device=device), torch.zeros(0, cfg.hidden_size, dtype=BF, device=device),
+                  step)
+            assert y.shape == (0, cfg.hidden_size) and y.dtype == BF, layer
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, tensors))
+
+
 @pytest.mark.parametrize("backend", ["reference"])
 def test_layer_on_an_empty_step_returns_an_empty_result(backend):
     """It used to raise `cannot reshape tensor of 0 elements into shape [0, -1]` in _o_proj."""
@@ -50,10 +72,17 @@ def test_layer_on_an_empty_step_returns_an_empty_result(backend):
         check_layers()
 
 
+@pytest.mark.parametrize("backend", ["reference"])
+def test_v41_layer_on_an_empty_step_returns_an_empty_result(backend):
+    with ops.use_backend(backend):
+        check_v41_layers()
+
+
 @pytest.mark.gpu
 def test_layer_on_an_empty_step_on_the_gpu(gpu):
     """The GPU default path (HIP and Triton kernels): the same empty result, nothing launched or written."""
     check_layers(gpu)
+    check_v41_layers(gpu)
     torch.cuda.synchronize()
 
 

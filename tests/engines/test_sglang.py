@@ -6,7 +6,7 @@ converted, SGLang's interleaved inverse-RoPE table read right; the store hook wr
 (padding slots skipped) and hands other stores to SGLang's function; routing by backend name and record
 size; ``register`` on a CPU torch changes nothing.
 
-With the real sglang==0.5.23 (``bash ci/engines_sglang.sh`` builds its venv; elsewhere these skip with the
+With the real sglang==0.5.23 (``bash ci/engine_tier_sglang.sh`` builds its venv; elsewhere these skip with the
 reason): SGLang's plugin loader finds the entry point; the guards pass; registering and SGLang's
 ``HookRegistry.apply_hooks`` replace the backend class, the kernel-name resolver, the entrypoint and the
 store in SGLang's modules and in every module that imported them; the backend name stays "dsv4"; the
@@ -33,7 +33,7 @@ from helpers import random_k, random_paged_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
-needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not importable here: bash ci/engines_sglang.sh "
+needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not importable here: bash ci/engine_tier_sglang.sh "
                                                           "builds a venv with sglang==0.5.23 and runs these")
 
 
