@@ -74,7 +74,7 @@ def pages(cache, block_size: int, name: str = "k_cache", fmt: L.RecordFormat = F
     return torch.as_strided(raw, (nb, used), (max(stride, used) if nb <= 1 else stride, 1), offset)
 
 
-def detect_format(cache, block_size: int, name: str = "k_cache", layout: str = "page_split") -> L.RecordFormat:
+def detect_format(cache, block_size: int, name: str = "k_cache", layout: str = None) -> L.RecordFormat:
     """The KV record format (``layout.KV_FORMATS``, in ``layout``) of a cache view: named by the last
     dimension of a 3-D / 4-D view (vLLM's and FlashMLA's), or the one format whose pages (unpadded or
     padded) a 2-D view's rows are; a ValueError naming ``name`` otherwise."""

@@ -7,12 +7,13 @@ DeepSeek-V4 and V4.1 (d_qk 512) paths, plus the ``out=`` buffer vLLM's FlashMLA 
 * ``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
   num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=True, indices=None, attn_sink=None,
   extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None,
-  enable_batch_invariant=False, *, out=None, kv_layout="page_split") -> (out bf16 [b, s_q, h, 512], lse fp32
+  enable_batch_invariant=False, *, out=None, kv_layout=None) -> (out bf16 [b, s_q, h, 512], lse fp32
   [b, h, s_q])``: sparse decode over paged KV records. As FlashMLA does, the record format is detected
   from the caches' last dimension: 584 (V40_584, FlashMLA's V4.0 releases), 528 (V41_528) or 288
   (V41_FP4_288, only as ``extra_k_cache`` beside a 528 ``k_cache``); other pairs are refused by name.
-  ``kv_layout``: "page_split" (vLLM's pages, FlashMLA 2026-09-10) or "interleaved" (FlashMLA 2026-09-30,
-  each record whole). ``enable_batch_invariant`` (FlashMLA 2026-09-30): no split of a query's keys, so
+  ``kv_layout``: "page_split" (FlashMLA 2026-09-10, vLLM before 0.33) or "interleaved" (FlashMLA 2026-09-30,
+  vLLM 0.33: each record whole); None (the default) is the format's ``layout.default_layout``, interleaved
+  for 528 / 288. ``enable_batch_invariant`` (FlashMLA 2026-09-30): no split of a query's keys, so
   the result does not depend on the batch.
 * ``flash_mla_sparse_fwd(q, kv, indices, sm_scale=None, d_v=512, attn_sink=None, topk_length=None, *,
   out=None) -> (out bf16 [s_q, h, 512], max_logits fp32 [s_q, h], lse fp32 [s_q, h])``: sparse prefill.
@@ -25,10 +26,10 @@ with any strides except the last dimension (read in place, no copies); lengths `
 empty batches, topk 0 and an empty kv (every query lonely: out 0, lse +inf, max_logits -inf);
 ``sm_scale=None`` in prefill (d_qk^-0.5, as decode's default). Indices that are negative or past the
 cache / kv are absent, as in FlashMLA. Arguments are checked structurally on every call (no device sync)
-and a failure is a ValueError naming the argument (docs/conventions.md). V4.1 caches are read in vLLM's
-page-split page layout (what vLLM writes and its FlashMLA fork reads); caches laid out as deepseek-ai/FlashMLA's
-2026-09-30 release reads them need ``kv_layout="interleaved"``: nothing in the bytes tells the two apart
-(docs/cache_format.md#page-layouts).
+and a failure is a ValueError naming the argument (docs/conventions.md). V4.1 caches are read in the
+interleaved page layout vLLM 0.33 writes and deepseek-ai/FlashMLA's 2026-09-30 release reads; caches laid out
+as that release's predecessor (2026-09-10, vllm-project/FlashMLA's fork) and vLLM before 0.33 write them need
+``kv_layout="page_split"``: nothing in the bytes tells the two apart (docs/cache_format.md#page-layouts).
 
 ``block_table`` and ``cache_seqlens`` are not read in the sparse mode (FlashMLA ignores them too): they
 may be None or integer tensors of any shape; anything else is rejected. The scheduling object keeps
@@ -107,7 +108,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                            topk_length: Optional[torch.Tensor] = None,
                            extra_topk_length: Optional[torch.Tensor] = None, enable_batch_invariant: bool = False, *,
                            out: Optional[torch.Tensor] = None,
-                           kv_layout: str = "page_split") -> Tuple[torch.Tensor, torch.Tensor]:
+                           kv_layout: str = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode (see the module docstring); ``out`` [b, s_q, h, 512] bf16 is written in place."""
     meta = tile_scheduler_metadata
     if not (hasattr(meta, "have_initialized") and hasattr(meta, "config")):
@@ -163,6 +164,7 @@ class WarmupConfig(NamedTuple):
     sink: bool = True
     extra_lengths: Optional[bool] = None  # extra_topk_length given; None: as ``lengths``
     formats: tuple = (L.V40_584, L.V40_584)  # record formats (layout.RecordFormat) of the main and extra caches
+    kv_layout: Optional[str] = None       # their page layout, as flash_mla_with_kvcache's (None: the default)
 
 
 def model_heads(model) -> tuple:
@@ -188,6 +190,12 @@ def model_warmup_configs(heads=(64, 128), block_sizes=(64, 256), extra_block_siz
             itertools.product(heads, block_sizes, extra_block_sizes, lengths, sinks, formats)]
 
 
+def _warmup_formats(cfg: WarmupConfig) -> tuple:
+    """The (main, extra) formats a call of ``cfg`` reads, in its page layout (extra None without an extra set)."""
+    main, extra = (L.with_layout(f, cfg.kv_layout) for f in cfg.formats)
+    return main, extra if cfg.extra_block_size is not None else None
+
+
 def _warmup_inputs(cfg: WarmupConfig, device):
     from .reference import cache as rc
 
@@ -200,8 +208,9 @@ def _warmup_inputs(cfg: WarmupConfig, device):
     sink = torch.zeros(cfg.heads, dtype=torch.float32, device=device) if cfg.sink else None
     extra = cfg.extra_block_size is not None
     extra_lengths = cfg.lengths if cfg.extra_lengths is None else cfg.extra_lengths
-    return (q, cache(cfg.block_size, cfg.formats[0]), idx, lens if cfg.lengths else None, sink,
-            cache(cfg.extra_block_size, cfg.formats[1]) if extra else None, idx if extra else None,
+    fmts = _warmup_formats(cfg)
+    return (q, cache(cfg.block_size, fmts[0]), idx, lens if cfg.lengths else None, sink,
+            cache(cfg.extra_block_size, fmts[1]) if extra else None, idx if extra else None,
             lens if extra and extra_lengths else None, 512 ** -0.5)
 
 
@@ -223,8 +232,7 @@ def warmup(device=None, configs=None, prefill: bool = True, threads: Optional[in
         from .triton.sparse_mla_decode import sparse_mla_decode
         for cfg in (configs if configs is not None else model_warmup_configs(model=model)):
             args = _warmup_inputs(cfg, device)
-            fmts = (cfg.formats[0], cfg.formats[1] if cfg.extra_block_size is not None else None)
-            jobs += [(sparse_mla_decode, args, dict(num_splits=ns, formats=fmts)) for ns in (1, 2)]
+            jobs += [(sparse_mla_decode, args, dict(num_splits=ns, formats=_warmup_formats(cfg))) for ns in (1, 2)]
     if prefill and ops.backend_for("sparse_mla_prefill", device) == "triton":
         from .triton.sparse_mla_prefill import sparse_mla_prefill
         q = torch.zeros(1, 64, 512, dtype=torch.bfloat16, device=device)

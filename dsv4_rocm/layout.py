@@ -5,15 +5,15 @@ A record format (``RecordFormat``) says how one token's 512-dim latent is stored
 leading dims are quantized (e4m3 or e2m1) in blocks of how many dims, the scale encoding, what follows as
 bf16, and how a page arranges its records:
 
-    page-split (vLLM, FlashMLA's 2026-09-10 release, V4.0 everywhere)
+    page-split (V4.0 everywhere; the V4.1 records of FlashMLA's 2026-09-10 release and of vLLM before 0.33)
         page base + [0, bs*D)              record o's data bytes at o*D   (D = data_bytes)
         page base + [bs*D, bs*(D + S))     record o's scale bytes at bs*D + o*S   (S = scale_bytes)
         padding up to a multiple of page_align
-    interleaved (FlashMLA's 2026-09-30 release)
+    interleaved (the V4.1 records of vLLM 0.33 and FlashMLA's 2026-09-30 release)
         page base + o*R                    record o's data bytes, then its scale bytes (R = token_bytes)
 
-The KV formats, each page-split as vLLM writes it (``interleaved(fmt)``: the same record in FlashMLA's
-per-token layout):
+The KV formats (the constants are page-split; ``interleaved(fmt)`` is the same record in the per-token
+layout; ``with_layout(fmt, None)`` the layout vLLM 0.33 writes the format in, ``default_layout``):
 
     V40_584      DeepSeek-V4.0's fp8_ds_mla: 448 e4m3 + 64 bf16 RoPE, 7 UE8M0 per 64 + a pad byte; pages
                  padded to 576 B. Its numbers are also the module constants below.
@@ -112,11 +112,22 @@ def with_fnuz(fmt: RecordFormat, fnuz: bool = True) -> RecordFormat:
     return fmt._replace(fp8="e4m3fnuz" if fnuz else "e4m3fn")
 
 
-def with_layout(fmt: RecordFormat, layout: str) -> RecordFormat:
-    """``fmt`` in the page layout named "page_split" or "interleaved". Interleaved records must be whole
-    multiples of 16 bytes (the kernels move records 16 bytes at a time): V40_584 is page-split only."""
+def default_layout(fmt: RecordFormat) -> str:
+    """The page layout vLLM 0.33 writes ``fmt`` in, which FlashMLA's current release reads: "interleaved" for
+    the V4.1 records (vLLM's V4.1 writers put each token's scales right after its own data), "page_split"
+    for V40_584 (its only layout)."""
+    return "interleaved" if fmt.name in (V41_528.name, V41_FP4_288.name) else "page_split"
+
+
+def with_layout(fmt: RecordFormat, layout: str = None) -> RecordFormat:
+    """``fmt`` (page-split) in the page layout named "page_split" or "interleaved", or for None in its
+    ``default_layout``. Interleaved records must be whole multiples of 16 bytes (the kernels move records 16
+    bytes at a time): V40_584 is page-split only."""
+    if layout is None:
+        layout = default_layout(fmt)
     if layout not in ("page_split", "interleaved"):
-        raise ValueError(f"kv_layout must be 'page_split' or 'interleaved', got {layout!r}")
+        raise ValueError(f"kv_layout must be 'page_split', 'interleaved' or None (the format's default), got "
+                         f"{layout!r}")
     if layout == "page_split":
         return fmt
     if fmt.token_bytes % 16:

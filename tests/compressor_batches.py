@@ -14,6 +14,17 @@ from dsv4_rocm.reference.rope import build_cos_sin_cache
 RECORD = {"main": (576, 8), "v41": (512, 16), "fp4": (256, 32), "fp8": (128, 4), "mxfp4": (64, 4)}
 QUANT_BLOCK = {"main": 64, "v41": 32, "fp4": 16, "fp8": 128, "mxfp4": 32}
 HEAD512 = ("main", "v41", "fp4")
+# the head-512 targets' record formats in the layout vLLM's call (no kv_layout) writes: V4.1's interleaved
+FORMATS = {"main": L.V40_584, "v41": L.with_layout(L.V41_528), "fp4": L.with_layout(L.V41_FP4_288)}
+
+
+def _offsets(S, off):
+    """(data offset, scale offset) of record ``off`` inside a page of S's output cache."""
+    if S.target in FORMATS:
+        f = FORMATS[S.target]
+        return L.data_offset(f, off), L.record_scale_offset(f, S.bs, off)
+    ts, sd = RECORD[S.target]
+    return off * ts, S.bs * ts + off * sd
 
 
 @dataclass
@@ -143,7 +154,8 @@ def read_entry(S, b, j):
     ts, sd = RECORD[S.target]
     slot = entry_slot(S, b, j)
     page, off = S.pages[slot // S.bs], slot % S.bs
-    return page[off * ts:(off + 1) * ts], page[S.bs * ts + off * sd:S.bs * ts + (off + 1) * sd]
+    d0, s0 = _offsets(S, off)
+    return page[d0:d0 + ts], page[s0:s0 + sd]
 
 
 def written_mask(S, lens):
@@ -154,6 +166,7 @@ def written_mask(S, lens):
         for j in range(n // S.ratio):
             slot = entry_slot(S, b, j)
             page, off = slot // S.bs, slot % S.bs
-            m[page, off * ts:(off + 1) * ts] = True
-            m[page, S.bs * ts + off * sd:S.bs * ts + (off + 1) * sd] = True
+            d0, s0 = _offsets(S, off)
+            m[page, d0:d0 + ts] = True
+            m[page, s0:s0 + sd] = True
     return m

@@ -237,7 +237,8 @@ def test_bench_decode_inputs_and_v41_rows(monkeypatch):
         d, sc = L.token_byte_offsets(slot, 64)
         assert torch.equal(pages.reshape(-1)[d:d + 576], rec[slot, :576])
         assert torch.equal(pages.reshape(-1)[sc:sc + 8], rec[slot, 576:])
-    for fmts in ((L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288), (L.V41_528, None)):
+    v41, fp4 = L.with_layout(L.V41_528), L.with_layout(L.V41_FP4_288)        # the layout the API reads by default
+    for fmts in ((v41, v41), (v41, fp4), (v41, None)):
         args, T = B.make_decode_inputs(c, "cpu", pool_tokens=128, formats=fmts)
         assert args[1].shape[-1] == fmts[0].token_bytes
         out = B.decode_call(flash_mla, args)()[0]

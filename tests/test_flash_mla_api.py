@@ -239,7 +239,7 @@ V41 = [((L.V41_528, L.V41_528), "page_split"), ((L.V41_528, L.V41_FP4_288), "pag
 def test_v41_records_are_detected_from_the_last_dim(fmts, layout):
     a = decode_case(3, 2, 64, 5, 40, 3, 24, "cpu", 9, num_blocks=9, formats=fmts)
     assert a["k_cache"].shape[-1] == 528 and a["extra_k_cache"].shape[-1] == fmts[1].token_bytes
-    kw = {} if layout == "page_split" else dict(kv_layout=layout)
+    kw = {} if layout == "interleaved" else dict(kv_layout=layout)        # interleaved: V4.1's default
     out, lse = call_decode(a, **kw)
     ref, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=fmts)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)

@@ -135,11 +135,11 @@ def test_v41_records_in_vllms_call_forms(bs, layout):
     base = torch.randint(0, 256, (nb, L.page_bytes(bs, fmt)), generator=torch.Generator().manual_seed(bs),
                          dtype=torch.uint8)
     want, written = _placed(base, k, slots, bs, fmt)
-    kw = {} if layout == "page_split" else dict(kv_layout=layout)
+    kw = {} if layout == "interleaved" else dict(kv_layout=layout)        # interleaved: V4.1's default
     view3 = lambda c: torch.as_strided(c, (nb, bs, 528), (c.stride(0), 528, 1))     # noqa: E731  (vLLM's view)
     calls = [lambda c: ops.quantize_and_insert_k_cache(k, view3(c), slots, bs, True, False, 528, **kw),
              lambda c: ops.quantize_and_insert_k_cache(k, c, slots, block_size=bs, bytes_per_token=528, **kw)]
-    if layout == "page_split":
+    if layout == "interleaved":         # vLLM's custom-op form writes the default layout
         calls.append(lambda c: torch.ops.dsv4_rocm.quantize_and_insert_k_cache(k, c, slots, bs, True, False, 528))
     for call in calls:
         c = base.clone()

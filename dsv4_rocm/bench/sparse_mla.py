@@ -7,7 +7,7 @@ Counting per query token, as FlashMLA's ``count_flop_and_mem_vol_for_decode``:
 matmul rate), both measured in the same run.
 
 The V4.1 decode rows time three of the V4.0 shapes over V41_528 caches and over a V41_528 main cache with
-a V41_FP4_288 extra cache (vLLM's page-split pages), against the targets in their peer column (ratio >= 1:
+a V41_FP4_288 extra cache (interleaved, as vLLM 0.33 writes them), against the targets in their peer column (ratio >= 1:
 met): a V41_528 decode within 528 / 584 of the V4.0 time of the same shape (re-timed in the same case),
 and the extra entries of a V41_FP4_288 cache (time with the extra set minus time without it) within 0.6 of
 a V41_528 extra cache's.
@@ -182,22 +182,22 @@ def first_call(warm: bool, kernel_cache: str) -> dict:
 def _v41_rows(ctx, ours, time_graph_ms, pool_tokens=1 << 18):
     """The V4.1 decode rows of each ``v41_cases`` shape (module docstring): V41_528 against 528 / 584 of the
     V4.0 time, V41_528 + V41_FP4_288, and the fp4 extra entries' cost against 0.6 of V41_528's."""
-    fp4 = (L.V41_528, L.V41_FP4_288)
+    v41, fp4 = L.with_layout(L.V41_528), L.with_layout(L.V41_FP4_288)     # the layout vLLM 0.33 writes
     for name, c in v41_cases():
         rows = (f"{name} V41_528", f"{name} V41_528+FP4", f"{name} FP4 extra")
         if not ctx.wants(f"{name} V41", group=" | ".join(rows)):   # the three rows fall to one rank
             continue
         ms = {}
-        for key, fmts in (("v40", (L.V40_584, L.V40_584)), ("v41", (L.V41_528, L.V41_528)),
-                          ("main", (L.V41_528, None)), ("fp4", fp4)):
+        for key, fmts in (("v40", (L.V40_584, L.V40_584)), ("v41", (v41, v41)), ("main", (v41, None)),
+                          ("fp4", (v41, fp4))):
             args, _ = make_decode_inputs(c, ctx.device, pool_tokens, formats=fmts)
             ms[key] = time_graph_ms(decode_call(ours, args))
             del args
-        ctx.add(rows[0], "default", ms["v41"], *count_decode(c, (L.V41_528, L.V41_528)), peer="V40 x 528/584",
+        ctx.add(rows[0], "default", ms["v41"], *count_decode(c, (v41, v41)), peer="V40 x 528/584",
                 peer_ms=ms["v40"] * 528 / 584)
-        ctx.add(rows[1], "default", ms["fp4"], *count_decode(c, fp4))
-        f_all, b_all = count_decode(c, fp4)
-        f_main, b_main = count_decode(c, (L.V41_528, None))
+        ctx.add(rows[1], "default", ms["fp4"], *count_decode(c, (v41, fp4)))
+        f_all, b_all = count_decode(c, (v41, fp4))
+        f_main, b_main = count_decode(c, (v41, None))
         ctx.add(rows[2], "extra set", ms["fp4"] - ms["main"], f_all - f_main, b_all - b_main,
                 peer="0.6 x V41_528 extra", peer_ms=0.6 * (ms["v41"] - ms["main"]))
 

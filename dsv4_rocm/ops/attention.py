@@ -76,6 +76,7 @@ def _check_scale(name, v):
 
 _FORMATS = {(f.token_bytes, "page_split"): f for f in L.KV_FORMATS}
 _FORMATS.update({(f.token_bytes, "interleaved"): L.interleaved(f) for f in L.KV_FORMATS if f.token_bytes % 16 == 0})
+_FORMATS.update({(f.token_bytes, None): L.with_layout(f) for f in L.KV_FORMATS})
 _SIZES = " / ".join(str(f.token_bytes) for f in L.KV_FORMATS)
 
 
@@ -91,8 +92,9 @@ def _check_cache(name, cache, dev, layout):
     shape = cache.shape
     fmt = _FORMATS.get((shape[-1], layout)) if len(shape) in (3, 4) else None
     if fmt is None or (len(shape) == 4 and shape[2] != 1):
-        if layout not in ("page_split", "interleaved"):
-            raise ValueError(f"kv_layout must be 'page_split' or 'interleaved', got {layout!r}")
+        if layout not in ("page_split", "interleaved", None):
+            raise ValueError(f"kv_layout must be 'page_split', 'interleaved' or None (the format's default), got "
+                             f"{layout!r}")
         if len(shape) in (3, 4) and (shape[-1], "page_split") in _FORMATS:
             L.with_layout(_FORMATS[shape[-1], "page_split"], layout)       # says which format is page-split only
         raise _shape_error(name, f"[num_blocks, block_size, 1, bytes_per_token] (or [num_blocks, block_size, "
@@ -174,13 +176,14 @@ def _bytes(cache):
 
 
 def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                      extra_topk_length, softmax_scale: float, out=None, *, kv_layout: str = "page_split",
+                      extra_topk_length, softmax_scale: float, out=None, *, kv_layout: str = None,
                       batch_invariant: bool = False, k_cache_fnuz: bool = False):
     """FlashMLA sparse decode over paged KV records -> (out bf16 [b, s_q, h, 512], lse fp32 [b, h, s_q]).
 
     q [b, s_q, h, 512] bf16 (h 64 or 128); k_cache / extra_k_cache [nb, bs, 1, R] (any view of
     docs/conventions.md with its block size in shape[1]; R names the record format, see the module
-    docstring; ``kv_layout`` "page_split" (vLLM's pages) or "interleaved" (FlashMLA DS-0930's) says how a
+    docstring; ``kv_layout`` "page_split" or "interleaved" (default None: ``layout.default_layout``, interleaved
+    for the V4.1 records as vLLM 0.33 and FlashMLA DS-0930 lay them out, page-split for V40_584) says how a
     page arranges its records); indices [b, s_q, topk] int32 slot ids, negative or past the cache =
     absent; topk_length / extra_topk_length [b] or [b, s_q] int32 (only the first ones of a row count);
     attn_sink [h] fp32 or None. One softmax over both sets; a query with no valid key gets out 0 and lse

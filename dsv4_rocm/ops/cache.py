@@ -3,7 +3,8 @@
 Record formats (``dsv4_rocm.layout``): the writer takes vLLM's ``bytes_per_token`` (584: V40_584, 528:
 V41_528); the readers name the format by the cache's last dimension, as vLLM's do (584, 528, or 288:
 V41_FP4_288), or for a 2-D page view by the one format its rows fit. Every op takes ``kv_layout``
-("page_split", vLLM's pages and the default; "interleaved", FlashMLA DS-0930's) as a keyword.
+("page_split" or "interleaved"; default None, ``layout.default_layout``: the V4.1 records interleaved as vLLM 0.33
+and FlashMLA DS-0930 lay them out, V40_584 page-split) as a keyword.
 
 Caches are accepted in every view vLLM holds (``dsv4_rocm.cache_views``); index tensors are int32 or
 int64. Bad input is a ValueError naming the argument before anything is written (docs/conventions.md).
@@ -55,7 +56,7 @@ def _writer_format(bytes_per_token, k_cache, kv_layout, use_fnuz=False):
     return fmt
 
 
-def cache_format(k_cache, block_size, kv_layout="page_split", use_fnuz=False):
+def cache_format(k_cache, block_size, kv_layout=None, use_fnuz=False):
     """The record format of a cache the readers are given (``cache_views.detect_format``), in the flavour
     ``use_fnuz`` names."""
     return L.with_fnuz(V.detect_format(k_cache, block_size, "k_cache", kv_layout), use_fnuz)
@@ -63,7 +64,7 @@ def cache_format(k_cache, block_size, kv_layout="page_split", use_fnuz=False):
 
 def quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size: int = 64, is_ue8m0: bool = True,
                                 use_fnuz: bool = False, bytes_per_token: int = 584, *,
-                                kv_layout: str = "page_split") -> None:
+                                kv_layout: str = None) -> None:
     """k bf16 [T, 512] (RoPE applied) -> UE8M0 records of ``bytes_per_token`` (584: V40_584, 528: V41_528) at
     slot_mapping[:n] (n = len(slot_mapping) <= T; vLLM passes fewer slots than rows under DP padding). A
     slot < 0 is padding. ``use_fnuz``: records of the FNUZ flavour (``layout.with_fnuz``)."""
@@ -102,7 +103,7 @@ def _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size: int, offset: int,
-                                  use_fnuz: bool = False, *, kv_layout: str = "page_split") -> None:
+                                  use_fnuz: bool = False, *, kv_layout: str = None) -> None:
     """vLLM's op: for request b and i < gather_lens[b] (seq_lens[b] when gather_lens is None),
     ``out[b, offset + i]`` = bf16 K of request b's token at position ``seq_lens[b] - gather_lens[b] + i``,
     read through ``block_table[b]`` (exact: the dequantized values are bf16). Other rows of out are not
@@ -128,7 +129,7 @@ def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_tab
 
 
 def dequantize_global_slots_k_cache(out, k_cache, slot_ids, block_size: int, *,
-                                    kv_layout: str = "page_split") -> None:
+                                    kv_layout: str = None) -> None:
     """``out[n, k]`` = bf16 K at cache slot ``slot_ids[n, k]`` (exact); a slot < 0 gives a zero row.
     out bf16 [N, K, 512] (any strides with a unit last one, as vLLM's column slices of a workspace),
     slot_ids int32/int64 [N, K], or [N, 1, K] (the FlashMLA index form vLLM's MTP decode passes); also

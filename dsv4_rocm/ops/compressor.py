@@ -110,12 +110,12 @@ def compress_norm_rope_store(state_cache, num_actual, token_to_req_indices, posi
                              block_size, state_width, cos_sin_cache, kv_cache, k_cache_metadata, pdl_kwargs, head_dim,
                              rope_head_dim, compress_ratio, overlap, use_fp4_cache, rms_norm_weight, rms_norm_eps,
                              quant_block, token_stride, scale_dim, *, store_full_kv=False, store_full_fp8=False,
-                             fp8_scale=None, kv_layout: str = "page_split") -> None:
+                             fp8_scale=None, kv_layout: str = None) -> None:
     """vLLM's fused compress -> RMSNorm -> RoPE -> quant -> cache insert, for the boundary tokens among the
     first num_actual: for head_dim 512 a record of the format kv_cache's last dimension names (584:
-    V40_584, 528: V41_528, 288: V41_FP4_288; ``kv_layout`` "page_split" or "interleaved"), for 128 indexer
-    K FP8 or MXFP4. ``slot_mapping`` is the state cache's, ``k_cache_metadata.slot_mapping`` the output
-    cache's."""
+    V40_584, 528: V41_528, 288: V41_FP4_288; ``kv_layout`` "page_split", "interleaved" or None, the format's
+    ``layout.default_layout``), for 128 indexer K FP8 or MXFP4. ``slot_mapping`` is the state cache's,
+    ``k_cache_metadata.slot_mapping`` the output cache's."""
     if store_full_kv or store_full_fp8 or fp8_scale is not None:
         raise ValueError("store_full_kv / store_full_fp8 / fp8_scale: only the fp8_ds_mla paged layout is supported")
     _ratio(compress_ratio)

@@ -89,7 +89,7 @@ def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mappi
                                                       padded_heads: int, eps: float, block_size: int,
                                                       apply_q_norm: bool = True, kv_mxfp8: bool = False,
                                                       apply_q_rope: bool = True, is_q_interleaved: bool = False, *,
-                                                      kv_layout: str = "page_split"):
+                                                      kv_layout: str = None):
     """vLLM's torch.ops._C op (its 13-argument schema): returns q_padded bf16 [T, padded_heads, 512]
     (per-head weightless RMSNorm unless ``apply_q_norm`` is False, RoPE on dims 448..511 unless
     ``apply_q_rope`` is False, one bf16 rounding; heads past H are zero; ``is_q_interleaved``: q and the
@@ -107,7 +107,7 @@ def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out(q, kv, q_out, k_cache,
                                                           block_size: int, apply_q_norm: bool = True,
                                                           kv_mxfp8: bool = False, apply_q_rope: bool = True,
                                                           is_q_interleaved: bool = False, *,
-                                                          kv_layout: str = "page_split"):
+                                                          kv_layout: str = None):
     """The same with a caller-provided q_out [T, padded_heads, 512] (written in place and returned), so a
     captured graph keeps its address."""
     return _qnorm_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads, eps, block_size,

@@ -65,7 +65,7 @@ def _into(out, res):
 
 def _paged_set(cache, indices, lengths, b, s_q, fmt=None):
     """Gather the dequantized K rows of one index set: returns (K [b*s_q, topk, 512], valid). ``fmt``: the
-    cache's record format (default: named by its last dimension, page-split)."""
+    cache's record format (default: named by its last dimension, in its ``layout.default_layout``)."""
     bs = cache.shape[1]
     fmt = fmt or V.detect_format(cache, bs)
     pages = V.pages(cache, bs, "k_cache", fmt)
@@ -86,7 +86,7 @@ def flash_mla_with_kvcache_sparse(q, k_cache, indices, topk_length, attn_sink, e
     """FlashMLA sparse decode semantics over paged KV records: one softmax over the main set (indices into
     k_cache) and the optional extra set; -> (out bf16 [b, s_q, h, 512], lse [b, h, s_q]); ``out``, when
     given, receives the output and is returned. Lengths are [b] or [b, s_q]. ``formats``: the record
-    formats (main, extra) of the caches (default: named by their last dimension, page-split); ``num_splits``
+    formats (main, extra) of the caches (default: named by their last dimension, default layout); ``num_splits``
     is accepted for the kernels' call form (the reference never splits)."""
     b, s_q, h, d = q.shape
     fmt, efmt = formats or (None, None)

@@ -591,9 +591,10 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     uint8 / int8 / float8_e4m3fn with stride(1) = R and page stride stride(0); indices [b, s_q, topk]
     int32 with a unit last stride; lengths [b] or [b, s_q] int32, any strides; attn_sink [h] contiguous.
     ``formats``: the caches' record formats (main, extra or None); default: named by their last dimension,
-    page-split. Nothing is copied: the kernel takes every stride. ``config`` / ``num_splits`` override the
-    kernel (``kernel="triton"`` or ``"ws"``), the tiles, the split combine and the split count (sweeps,
-    tests); ``compile_only`` compiles the kernels this call needs and runs nothing.
+    in the format's default page layout (``layout.default_layout``). Nothing is copied: the kernel takes
+    every stride. ``config`` / ``num_splits`` override the kernel (``kernel="triton"`` or ``"ws"``), the
+    tiles, the split combine and the split count (sweeps, tests); ``compile_only`` compiles the kernels this
+    call needs and runs nothing.
     """
     b, s_q, h, _ = q.shape
     T = b * s_q
@@ -603,9 +604,10 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     etopk = extra_indices_in_kvcache.shape[2] if has_extra else 0
     fmt, efmt = formats if formats is not None else (None, None)
     if fmt is None:
-        fmt = L.format_for_token_bytes(k_cache.shape[-1])
+        fmt = L.with_layout(L.format_for_token_bytes(k_cache.shape[-1]))
     if efmt is None:
-        efmt = L.format_for_token_bytes(extra_k_cache.shape[-1], "extra_k_cache") if has_extra else fmt
+        efmt = (L.with_layout(L.format_for_token_bytes(extra_k_cache.shape[-1], "extra_k_cache")) if has_extra
+                else fmt)
     cfg, ns, parts, grid, m = _plan(dev, h, T, topk, etopk, tuple(sorted(config.items())) if config else (),
                                     num_splits, fmt == L.V40_584 and efmt == L.V40_584)
     if out is None:
