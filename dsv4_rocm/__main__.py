@@ -51,6 +51,10 @@ def _layers(text):
     return names
 
 
+# kv_cache.RECORD_FORMATS, named here so that the parser imports no torch
+V41_RECORD_NAMES = ("V40_584", "V41_528", "V41_528+V41_FP4_288")
+
+
 def _config_names():
     from .config import PRESETS
     return sorted(PRESETS) + ["tiny", "tiny-v4.1"]
@@ -75,6 +79,10 @@ def _parser():
                         "the stack; default one layer of each kind with the sources they read)")
     r.add_argument("--chunk", type=_positive, default=512,
                    help="tokens a step may hold (decode tokens first, then prefill chunks); default 512")
+    r.add_argument("--record", default=None, choices=V41_RECORD_NAMES,
+                   help="DeepSeek-V4.1: the records of the sliding-window and compressed caches: V40_584 (default; "
+                        "vLLM's fp8_ds_mla on ROCm and Hopper), V41_528 (its fp8_ds_mla on Blackwell) or "
+                        "V41_528+V41_FP4_288 (its nvfp4_ds_mla)")
     b = sub.add_parser("bench", help="time the kernels against the measured floor and FlashMLA (needs a GPU)")
     b.add_argument("--device", default="cuda", help="cuda | cuda:N")
     b.add_argument("--json", default=None, help="write the report to this JSON file")
@@ -163,6 +171,9 @@ def cmd_run(a):
             check_stack(cfg, [int(t) for t in a.layers])
         except ValueError as e:
             raise UsageError(f"--layers {','.join(a.layers)}: {e}")
+    elif a.record is not None:
+        raise UsageError(f"--record {a.record}: {a.config} is a DeepSeek-V4 config, whose caches hold V40_584 records; "
+                         "--record picks a DeepSeek-V4.1 stack's")
     a.device, a.heads, a.layers = device, heads, ",".join(a.layers)
     from .main_job import main_job
     return main_job(a)

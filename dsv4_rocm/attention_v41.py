@@ -60,16 +60,19 @@ class V41SharedBuffers:
 
 
 class DeepseekV41Attention(DeepseekV4Attention):
-    """A DeepSeek-V4.1 layer of any kind. ``record_format`` names the record of the SWA and compressed
-    caches (the 584-byte fp8_ds_mla record, which vLLM's ROCm and Hopper paths keep for V4.1)."""
+    """A DeepSeek-V4.1 layer of any kind. ``record_format`` names the records of the SWA and compressed
+    caches (``kv_cache.V41_RECORDS``): "V40_584" (default; the 584-byte fp8_ds_mla record vLLM's ROCm and
+    Hopper paths keep for V4.1), "V41_528" (V4.1's record, vLLM on Blackwell) or "V41_528+V41_FP4_288"
+    (vLLM's nvfp4_ds_mla: e2m1 compressed entries); it must be the cache's."""
 
     def __init__(self, cfg: AttentionConfig, layer: int, weights: LayerWeights, cache: V41LayerCache,
                  shared: V41SharedBuffers, max_model_len: int, cos_sin_cache: Optional[torch.Tensor] = None,
-                 device=None, record_format: str = "fp8_ds_mla"):
+                 device=None, record_format: str = "V40_584"):
         torch.nn.Module.__init__(self)
         if record_format not in RECORD_FORMATS or cache.record_format != record_format:
             raise ValueError(f"record_format must be one of {RECORD_FORMATS} and match the cache's, got "
                              f"{record_format!r} (cache: {cache.record_format!r})")
+        self._swa_fmt, self._comp_fmt = cache.swa_format, cache.comp_format
         self.cfg, self.layer, self.spec = cfg, layer, cfg.v41_layer(layer)
         self.ratio = self.spec.ratio
         if cache.ratio != self.ratio or (self.ratio and cache.comp is None):
@@ -128,7 +131,7 @@ class DeepseekV41Attention(DeepseekV4Attention):
         self._mark("projections")
         q = ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
             q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
-            L.SWA_BLOCK_SIZE, False)
+            L.SWA_BLOCK_SIZE, False, kv_mxfp8=self._swa_fmt.name == L.V41_528.name, kv_layout=self._swa_fmt.layout)
         self._mark("q norm + kv insert")
         latent = self._compress(x, positions, step) if self.spec.owns_kv else None
         self._mark("compressor")
@@ -149,7 +152,8 @@ class DeepseekV41Attention(DeepseekV4Attention):
                                          step.query_start_loc, step.token_to_req, w.comp_norm, self.eps, 2, latent)
         else:
             ops.fused_save_compress_norm(kv_score, positions, None, slots, None, None, w.comp_norm, self.eps, 1, latent)
-        ops.rope_quant_insert(latent, positions, self.cos_sin_cache, self._comp, slots, r)
+        ops.rope_quant_insert(latent, positions, self.cos_sin_cache, self._comp, slots, r,
+                              kv_layout=self._comp_fmt.layout)
         return latent
 
     def _index(self, x, qr, latent, positions, step: StepMetadata) -> None:
@@ -204,4 +208,5 @@ class DeepseekV41Attention(DeepseekV4Attention):
                 step.is_valid_token)
             extra = (self._comp_pages, gidx.unsqueeze(1), glens)
         ops.sparse_mla_decode(q.unsqueeze(1), self._swa_pages, step.swa_indices.unsqueeze(1), step.swa_lens,
-                              self.w.attn_sink, *extra, self.scale, out=output.view(T, 1, self.padded_heads, 512))
+                              self.w.attn_sink, *extra, self.scale, out=output.view(T, 1, self.padded_heads, 512),
+                              kv_layout=self._swa_fmt.layout)

@@ -9,7 +9,12 @@ them as ``[num_blocks, page_bytes]``; ``*_view`` give the ``[nb, bs, record]`` v
 DeepSeek-V4.1 (``V41LayerCache``, ``allocate_v41``): every layer has its SWA cache; only kv-source layers
 own a compressed cache (64 entries a page), an indexer-K cache (64 entries of 132 B) and, for ratio 2,
 the compressor's ring (fp32 [blocks, 8, 1024], one block a request); every other compressed layer holds
-references to its kv source's tensors, as vLLM's layers read them through the forward context.
+references to its kv source's tensors, as vLLM's layers read them through the forward context. The
+records of the SWA and compressed caches are a configuration (``V41_RECORDS``), as vLLM 0.33 picks them:
+``--kv-cache-dtype fp8_ds_mla`` keeps the 584-byte V4.0 record on ROCm and Hopper ("V40_584") and writes
+V4.1's 528-byte record on Blackwell ("V41_528"); ``nvfp4_ds_mla`` keeps the 528-byte window and stores the
+compressed entries as 288-byte e2m1 records ("V41_528+V41_FP4_288"). V4.1's records are laid out
+interleaved, as vLLM 0.33 writes them (``layout.default_layout``).
 """
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
@@ -77,7 +82,20 @@ class LayerCache:
         return kv_cache_view(self.idx, 64, L.INDEXER_TOKEN_BYTES)
 
 
-RECORD_FORMATS = ("fp8_ds_mla",)      # the compressed / SWA records a V4.1 layer writes (584 B)
+# record configuration -> (SWA record, compressed record) of a DeepSeek-V4.1 stack (module docstring)
+V41_RECORDS = {
+    "V40_584": (L.V40_584, L.V40_584),
+    "V41_528": (L.with_layout(L.V41_528), L.with_layout(L.V41_528)),
+    "V41_528+V41_FP4_288": (L.with_layout(L.V41_528), L.with_layout(L.V41_FP4_288)),
+}
+RECORD_FORMATS = tuple(V41_RECORDS)
+
+
+def v41_records(record_format: str) -> tuple:
+    """(SWA record, compressed record) of a record configuration, or a ValueError naming ``record_format``."""
+    if record_format not in V41_RECORDS:
+        raise ValueError(f"record_format must be one of {RECORD_FORMATS}, got {record_format!r}")
+    return V41_RECORDS[record_format]
 
 
 @dataclass
@@ -90,14 +108,23 @@ class V41LayerCache:
     comp: Optional[torch.Tensor] = None
     idx: Optional[torch.Tensor] = None
     ring: Optional[torch.Tensor] = None
-    record_format: str = "fp8_ds_mla"
+    record_format: str = "V40_584"            # a key of V41_RECORDS
+
+    @property
+    def swa_format(self) -> L.RecordFormat:
+        return v41_records(self.record_format)[0]
+
+    @property
+    def comp_format(self) -> L.RecordFormat:
+        return v41_records(self.record_format)[1]
 
     def swa_view(self) -> torch.Tensor:
-        return kv_cache_view(self.swa, L.SWA_BLOCK_SIZE, L.TOKEN_BYTES)
+        """[nb, 64, R] (R the SWA record's bytes; FlashMLA's [nb, 64, 1, R] is ``.unsqueeze(-2)`` of it)."""
+        return kv_cache_view(self.swa, L.SWA_BLOCK_SIZE, self.swa_format.token_bytes)
 
     def comp_view(self) -> torch.Tensor:
-        """[nb, 64, 584] (FlashMLA's [nb, 64, 1, 584] is ``.unsqueeze(-2)`` of it)."""
-        return kv_cache_view(self.comp, V41_COMPRESSED_BLOCK, L.TOKEN_BYTES)
+        """[nb, 64, R] (R the compressed record's bytes)."""
+        return kv_cache_view(self.comp, V41_COMPRESSED_BLOCK, self.comp_format.token_bytes)
 
     def bounds(self) -> CacheBounds:
         """What a step may index in these caches (``StepMetadata.validate``). Ratio 0 is the sliding window
@@ -117,19 +144,19 @@ class V41LayerCache:
 
 def allocate_v41(cfg: AttentionConfig, layers: Sequence[int], num_blocks: int, num_ring_blocks: int,
                  num_swa_blocks: Optional[int] = None, device=None,
-                 record_format: str = "fp8_ds_mla") -> Dict[int, V41LayerCache]:
+                 record_format: str = "V40_584") -> Dict[int, V41LayerCache]:
     """Zeroed caches of the V4.1 layers ``layers`` (every layer's kv source among them): ``num_blocks`` pages
     for each compressed and indexer-K cache, ``num_swa_blocks`` (default ``num_blocks``) SWA pages a layer,
-    ``num_ring_blocks`` ring blocks for each ratio-2 source. Layers sharing a kv source share its tensors."""
-    if record_format not in RECORD_FORMATS:
-        raise ValueError(f"record_format must be one of {RECORD_FORMATS}, got {record_format!r}")
+    ``num_ring_blocks`` ring blocks for each ratio-2 source, the records of ``record_format`` (a key of
+    ``V41_RECORDS``). Layers sharing a kv source share its tensors."""
+    swa_fmt, comp_fmt = v41_records(record_format)
     out: Dict[int, V41LayerCache] = {}
     for layer in sorted(layers):
         spec = cfg.v41_layer(layer)
-        c = V41LayerCache(swa=V.new_pages(num_swa_blocks or num_blocks, L.SWA_BLOCK_SIZE, device=device),
+        c = V41LayerCache(swa=V.new_pages(num_swa_blocks or num_blocks, L.SWA_BLOCK_SIZE, swa_fmt, device=device),
                           ratio=spec.ratio, kv_source=spec.kv_source, record_format=record_format)
         if spec.ratio and spec.owns_kv:
-            c.comp = V.new_pages(num_blocks, V41_COMPRESSED_BLOCK, device=device)
+            c.comp = V.new_pages(num_blocks, V41_COMPRESSED_BLOCK, comp_fmt, device=device)
             c.idx = kv_cache_view(V.new_pages(num_blocks, V41_COMPRESSED_BLOCK, V.INDEXER_K, device=device),
                                   V41_COMPRESSED_BLOCK, L.INDEXER_TOKEN_BYTES)
             if spec.ratio == 2:

@@ -12,7 +12,8 @@ rates, the check, and the time of each stage of the layer.
 A DeepSeek-V4.1 config (``--config v4.1-flash``) runs a stack instead: the layers ``--layers`` (layer ids;
 by default one layer of each kind with the sources they read, ``serving_v41.FLASH_LAYERS``) share their
 caches and top-k as the model does, every step runs them in layer order, request 0's output of every
-layer is checked, and the graph replays the decode step of the whole stack.
+layer is checked, and the graph replays the decode step of the whole stack. ``--record`` picks the records
+of its sliding-window and compressed caches (``kv_cache.V41_RECORDS``; default V40_584).
 """
 import time
 from collections import defaultdict
@@ -227,12 +228,13 @@ def main_job_v41(a, cfg, layers) -> int:
     from .serving_v41 import V41Stack, check_stack
     device = a.device
     layers = check_stack(cfg, layers)
+    record = getattr(a, "record", None) or "V40_584"
     plat = detect(device)
     steps, total = trace(a.requests, a.prompt_len, a.decode_steps, a.chunk)
     max_len = max(total) + 2
     print(f"dsv4_rocm run: {cfg.name}, {cfg.local_heads} local heads (tp {cfg.tp_size}), device {device} "
           f"({plat.arch}), sparse attention on {ops.backend_for('sparse_mla_decode', device)}")
-    print("stack: " + ", ".join(f"{x} {cfg.v41_layer(x).label}" for x in layers))
+    print("stack: " + ", ".join(f"{x} {cfg.v41_layer(x).label}" for x in layers) + f"; records {record}")
     print(f"trace: {a.requests} requests, prompts of {min(t - a.decode_steps for t in total)}.."
           f"{max(t - a.decode_steps for t in total)} tokens, {a.decode_steps} decode steps each, up to {a.chunk} "
           f"tokens a step: {len(steps)} steps, {_mixed(steps)} of them mixing decode and prefill")
@@ -240,14 +242,15 @@ def main_job_v41(a, cfg, layers) -> int:
     xs = [torch.randn(max_len, cfg.hidden_size, generator=g).bfloat16().to(device) for _ in range(a.requests)]
 
     def stack(**kw):
-        return V41Stack(cfg, None, a.requests, max_len, device=device, layers=layers, max_step_tokens=a.chunk, **kw)
+        return V41Stack(cfg, None, a.requests, max_len, device=device, layers=layers, max_step_tokens=a.chunk,
+                        record_format=record, **kw)
     warm = stack()
     _run_stack(warm, xs, steps, device)                                 # warm-up: kernel compilation
     srv = stack(layer_weights=warm.layer_weights)
     timers = {x: StageTimer(device) for x in layers}
     y0, times = _run_stack(srv, xs, steps, device, timers)
     ref_srv = V41Stack(cfg, None, 1, max_len, device="cpu", layers=layers, max_step_tokens=total[0],
-                       layer_weights={x: w.to("cpu") for x, w in srv.layer_weights.items()})
+                       layer_weights={x: w.to("cpu") for x, w in srv.layer_weights.items()}, record_format=record)
     with ops.use_backend("reference"):
         ref = ref_srv.step_all({0: xs[0][:total[0]].cpu()})
     tol = CHECK_TOL["cpu" if ops.backend_for("sparse_mla_decode", device) == "reference" else "gpu"]

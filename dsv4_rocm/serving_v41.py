@@ -8,6 +8,8 @@ layers of a step run in layer order, each on the same hidden states (an attentio
 reaches the next layer in the model passes through its MLP, which is not ours). The batch handling is
 ``SyntheticServer``'s (decode requests first, interleaved pages); the compressed block table maps
 64-entry blocks of every ratio, the state table's first column is each request's ring block.
+``record_format`` picks the records of the SWA and compressed caches (``kv_cache.V41_RECORDS``: "V40_584",
+"V41_528", "V41_528+V41_FP4_288").
 """
 import math
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ class V41Stack(SyntheticServer):
     layers: Sequence[int] = FLASH_LAYERS
     max_step_tokens: int = 4096
     layer_weights: Optional[Dict[int, LayerWeights]] = None
+    record_format: str = "V40_584"
 
     def __post_init__(self):
         cfg, dev = self.cfg, self.device
@@ -57,7 +60,7 @@ class V41Stack(SyntheticServer):
         self.state_pages = 1                                                        # the ring block
         nb = self.num_requests * max(self.swa_pages, self.comp_pages)
         ns = self.num_requests
-        self.caches = allocate_v41(cfg, self.layers, nb, ns, device=dev)
+        self.caches = allocate_v41(cfg, self.layers, nb, ns, device=dev, record_format=self.record_format)
         self.cache = self.caches[self.layers[0]]
         if self.layer_weights is None:
             self.layer_weights = {x: LayerWeights.random_v41(cfg, x, self.seed + x, dev) for x in self.layers}
@@ -71,7 +74,8 @@ class V41Stack(SyntheticServer):
                                                     for t in (self.swa_bt, self.comp_bt, self.state_bt))
         self.shared = V41SharedBuffers.allocate(cfg, self.max_step_tokens, dev)
         self.modules = {x: DeepseekV41Attention(cfg, x, self.layer_weights[x], self.caches[x], self.shared,
-                                                self.max_model_len, device=dev) for x in self.layers}
+                                                self.max_model_len, device=dev, record_format=self.record_format)
+                        for x in self.layers}
         self.layer = self.modules[self.layers[0]]
         self.cos_sin = self.layer.cos_sin_cache
         self.done = [0] * self.num_requests

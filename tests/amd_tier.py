@@ -66,6 +66,8 @@ CASE_FORMATS = {
     "sparse_mla_decode_v41": ("sparse_mla_decode", [dict(MAIN_FMT=_V41, EXTRA_FMT=_V41),
                                                     dict(MAIN_FMT=_V41, EXTRA_FMT=_FP4)]),
     "sparse_mla_decode_fnuz_window": ("sparse_mla_decode", [dict(MAIN_FMT=L.with_fnuz(_V40), EXTRA_FMT=_V40)]),
+    "rope_quant_insert": ("rope_quant_insert", [dict(FMT=_V40), dict(FMT=L.with_layout(_V41)),
+                                                dict(FMT=L.with_layout(_FP4))]),
 }
 # launch options: Triton's interpreter takes none of them; the compile matrix compiles each target's
 OPTIONS = ("num_warps", "num_stages", "num_ctas", "kpack", "matrix_instr_nonkdim", "waves_per_eu", "maxnreg",
@@ -217,16 +219,21 @@ def case_rope_quant_insert(target):
     g = torch.Generator().manual_seed(11)
     cs = build_cos_sin_cache(160000.0, 300, factor=16.0, original_max=64)
     lines = []
-    for ratio in (1, 2):
-        latent, pos, slots = _v41_writes(g, 20, 3, ratio, 512, cs.shape[0])
-        pages = [rcache.new_cache(3, 64).fill_(0xA5) for _ in range(2)]
-        views = [torch.as_strided(p, (3, 64, 584), (p.stride(0), 584, 1)) for p in pages]
-        K.rope_quant_insert(latent, pos, cs, views[0].unsqueeze(-2), slots, ratio)      # FlashMLA's 4-D view
-        rv.rope_quant_insert(latent, pos, cs, views[1], slots, ratio)
-        written = int((pages[1] != 0xA5).sum())
-        assert written > 2000, written
-        lines.append(_bytes_equal(pages[0], pages[1], f"ratio {ratio} compressed pages ({written} written)"))
-    return lines, {"_rope_quant_insert_kernel": dict(FNUZ=target == "gfx942", RATIO=2)}
+    # the three records the cache's last dim names (V4.1's in vLLM 0.33's interleaved layout): the V4.1 fp8
+    # record's e4m3 encode and the fp4 record's e4m3 scale, encoded and read back, through the target's convert
+    for fmt in (_V40, L.with_layout(_V41), L.with_layout(_FP4)):
+        for ratio in (1, 2):
+            latent, pos, slots = _v41_writes(g, 20, 3, ratio, 512, cs.shape[0])
+            pages = [rcache.new_cache(3, 64, fmt=fmt).fill_(0xA5) for _ in range(2)]
+            r = fmt.token_bytes
+            views = [torch.as_strided(p, (3, 64, r), (p.stride(0), r, 1)) for p in pages]
+            K.rope_quant_insert(latent, pos, cs, views[0].unsqueeze(-2), slots, ratio, fmt=fmt)   # FlashMLA's 4-D view
+            rv.rope_quant_insert(latent, pos, cs, views[1], slots, ratio, fmt=fmt)
+            written = int((pages[1] != 0xA5).sum())
+            assert written > 1000, written
+            lines.append(_bytes_equal(pages[0], pages[1], f"{fmt.name} ratio {ratio} compressed pages ({written} "
+                                                          "written)"))
+    return lines, {"_rope_quant_insert_kernel": dict(FNUZ=target == "gfx942", RATIO=2, FMT=L.with_layout(_FP4))}
 
 
 def case_fused_indexer_q_rope_quant(target):
@@ -450,6 +457,29 @@ def _decode_formats(target, formats, label, seed, layout="page_split", h=64):
            "1e-6 + 2^-13"
 
 
+def _poisoned_key_decode(target, formats, seed):
+    """A key whose first quant block held a NaN (its record poisoned: scale byte 0xFF, NaN bytes) in the main
+    set of one query: that query's output is NaN on every head, as in the oracle (the scale exponent moved
+    for the target's or the record's flavour must keep 0xFF a NaN); the other query's is finite."""
+    from dsv4_rocm.reference import attention as ra
+    from dsv4_rocm.reference import cache as rc
+    from dsv4_rocm.triton import sparse_mla_decode as D
+    from sparse_mla_inputs import decode_args, decode_case
+    fmts = tuple(L.with_layout(f) for f in formats)
+    a = decode_case(2, 1, 64, 64, 16, 3, 8, "cpu", seed, num_blocks=4, formats=fmts)
+    a["indices"][:, :, :4] = torch.tensor([5, 6, 7, 8], dtype=torch.int32)
+    a["topk_length"][:] = 16
+    k = torch.randn(1, 512, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    k[0, 3] = float("nan")
+    rc.insert_k_records(rc.encode_k_records(k, fmts[0]), a["k_cache"], torch.tensor([5]), 64, fmts[0])
+    a["indices"][1, 0, 0] = 9                                      # the second query does not read slot 5
+    out, _ = D.sparse_mla_decode(*decode_args(a), formats=fmts)
+    ref, _ = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=fmts)
+    assert bool(ref[0].isnan().all()) and bool(out[0].isnan().all()), f"{target}: the poisoned key is not NaN"
+    assert bool(out[1].isfinite().all()), f"{target}: NaN outside the query reading the poisoned key"
+    return f"a poisoned {fmts[0].name}{' (FNUZ)' if fmts[0].fnuz else ''} key: NaN output for its query only"
+
+
 def case_sparse_mla_decode_v41(target):
     """V41_528 in both sets (one loop over their tiles, [BN, 16, 32] chunks), and V41_528 with a V41_FP4_288
     extra set (a loop per set; the e2m1 tile: on AMD each code's e4m3 byte through the target's convert,
@@ -458,7 +488,8 @@ def case_sparse_mla_decode_v41(target):
     from dsv4_rocm.triton import sparse_mla_decode as D
     lines = [_decode_formats(target, (_V41, _V41), "V41_528 + V41_528", 11),
              _decode_formats(target, (_V41, _FP4), "V41_528 + V41_FP4_288", 12),
-             _decode_formats(target, (_V41, _FP4), "V41_528 + V41_FP4_288", 13, "interleaved")]
+             _decode_formats(target, (_V41, _FP4), "V41_528 + V41_FP4_288", 13, "interleaved"),
+             _poisoned_key_decode(target, (_V41, _FP4), 16)]
     c = D.default_config(target, 64, "triton")
     return lines, {"_sparse_mla_paged_kernel": dict(FNUZ=target == "gfx942", BLOCK_N=c["BLOCK_N"],
                                                     DEQ_INT=c["DEQ_INT"], MAIN_FMT=_V41,
@@ -473,7 +504,8 @@ def case_sparse_mla_decode_fnuz_window(target):
     from dsv4_rocm.triton import sparse_mla_decode as D
     fz = L.with_fnuz(_V40)
     lines = [_decode_formats(target, (fz, _V40), "V40_584 FNUZ window + V40_584", 14),
-             _decode_formats(target, (fz, _V40), "V40_584 FNUZ window + V40_584, 128 heads", 15, h=128)]
+             _decode_formats(target, (fz, _V40), "V40_584 FNUZ window + V40_584, 128 heads", 15, h=128),
+             _poisoned_key_decode(target, (fz, _V40), 17), _poisoned_key_decode(target, (_V40, _V40), 18)]
     c = D.default_config(target, 64, "triton")
     return lines, {"_sparse_mla_paged_kernel": dict(FNUZ=target == "gfx942", DEQ_INT=c["DEQ_INT"], MAIN_FMT=fz,
                                                     EXTRA_FMT=_V40)}

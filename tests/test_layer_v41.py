@@ -46,6 +46,29 @@ def test_every_layer_kind_matches_the_from_scratch_oracle():
         assert err < 2e-3, layer
 
 
+@pytest.mark.parametrize("record", ["V41_528", "V41_528+V41_FP4_288"])
+def test_every_layer_kind_over_the_v41_records(record):
+    """The stack over DeepSeek-V4.1's own records (kv_cache.V41_RECORDS: vLLM's fp8_ds_mla on Blackwell, and
+    nvfp4_ds_mla's e2m1 compressed entries), interleaved as vLLM 0.33 lays them out: every layer kind
+    against the oracle reading the same records; the pages are those records' (528 / 288 B a token)."""
+    xs = _xs([40], 4)
+    s, y = _run(xs, [{0: (0, 30)}, {0: (30, 38)}] + [{0: (38 + i, 39 + i)} for i in range(2)],
+                stack=V41Stack(CFG, None, 1, MAX_LEN, layers=ALL, record_format=record))
+    swa_fmt, comp_fmt = s.caches[3].swa_format, s.caches[3].comp_format
+    assert (swa_fmt.token_bytes, comp_fmt.token_bytes) == ((528, 528) if record == "V41_528" else (528, 288))
+    assert swa_fmt.interleaved and s.caches[0].swa.shape[1] == 64 * 528
+    assert s.caches[3].comp.shape[1] == 64 * comp_fmt.token_bytes and s.caches[4].comp is s.caches[3].comp
+    ref = naive_v41_stack(s, xs[0])
+    v40 = naive_v41_stack(V41Stack(CFG, None, 1, MAX_LEN, layers=ALL), xs[0])
+    for layer in ALL:
+        err = rel_err(y[layer][0].float(), ref[layer].float())
+        print(f"{record} layer {layer} {CFG.v41_layer(layer).label}: rel err {err:.2e}")
+        assert err < 2e-3, layer
+        assert not torch.equal(ref[layer], v40[layer]), layer          # the records are not V4.0's
+    with pytest.raises(ValueError, match="record_format must be one of"):
+        V41Stack(CFG, None, 1, 64, layers=(0,), record_format="fp8_ds_mla")
+
+
 def test_chunking_decode_and_mixed_batches_agree():
     """Two requests in one prefill step, in chunks mixed with the other's decode, and token by token after a
     prefill: the same outputs of every layer and the same bytes in every cache (one layer of each kind)."""
@@ -163,18 +186,25 @@ def test_v41_weights_from_checkpoint_names():
         LayerWeights.from_checkpoint({k: v for k, v in t.items() if k != "indexer.wk.weight"}, CFG, 1)
 
 
-def test_main_job_runs_the_tiny_v41_stack(capsys):
-    """python -m dsv4_rocm run on a V4.1 config: the stack of every layer kind, each layer checked against the
-    reference; a stack missing a layer's source, or layer types for a V4.1 config, are one-line user errors."""
+@pytest.mark.parametrize("record", [None, "V41_528+V41_FP4_288"])
+def test_main_job_runs_the_tiny_v41_stack(record, capsys):
+    """python -m dsv4_rocm run on a V4.1 config: the stack of every layer kind (over the records --record
+    names), each layer checked against the reference; a stack missing a layer's source, layer types for a V4.1
+    config, or --record for a V4.0 config, are one-line user errors."""
     import re
-    from dsv4_rocm.__main__ import main
+    from dsv4_rocm.__main__ import V41_RECORD_NAMES, main
+    from dsv4_rocm.kv_cache import RECORD_FORMATS
+    assert V41_RECORD_NAMES == RECORD_FORMATS
     assert main(["run", "--config", "tiny-v4.1", "--requests", "2", "--prompt-len", "12", "--decode-steps", "1",
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu"] + (["--record", record] if record else [])) == 0
     out = capsys.readouterr().out
+    assert f"; records {record or 'V40_584'}" in out
     for layer in ALL:
         label = re.escape(CFG.v41_layer(layer).label)
         row = next(line for line in out.splitlines() if re.match(rf"\s+{layer} {label} ", line))
         assert re.search(r"rel err (\S+) <= 2e-03 ok", row), row
+    assert main(["run", "--config", "tiny", "--device", "cpu", "--record", "V41_528"]) == 2
+    assert "is a DeepSeek-V4 config" in capsys.readouterr().err
     for argv, says in ((["--layers", "3,6"], "index source 5"), (["--layers", "swa"], "takes layer ids")):
         assert main(["run", "--config", "tiny-v4.1", "--device", "cpu"] + argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -190,17 +220,20 @@ GPU_TOL, GPU_SELECTION_TOL = 5e-2, 1.5e-1
 
 
 @pytest.mark.gpu
-def test_every_layer_kind_on_gpu_matches_the_oracle(gpu):
+@pytest.mark.parametrize("record", ["V40_584", "V41_528", "V41_528+V41_FP4_288"])
+def test_every_layer_kind_on_gpu_matches_the_oracle(record, gpu):
     xs = _xs([100], 1)
-    s, y = _run(xs, [{0: (0, 60)}, {0: (60, 96)}] + [{0: (96 + i, 97 + i)} for i in range(4)], device=gpu)
-    cpu = V41Stack(CFG, None, 1, MAX_LEN, layers=ALL,
+    s, y = _run(xs, [{0: (0, 60)}, {0: (60, 96)}] + [{0: (96 + i, 97 + i)} for i in range(4)], device=gpu,
+                stack=V41Stack(CFG, None, 1, MAX_LEN, device=str(gpu), layers=ALL, record_format=record))
+    cpu = V41Stack(CFG, None, 1, MAX_LEN, layers=ALL, record_format=record,
                    layer_weights={k: w.to("cpu") for k, w in s.layer_weights.items()})
     ref = naive_v41_stack(cpu, xs[0])
     for layer in ALL:
         spec = CFG.v41_layer(layer)
         err = rel_err(y[layer][0].float(), ref[layer].float())
         tol = GPU_TOL if spec.ratio == 0 else GPU_SELECTION_TOL
-        print(f"layer {layer} {spec.label} on {torch.cuda.get_device_name()}: rel err {err:.2e} (tol {tol:.0e})")
+        print(f"{record} layer {layer} {spec.label} on {torch.cuda.get_device_name()}: rel err {err:.2e} "
+              f"(tol {tol:.0e})")
         assert torch.isfinite(y[layer][0]).all() and err < tol, layer
 
 

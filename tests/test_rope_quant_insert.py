@@ -1,14 +1,17 @@
 """DeepSeek-V4.1 compressor, second half (rope_quant_insert): the oracle against the record written out by
-hand and against the V4.0 record writer, padding and rejected calls; the Triton kernel under the
-interpreter on values every conversion represents exactly (bytes equal), and on a GPU on random latents
-(bytes equal), through the cache views an engine holds."""
+hand and against the V4.0 record writer, padding and rejected calls; the V4.1 records (the cache's last
+dim 528 or 288 names them, as vLLM's op dispatches) against vLLM's rule written out here, in both page
+layouts; the Triton kernel under the interpreter on values every conversion represents exactly (bytes
+equal), every format, and on a GPU on random latents (bytes equal), through the cache views an engine
+holds."""
 import pytest
 import torch
 
+from dsv4_rocm import layout as L
 from dsv4_rocm import ops
 from dsv4_rocm.reference import cache as rcache
 from dsv4_rocm.reference.qkv import kv_rope
-from dsv4_rocm.reference.quant import ue8m0_qdq
+from dsv4_rocm.reference.quant import exponent_to_ue8m0, nvfp4_quantize, quantize_blocks, ue8m0_qdq
 from dsv4_rocm.reference.rope import build_cos_sin_cache, rope_fwd
 from helpers import patch_interpreter_scalars, run_file_interpreted
 from v41_inputs import e4m3_grid, quarter_turn_table
@@ -16,12 +19,13 @@ from v41_inputs import e4m3_grid, quarter_turn_table
 BS = 64
 
 
-def _cache(nb, seed, device="cpu"):
-    """[nb, 64, 584] over random page bytes (padding included)."""
+def _cache(nb, seed, device="cpu", fmt=L.V40_584):
+    """[nb, 64, R] over random page bytes (padding included), R the bytes of a ``fmt`` record."""
     g = torch.Generator().manual_seed(seed)
-    page = rcache.new_cache(nb, BS).shape[1]
+    page = rcache.new_cache(nb, BS, fmt=fmt).shape[1]
     buf = torch.randint(0, 256, (nb, page), generator=g, dtype=torch.uint8).to(device)
-    return torch.as_strided(buf, (nb, BS, 584), (page, 584, 1)), buf
+    r = fmt.token_bytes
+    return torch.as_strided(buf, (nb, BS, r), (page, r, 1)), buf
 
 
 def _case(ratio, seed, T=40, nb=3):
@@ -82,8 +86,9 @@ def test_rejected_calls_write_nothing():
     cs = build_cos_sin_cache(160000.0, 600)
     cache, buf = _cache(3, 5)
     before = buf.clone()
-    mx = torch.zeros(3, BS, 528, dtype=torch.uint8)
-    for kwargs, match in ((dict(compress_ratio=4), "compress_ratio"), (dict(kv_cache=mx), "528-byte"),
+    odd = torch.zeros(3, BS, 576, dtype=torch.uint8)
+    for kwargs, match in ((dict(compress_ratio=4), "compress_ratio"),
+                          (dict(kv_cache=odd), "kv_cache: no KV record format is 576 bytes"),
                           (dict(slot_mapping=slots + 10 ** 5), "slot_mapping"),
                           (dict(positions=pos + 10 ** 4), "positions"), (dict(fp8_scale=torch.ones(1)), "fp8_scale"),
                           (dict(latent=latent.float()), "latent")):
@@ -93,6 +98,50 @@ def test_rejected_calls_write_nothing():
         with pytest.raises(ValueError, match=match):
             ops.rope_quant_insert(**args)
         assert torch.equal(buf, before)
+
+
+V41 = [(L.V41_528, "interleaved"), (L.V41_528, "page_split"), (L.V41_FP4_288, "interleaved"),
+       (L.V41_FP4_288, "page_split")]
+
+
+def _v41_rule(x, fmt):
+    """vLLM's V4.1 record of fp32 rotated values x [512], written out: (data bytes, scale bytes)."""
+    if fmt.elem_bits == 4:
+        q, s = nvfp4_quantize(x.unsqueeze(0), 16)
+        return q[0], s[0]
+    q, e = quantize_blocks(x.unsqueeze(0), 32, 1e-4)
+    return q[0], exponent_to_ue8m0(e)[0]
+
+
+@pytest.mark.parametrize("fmt, layout", V41, ids=[f"{f.name}-{lay}" for f, lay in V41])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_v41_records_are_vllms(ratio, fmt, layout):
+    """The cache's last dim names the record (vLLM's dispatch): all 512 dims of RoPE(latent) in fp32 (no bf16
+    rounding) quantized, data and scales where the layout puts them (interleaved: vLLM 0.33's, the default);
+    nothing else written."""
+    f = L.with_layout(fmt, layout)
+    latent, pos, slots = _case(ratio, 30 + ratio)
+    cs = build_cos_sin_cache(160000.0, 600)
+    cache, buf = _cache(3, 31, fmt=f)
+    before = buf.clone()
+    ops.rope_quant_insert(latent, pos, cs, cache, slots, ratio, **({} if layout == "interleaved" else
+                                                                  dict(kv_layout=layout)))
+    keep = torch.ones_like(buf, dtype=torch.bool)
+    written = 0
+    for t in range(latent.shape[0]):
+        s, p = int(slots[t]), int(pos[t])
+        if s < 0 or (p + 1) % ratio:
+            continue
+        x = rope_fwd(latent[t].float().unsqueeze(0), torch.tensor([(p // ratio) * ratio]), cs)[0]
+        data, scales = _v41_rule(x, f)
+        blk, o = divmod(s, BS)
+        d0, s0 = L.data_offset(f, o), L.record_scale_offset(f, BS, o)
+        assert torch.equal(buf[blk, d0:d0 + f.quant_bytes], data), t
+        assert torch.equal(buf[blk, s0:s0 + f.num_scales], scales), t
+        keep[blk, d0:d0 + f.data_bytes] = False
+        keep[blk, s0:s0 + f.scale_bytes] = False
+        written += 1
+    assert written > 10 and torch.equal(buf[keep], before[keep])
 
 
 def _exact_case(ratio, seed):
@@ -110,31 +159,36 @@ def interpreter_main():
     from dsv4_rocm.reference.compressor_v41 import rope_quant_insert as oracle
     from dsv4_rocm.triton.rope_quant_insert import rope_quant_insert as kernel
     patch_interpreter_scalars()
-    for ratio in (1, 2):
-        latent, pos, slots, cs = _exact_case(ratio, 10 + ratio)
-        a, abuf = _cache(4, 6)
-        b, bbuf = _cache(4, 6)
-        oracle(latent, pos, cs, a, slots, ratio)
-        kernel(latent, pos, cs, b.unsqueeze(-2), slots, ratio)          # FlashMLA's 4-D view
-        written = int((abuf != _cache(4, 6)[1]).sum())
-        print(f"ratio {ratio}: bytes differing {int((abuf != bbuf).sum())}, written {written}")
+    for fmt in (L.V40_584, L.with_layout(L.V41_528), L.with_layout(L.V41_FP4_288),
+                L.with_layout(L.V41_FP4_288, "page_split")):
+        for ratio in (1, 2):
+            latent, pos, slots, cs = _exact_case(ratio, 10 + ratio)
+            a, abuf = _cache(4, 6, fmt=fmt)
+            b, bbuf = _cache(4, 6, fmt=fmt)
+            oracle(latent, pos, cs, a, slots, ratio, fmt=fmt)
+            kernel(latent, pos, cs, b.unsqueeze(-2), slots, ratio, fmt=fmt)          # FlashMLA's 4-D view
+            written = int((abuf != _cache(4, 6, fmt=fmt)[1]).sum())
+            print(f"{fmt.name} {fmt.layout} ratio {ratio}: bytes differing {int((abuf != bbuf).sum())}, written "
+                  f"{written}")
 
 
 def test_kernel_under_the_interpreter():
     r = run_file_interpreted(__file__)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 2 and all("bytes differing 0," in l and int(l.split()[-1]) > 1000 for l in lines)
+    assert len(lines) == 8 and all("bytes differing 0," in l and int(l.split()[-1]) > 1000 for l in lines), lines
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [L.V40_584, L.V41_528, L.V41_FP4_288], ids=lambda f: f.name)
 @pytest.mark.parametrize("ratio", [1, 2])
 @pytest.mark.parametrize("view", ["3d", "4d", "fp8"])
-def test_kernel_equals_oracle_bytes_on_gpu(ratio, view, gpu):
+def test_kernel_equals_oracle_bytes_on_gpu(ratio, view, fmt, gpu):
     latent, pos, slots = _case(ratio, 20 + ratio, T=3000, nb=80)
     cs = build_cos_sin_cache(160000.0, 600)
-    a, abuf = _cache(80, 7)
-    b, bbuf = _cache(80, 7, gpu)
+    fmt = L.with_layout(fmt)
+    a, abuf = _cache(80, 7, fmt=fmt)
+    b, bbuf = _cache(80, 7, gpu, fmt=fmt)
     ops.rope_quant_insert(latent, pos, cs, a, slots, ratio)
     cache = {"3d": b, "4d": b.unsqueeze(-2), "fp8": b.view(torch.float8_e4m3fn)}[view]
     ops.rope_quant_insert(latent.to(gpu), pos.to(gpu), cs.to(gpu), cache, slots.to(gpu), ratio)

@@ -2,9 +2,10 @@
 docs/math.md#v41 (no cache pages, no step metadata, no kernel), composed from the reference functions.
 
 For each layer in order: q = bf(RoPE(wq_b(q_norm(wq_a x)))) (no per-head norm), the window keys are the
-dequantized fp8_ds_mla records of bf(RoPE(kv_norm(wkv x))); a kv source pools its groups (ratio 1: the
-token's kv; ratio 2: the per-dim softmax of the pair), norms them to bf16 latents, records them at RoPE
-position j * r and derives the index keys k_norm(wk(latent)); an index source scores the visible entries
+dequantized records (the stack's SWA record) of bf(RoPE(kv_norm(wkv x))); a kv source pools its groups
+(ratio 1: the token's kv; ratio 2: the per-dim softmax of the pair), norms them to bf16 latents, records
+them at RoPE position j * r (V40_584: the bf16 rotated dims; the V4.1 records: all 512 rotated dims
+quantized from fp32) and derives the index keys k_norm(wk(latent)); an index source scores the visible entries
 of its kv source with its own q and weights, takes the candidate blocks (the candidate source: the newest
 block and the blocks of largest maximum score) or scores only inside them (a later index source), then
 the top-k; every compressed layer attends over its window and the last index source's top-k entries of
@@ -14,6 +15,8 @@ one step, and a top-k or candidate block taken among near-equal scores could the
 """
 import torch
 
+from dsv4_rocm import layout as L
+from dsv4_rocm.kv_cache import v41_records
 from dsv4_rocm.reference import cache as rc
 from dsv4_rocm.reference import indexer as I
 from dsv4_rocm.reference import output as O
@@ -25,12 +28,20 @@ from dsv4_rocm.reference.rope import build_cos_sin_cache, rope_fwd
 from helpers import attend_and_project
 
 
-def _records(k_bf16):
-    """K (= V) fp32 [n, 512] an attention kernel reads for bf16 keys k (RoPE applied)."""
-    return rc.decode_k_records(rc.encode_k_records(k_bf16))
+def _records(k_bf16, fmt=L.V40_584):
+    """K (= V) fp32 [n, 512] an attention kernel reads for bf16 keys k (RoPE applied) in ``fmt`` records."""
+    return rc.decode_k_records(rc.encode_k_records(k_bf16, fmt), fmt)
 
 
-def _source(cfg, spec, W, x, cs, eps):
+def _compressed(latent, pos, cs, fmt):
+    """K of a kv source's entries: V40_584 records of bf(RoPE(latent)); a V4.1 record quantizes all 512 dims
+    of the fp32 RoPE(latent) (vLLM's rope_quant_insert)."""
+    if fmt.name == L.V40_584.name:
+        return _records(kv_rope(latent, pos, cs))
+    return rc.decode_k_records(rc.encode_values(rope_fwd(latent.float(), pos, cs), fmt), fmt)
+
+
+def _source(cfg, spec, W, x, cs, eps, fmt=L.V40_584):
     """(compressed K fp32 [n, 512], index keys (fp8 bytes [n, 128], scales [n])) of a kv source's groups."""
     T, r = x.shape[0], spec.ratio
     n = T // r
@@ -42,7 +53,7 @@ def _source(cfg, spec, W, x, cs, eps):
         y = pool(pair[:, :, 512:], pair[:, :, :512])
     latent = rms_normalize(y, W.comp_norm, eps).bfloat16()
     pos = torch.arange(n) * r
-    K = _records(kv_rope(latent, pos, cs))
+    K = _compressed(latent, pos, cs, fmt)
     k_pre = (latent.float() @ W.idx_wk.float().t()).bfloat16()
     k = rms_normalize(k_pre.float(), W.idx_k_norm, eps).bfloat16()
     z = rope_fwd(k, pos, cs).bfloat16().float()
@@ -68,6 +79,7 @@ def naive_v41_stack(stack, x):
     """{layer: bf16 [T, hidden]} for one request's hidden states x bf16 [T, hidden] at positions 0..T-1 through
     the layers of ``stack`` (a V41Stack: its config, layers and weights)."""
     cfg, T = stack.cfg, x.shape[0]
+    swa_fmt, comp_fmt = v41_records(stack.record_format)
     H, Wn, eps = cfg.local_heads, cfg.sliding_window, cfg.rms_norm_eps
     pos = torch.arange(T)
     sources, topk, cands, outs = {}, None, None, {}
@@ -78,9 +90,9 @@ def naive_v41_stack(stack, x):
         qr, kv = fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], W.q_norm, W.kv_norm, eps)
         q = torch.zeros(T, cfg.padded_heads, 512, dtype=torch.bfloat16)
         q[:, :H] = kv_rope(O.fp8_linear(qr, W.wq_b8, W.wq_b_s).view(T, H, 512), pos, cs)
-        K_raw = _records(kv_rope(kv, pos, cs))
+        K_raw = _records(kv_rope(kv, pos, cs), swa_fmt)
         if spec.owns_kv:
-            sources[layer] = _source(cfg, spec, W, x, cs, eps)
+            sources[layer] = _source(cfg, spec, W, x, cs, eps, comp_fmt)
         if spec.owns_index:
             K_c, (k8, ksc) = sources[spec.kv_source]
             nh = cfg.index_n_heads

@@ -7,6 +7,7 @@ written, value checks follow ``value_checks`` (docs/conventions.md).
 import torch
 
 from .. import _checks as C
+from .. import layout as L
 from ..reference import compressor_v41 as _rv
 from ._dispatch import register, run as _run, value_checks
 
@@ -17,7 +18,6 @@ register("fused_save_compress_norm", _rv.fused_save_compress_norm,
 register("rope_quant_insert", _rv.rope_quant_insert, triton="dsv4_rocm.triton.rope_quant_insert:rope_quant_insert")
 
 D = _rv.LATENT_DIM
-OTHER_RECORDS = {528: "the V4.1 MXFP8 record", 288: "the V4.1 NVFP4 record"}
 
 
 def _ratio(compress_ratio):
@@ -96,18 +96,15 @@ def _check_ring(state_cache, slot_mapping, positions, query_start_loc, token_to_
         raise ValueError("query_start_loc must be non-decreasing")
 
 
-def _kv_cache_records(kv_cache):
-    """Block size of a paged fp8_ds_mla cache [nb, bs, 584] or [nb, bs, 1, 584]."""
+def _kv_cache_records(kv_cache, kv_layout=None):
+    """(block size, record format) of a paged compressed cache [nb, bs, R] or [nb, bs, 1, R]: R names the
+    format as vLLM's op reads it (584 V40_584, 528 V41_528, 288 V41_FP4_288), in ``kv_layout``."""
     C.tensor("kv_cache", kv_cache, dtype=(torch.uint8, torch.float8_e4m3fn))
     if kv_cache.dim() not in (3, 4) or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1):
         raise ValueError(f"kv_cache must be the paged compressed cache [num_blocks, block_size, record bytes] (or "
                          f"[nb, bs, 1, record bytes]), got shape {tuple(kv_cache.shape)}")
     rec = kv_cache.shape[-1]
-    if rec in OTHER_RECORDS:
-        raise ValueError(f"kv_cache: {rec}-byte records ({OTHER_RECORDS[rec]}) are not written by this build; "
-                         "the compressed cache holds 584-byte fp8_ds_mla records")
-    if rec != _rv.RECORD_BYTES:
-        raise ValueError(f"kv_cache records must be {_rv.RECORD_BYTES} bytes, got {rec}")
+    fmt = L.with_layout(L.format_for_token_bytes(rec, "kv_cache"), kv_layout)
     bs = kv_cache.shape[1]
     if bs < 1 or kv_cache.stride(-1) != 1 or (bs > 1 and kv_cache.stride(1) != rec):
         raise ValueError(f"kv_cache records must be dense, got shape {tuple(kv_cache.shape)} stride "
@@ -115,15 +112,16 @@ def _kv_cache_records(kv_cache):
     if kv_cache.shape[0] > 1 and (kv_cache.stride(0) < bs * rec or kv_cache.stride(0) % 16):
         raise ValueError(f"kv_cache page stride {kv_cache.stride(0)} must hold the page's {bs * rec} record bytes "
                          "and be a multiple of 16")
-    return bs
+    return bs, fmt
 
 
 def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio,
-                      fp8_scale=None) -> None:
+                      fp8_scale=None, *, kv_layout: str = None) -> None:
     """latent bf16 [T, 512] contiguous, positions int [>= n], cos_sin_cache fp32 or bf16 [P, 64], kv_cache the
-    paged compressed cache (uint8 [nb, bs, 584]), slot_mapping int [n] (negative = padding): the record of
-    each group-closing token (reference.compressor_v41). ``fp8_scale`` belongs to vLLM's plain-row caches and
-    must be None here."""
+    paged compressed cache (uint8 [nb, bs, R], R = 584, 528 or 288 naming the record format as vLLM's op
+    reads it; ``kv_layout`` the V4.1 records' page layout, default ``layout.default_layout``: interleaved, as
+    vLLM 0.33 writes them), slot_mapping int [n] (negative = padding): the record of each group-closing token
+    (reference.compressor_v41). ``fp8_scale`` belongs to vLLM's plain-row caches and must be None here."""
     _ratio(compress_ratio)
     if fp8_scale is not None:
         raise ValueError("fp8_scale: only the paged fp8_ds_mla record is written (plain fp8 rows are not supported)")
@@ -137,14 +135,15 @@ def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, 
     C.tensor("cos_sin_cache", cos_sin_cache, dtype=(torch.float32, torch.bfloat16), shape=(None, 64))
     if cos_sin_cache.stride(1) != 1:
         raise ValueError("cos_sin_cache rows must be contiguous")
-    bs = _kv_cache_records(kv_cache)
+    bs, fmt = _kv_cache_records(kv_cache, kv_layout)
     C.same_device(latent=latent, positions=positions, cos_sin_cache=cos_sin_cache, kv_cache=kv_cache,
                   slot_mapping=slot_mapping)
     if value_checks(slot_mapping) and n:
         check_record_slots(slot_mapping, positions, n, kv_cache.shape[0] * bs, cos_sin_cache.shape[0])
     if n == 0:
         return
-    _run("rope_quant_insert", latent.device, latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio)
+    _run("rope_quant_insert", latent.device, latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio,
+         fmt=fmt)
 
 
 def check_record_slots(slot_mapping, positions, n, capacity, cs_rows):

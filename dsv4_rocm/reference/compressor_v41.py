@@ -19,8 +19,14 @@ rows are saved; request b saves the rows of the last min(len, capacity) tokens o
 [query_start_loc[b], query_start_loc[b + 1]) (tokens below len(slot_mapping)) that have a slot >= 0.
 
 ``rope_quant_insert`` turns the latent of each group-closing token into a compressed-cache record: RoPE
-at position j * r = (p // r) * r on the fp32 value of the bf16 latent, then the fp8_ds_mla record (584 B:
-UE8M0 fp8 of latent[:448] in blocks of 64, bf16 of the rotated dims 448..511, docs/cache_format.md).
+at position j * r = (p // r) * r on the fp32 value of the bf16 latent, then the record of the cache's
+format (vLLM picks the kernel by the cache's last dimension; docs/cache_format.md):
+
+    V40_584      UE8M0 fp8 of latent[:448] in blocks of 64, bf16 of the rotated dims 448..511
+    V41_528      UE8M0 fp8 of all 512 rotated dims (fp32, no bf16 rounding) in blocks of 32
+    V41_FP4_288  e2m1 of all 512 rotated dims, one e4m3 scale per 16 (reference.quant, NVFP4-style blocks)
+
+in the format's page layout (``layout.data_offset`` / ``record_scale_offset``).
 
 Exact fp32 arithmetic, shared with the kernels: the softmax and sums of ``reference.compressor.pool`` (a
 pair: m = max, e_u = exp_neg(s_u - m), (e0 kv0 + e1 kv1) / (e0 + e1)), its RMSNorm (pairwise sum of
@@ -29,6 +35,8 @@ out-of-range slot, request id or position skips the token.
 """
 import torch
 
+from .. import layout as L
+from .cache import insert_k_records
 from .compressor import _as_pages, _records, bf16_bits, pool, rms_normalize
 
 RING_CAPACITY = 8            # vLLM's CompressorStateCache: max(8, next power of two >= num_spec + 2) rows
@@ -100,8 +108,9 @@ def store_records(cache, slots, data, scales, record_bytes: int, token_stride: i
     pages[blk, bs * token_stride + off * sd + torch.arange(sd, device=slots.device)] = scales
 
 
-def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None) -> None:
-    """vLLM's op (module docstring), for the 584-byte fp8_ds_mla record."""
+def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None,
+                      fmt: L.RecordFormat = L.V40_584) -> None:
+    """vLLM's op (module docstring), for records of ``fmt``."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
@@ -111,5 +120,9 @@ def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, 
     if t.numel() == 0:
         return
     y = latent[t].float()
-    data, scales = _records(y, (p[t] // compress_ratio) * compress_ratio, cos_sin_cache.float(), LATENT_DIM, False)
-    store_records(kv_cache, slot_mapping[t].long(), data, scales, RECORD_BYTES, 576)
+    data, scales = _records(y, (p[t] // compress_ratio) * compress_ratio, cos_sin_cache.float(), LATENT_DIM, False,
+                            fmt)
+    if fmt.name == L.V40_584.name:
+        store_records(kv_cache, slot_mapping[t].long(), data, scales, RECORD_BYTES, 576)
+    else:
+        insert_k_records(torch.cat([data, scales], 1), kv_cache, slot_mapping[t].long(), kv_cache.shape[1], fmt)

@@ -2,11 +2,15 @@
 every group-closing token's latent.
 
 Math (dsv4_rocm/reference/compressor_v41.py): token t (t < len(slot_mapping)) at position p with
-(p + 1) % r == 0, a slot inside the cache and p inside the cos/sin table: x = fp32(latent[t]); the
-fp8_ds_mla record of (x, RoPE(x) at (p // r) * r): UE8M0 fp8 of x[:448] in blocks of 64, bf16 of the
-rotated dims 448..511, 7 scales and a 0 pad byte (the store of dsv4_rocm/triton/compress_norm_rope_store.py,
-so the bytes are those of every other writer of the record). Page p = slot // bs at
-``kv_cache.stride(0)``, record o = slot % bs: data at p + o * 576, scales at p + bs * 576 + o * 8.
+(p + 1) % r == 0, a slot inside the cache and p inside the cos/sin table: x = fp32(latent[t]) and RoPE(x)
+at (p // r) * r; the record of the cache's format FMT (a constexpr), made by the stores of
+dsv4_rocm/triton/compress_norm_rope_store.py, so the bytes are those of every other writer of the record:
+    V40_584      UE8M0 fp8 of x[:448] in blocks of 64, bf16 of the rotated dims 448..511, 7 scales and a 0
+                 pad byte; page p = slot // bs at ``kv_cache.stride(0)``, record o = slot % bs: data at
+                 p + o * 576, scales at p + bs * 576 + o * 8
+    V41_528      UE8M0 fp8 of all 512 rotated dims in blocks of 32, 16 scales
+    V41_FP4_288  e2m1 of all 512 rotated dims, an e4m3 scale per 16
+the V4.1 records where ``layout.data_offset`` / ``record_scale_offset`` put them (page-split or interleaved).
 
 Grid: one program per ROWS tokens, each token's record made in turn (a decode step writes a record for
 half the tokens or fewer, a prefill chunk one per r tokens).
@@ -15,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import layout as L
 from ._launch import cdiv, device_cache, device_facts, launch
-from .compress_norm_rope_store import _rope_last64, _store_main
+from .compress_norm_rope_store import _rope_last64, _store_main, _store_v41_fp4, _store_v41_fp8
 
 D = 512
 ROWS = 4
@@ -34,7 +39,7 @@ def record_token(slot_ptr, pos_ptr, t, capacity, cs_rows, RATIO: tl.constexpr):
 @triton.jit(do_not_specialize=["n"])
 def _rope_quant_insert_kernel(latent_ptr, pos_ptr, cs_ptr, cs_stride, cs_rows, cache_ptr, page_stride, capacity,
                               slot_ptr, n, RATIO: tl.constexpr, BS: tl.constexpr, R: tl.constexpr,
-                              FNUZ: tl.constexpr):
+                              FNUZ: tl.constexpr, FMT: tl.constexpr):
     d = tl.arange(0, 512)
     for i in range(R):
         t = tl.program_id(0) * R + i
@@ -43,7 +48,13 @@ def _rope_quant_insert_kernel(latent_ptr, pos_ptr, cs_ptr, cs_stride, cs_rows, c
             if writes:
                 x = tl.load(latent_ptr + t.to(tl.int64) * 512 + d).to(tl.float32)
                 roped = _rope_last64(x, cs_ptr + ((p // RATIO) * RATIO) * cs_stride, 512)
-                _store_main(cache_ptr + (s // BS) * page_stride, s % BS, BS, x, roped, FNUZ)
+                page = cache_ptr + (s // BS) * page_stride
+                if FMT.quant_dims < 512:
+                    _store_main(page, s % BS, BS, x, roped, FNUZ)
+                elif FMT.elem_bits == 4:
+                    _store_v41_fp4(page, s % BS, BS, roped, FNUZ, FMT)
+                else:
+                    _store_v41_fp8(page, s % BS, BS, roped, FNUZ, FMT)
 
 
 @device_cache()
@@ -53,8 +64,10 @@ def fnuz(device) -> bool:
     return device_facts(device)[1]
 
 
-def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None) -> None:
-    """vLLM's call form; arguments checked by ``dsv4_rocm.ops.rope_quant_insert``."""
+def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None,
+                      fmt: L.RecordFormat = L.V40_584) -> None:
+    """vLLM's call form; arguments checked by ``dsv4_rocm.ops.rope_quant_insert``; ``fmt`` the cache's record
+    format."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
@@ -63,12 +76,19 @@ def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, 
     launch(_rope_quant_insert_kernel)[(cdiv(n, ROWS),)](
         latent, positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], cache, kv_cache.stride(0),
         kv_cache.shape[0] * bs, slot_mapping, n, RATIO=compress_ratio, BS=bs, R=ROWS, FNUZ=fnuz(latent.device),
-        num_warps=4, num_stages=1, enable_fp_fusion=False)
+        FMT=fmt, num_warps=4, num_stages=1, enable_fp_fusion=False)
 
 
-COMPILE_SPECS = [   # the ratio only changes a constant of the position test
-    dict(name="rope_quant_insert", fn=_rope_quant_insert_kernel,
-         pointers=dict(latent_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", cache_ptr="*u8", slot_ptr="*i64"),
-         floats=(), constexprs=lambda arch: dict(RATIO=2, BS=64, R=ROWS, FNUZ=arch == "gfx942"),
-         options=lambda arch: dict(num_warps=4, num_stages=1, enable_fp_fusion=False), matrix=False,
-         fp8_encode=True, exact_fp32=True)]
+def _spec(name, fmt):
+    return dict(name=name, fn=_rope_quant_insert_kernel,
+                pointers=dict(latent_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", cache_ptr="*u8", slot_ptr="*i64"),
+                floats=(), constexprs=lambda arch: dict(RATIO=2, BS=64, R=ROWS, FNUZ=arch == "gfx942", FMT=fmt),
+                options=lambda arch: dict(num_warps=4, num_stages=1, enable_fp_fusion=False), matrix=False,
+                fp8_encode=True, exact_fp32=True)
+
+
+COMPILE_SPECS = [   # the ratio only changes a constant of the position test; one entry per record format
+    _spec("rope_quant_insert", L.V40_584),
+    _spec("rope_quant_insert[V41_528]", L.with_layout(L.V41_528)),
+    _spec("rope_quant_insert[V41_FP4_288]", L.with_layout(L.V41_FP4_288)),
+]
