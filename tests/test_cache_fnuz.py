@@ -5,7 +5,8 @@ The expected bytes come from vLLM's rule written out here on its own (e = ceil(l
 float64, e4m3fnuz of clamp(x * 2^-e, +-224), scale byte e + 127), not from the reference's code path; the
 identity the kernels use (the OCP record with each scale byte one higher) is checked as a second, separate
 statement. CPU: the reference and the public ops (every cache view, vLLM's call forms, padding slots),
-reading arbitrary bytes, poisoned blocks, flag checks. GPU: the HIP writer and reader against the
+reading arbitrary bytes, poisoned blocks, flag checks; the V41_528 record's FNUZ flavour (vLLM's V4.1 writer
+takes use_fnuz too). GPU: the HIP writer and reader (V40_584, V41_528 in both layouts) against the
 reference on poisoned caches and random bytes.
 """
 import pytest
@@ -158,6 +159,40 @@ def test_gather_of_arbitrary_bytes_matches_the_hand_decode():
     assert torch.equal(out[0].nan_to_num(), want.nan_to_num())
 
 
+def vllm_fnuz_v41_records(k):
+    """uint8 [T, 528] V41_528 records as vLLM's V4.1 writer defines them with use_fnuz (finite k): all 512 dims
+    in blocks of 32, e = ceil(log2(amax / 224)), e4m3fnuz of clamp(x * 2^-e, +-224), 16 scale bytes e + 127."""
+    x = k.float().reshape(-1, 16, 32)
+    amax = x.abs().amax(-1).clamp(min=1e-4)
+    e = torch.ceil(torch.log2(amax.double() / 224.0)).float()
+    q = (x * torch.exp2(-e).unsqueeze(-1)).clamp(-224, 224).to(torch.float8_e4m3fnuz).view(torch.uint8)
+    return torch.cat([q.reshape(-1, 512), (e + 127).to(torch.uint8)], 1)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "page_split"])
+def test_v41_528_records_have_the_fnuz_flavour_too(layout):
+    """vLLM's V4.1 writer takes use_fnuz for its 528-byte record as well: the same rule over all 512 dims
+    (the OCP V41 record with each scale byte one higher), written and gathered back through the ops."""
+    fmt = L.with_layout(L.V41_528, layout)
+    k = random_k(70)
+    assert torch.equal(rc.encode_k_records(k, L.with_fnuz(fmt)), vllm_fnuz_v41_records(k))
+    ocp = rc.encode_k_records(k, fmt)
+    fz = rc.encode_k_records(k, L.with_fnuz(fmt))
+    assert torch.equal(fz[:, :512], ocp[:, :512]) and torch.equal(fz[:, 512:].int(), ocp[:, 512:].int() + 1)
+    bs, nb = 16, 6
+    c = torch.randint(0, 256, (nb, L.page_bytes(bs, fmt)), dtype=torch.uint8)
+    kw = {} if layout == "interleaved" else dict(kv_layout=layout)
+    ops.quantize_and_insert_k_cache(k, c, torch.arange(70), bs, use_fnuz=True, bytes_per_token=528, **kw)
+    assert torch.equal(rc.gather_k_records(c, torch.arange(70), bs, fmt), vllm_fnuz_v41_records(k))
+    out = torch.full((1, 70, 512), float("nan"), dtype=torch.bfloat16)
+    view = torch.as_strided(c, (nb, bs, 528), (c.stride(0), 528, 1))
+    ops.dequantize_and_gather_k_cache(out, view, torch.tensor([70]), None, torch.arange(nb)[None], bs, 0, True, **kw)
+    assert torch.equal(out[0], rc.decode_k_records(ocp, fmt).bfloat16())          # the same values as OCP
+    fp4 = torch.zeros(nb, bs, 288, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="V41_FP4_288 records have no FNUZ flavour"):
+        ops.dequantize_and_gather_k_cache(out, fp4, torch.tensor([4]), None, torch.tensor([[0]]), bs, 0, True)
+
+
 @pytest.mark.parametrize("flag", [1, "yes", None])
 def test_use_fnuz_must_be_a_bool(flag):
     c = torch.randint(0, 256, (2, L.page_bytes(64)), dtype=torch.uint8)
@@ -184,34 +219,42 @@ def _wide_k(n, seed, device):
     return k.bfloat16().to(device)
 
 
+# the FNUZ formats the HIP writers and readers take: V40_584 and V41_528 (both page layouts)
+GPU_FNUZ = [FNUZ, L.with_fnuz(L.with_layout(L.V41_528)), L.with_fnuz(L.V41_528)]
+GPU_IDS = ["V40_584", "V41_528-interleaved", "V41_528-page_split"]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", GPU_FNUZ, ids=GPU_IDS)
 @pytest.mark.parametrize("bs, n", [(64, 1), (64, 4097), (3, 100), (256, 5000)])
-def test_gpu_kernel_writes_the_reference_fnuz_bytes(bs, n, gpu):
+def test_gpu_kernel_writes_the_reference_fnuz_bytes(bs, n, fmt, gpu):
     nb = (n + bs - 1) // bs + 3
     g = torch.Generator().manual_seed(n)
     slots = torch.randperm(nb * bs, generator=g)[:n]
     slots[torch.rand(n, generator=g) < 0.1] = -1
     slots = slots.to(gpu)
     k = _wide_k(n, bs, gpu)
-    cache = torch.full((nb, L.page_bytes(bs)), 0xAB, dtype=torch.uint8, device=gpu)
+    cache = torch.full((nb, L.page_bytes(bs, fmt)), 0xAB, dtype=torch.uint8, device=gpu)
     ref = cache.clone()
-    _hip("quantize_and_insert_k_cache")(k, cache, slots, bs, True)
-    rc.quantize_and_insert_k_cache(k, ref, slots, bs, FNUZ)
-    print(f"bs={bs} n={n}: differing bytes {int((cache != ref).sum())}")
+    _hip("quantize_and_insert_k_cache")(k, cache, slots, bs, fmt)
+    rc.quantize_and_insert_k_cache(k, ref, slots, bs, fmt)
+    print(f"{fmt.name} bs={bs} n={n}: differing bytes {int((cache != ref).sum())}")
     assert torch.equal(cache, ref)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", GPU_FNUZ, ids=GPU_IDS)
 @pytest.mark.parametrize("bs, R", [(64, 3), (2, 9)])
-def test_gpu_kernel_reads_fnuz_bytes_like_the_reference(bs, R, gpu):
+def test_gpu_kernel_reads_fnuz_bytes_like_the_reference(bs, R, fmt, gpu):
     """Pages of random bytes (every fp8 and scale byte value, 0x80 and 0xFF included; finite RoPE bf16)."""
     g = torch.Generator().manual_seed(bs)
     cols = 4
     nb = R * cols + 1
-    cache = torch.randint(0, 256, (nb, L.page_bytes(bs)), generator=g, dtype=torch.uint8)
-    for s in range(nb * bs):
-        p, o = divmod(s, bs)
-        cache[p, o * 576 + 448:o * 576 + 576] = torch.randn(64, generator=g).bfloat16().view(torch.uint8)
+    cache = torch.randint(0, 256, (nb, L.page_bytes(bs, fmt)), generator=g, dtype=torch.uint8)
+    if fmt.quant_dims < 512:
+        for s in range(nb * bs):
+            p, o = divmod(s, bs)
+            cache[p, o * 576 + 448:o * 576 + 576] = torch.randn(64, generator=g).bfloat16().view(torch.uint8)
     cache = cache.to(gpu)
     seq = torch.randint(1, cols * bs + 1, (R,), generator=g)
     gl = torch.minimum(seq, torch.randint(0, cols * bs, (R,), generator=g))
@@ -219,7 +262,7 @@ def test_gpu_kernel_reads_fnuz_bytes_like_the_reference(bs, R, gpu):
     args = (cache, seq.to(gpu), gl.to(gpu), bt.to(gpu), bs, 1)
     out = torch.full((R, cols * bs + 1, 512), float("nan"), dtype=torch.bfloat16, device=gpu)
     want = out.clone()
-    _hip("dequantize_and_gather_k_cache")(out, *args, True)
-    rc.dequantize_and_gather_k_cache(want, *args, FNUZ)
+    _hip("dequantize_and_gather_k_cache")(out, *args, fmt)
+    rc.dequantize_and_gather_k_cache(want, *args, fmt)
     assert torch.equal(out.isnan(), want.isnan())
     assert torch.equal(out.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
