@@ -82,30 +82,42 @@ def _bytes_equal(got, ref, name):
 
 
 # ---- the cases: each returns lines to print and the constexprs its launches must carry ------------------
-def case_compress_norm_rope_store(target):
+# compressor steps: (ratio, target, request lengths, steps) for C4 (one [8, D] tile an entry) and C128 (AMD:
+# 16 column slices, then a finishing launch): a prefill-sized step with padding, then a decode-sized one.
+# Windows reach back into state rows no step wrote (random values, read alike by kernel and oracle), which
+# keeps the C128 steps short
+_C4_STEPS = ({0: (0, 13), 1: (0, 9)}, {0: (13, 14)})
+_C4_FP8_STEPS = ({0: (0, 12), 1: (0, 6)}, {0: (12, 13)})
+_C128_STEPS = ({0: (118, 127), 1: (120, 128)}, {0: (127, 128)})
+
+
+def _compressed_pages(ratio, kind, lens, steps, seed, fmt=_V40):
+    """(kernel's, oracle's) output pages of a compressor store over ``steps`` (a poisoned row in a window)."""
     from compressor_batches import compress_kwargs, make_setup, step_inputs
     from dsv4_rocm import ops
     from dsv4_rocm.reference import compressor as rc
     from dsv4_rocm.triton import compress_norm_rope_store as K
+    S = make_setup(ratio, kind, lens, "cpu", seed=seed, scale=4.0)
+    S.kv_score[0][2, :64] = float("nan")                             # a poisoned row inside a window
+    ref = S.clone()
+    c, sbs = rc.coff(ratio), rc.state_block_size(ratio)
+    for ranges in steps:
+        kv_score, pos, req, sslots, kslots = step_inputs(S, ranges, pad=2)
+        kv, score = kv_score.split([c * S.D, c * S.D], dim=-1)
+        for s in (S, ref):
+            ops.save_partial_states(kv, score, s.ape, pos, s.state, sslots, sbs, c * S.D, ratio)
+        K.compress_norm_rope_store(**compress_kwargs(S, sslots.shape[0], req, pos, sslots, kslots), fmt=fmt)
+        rc.compress_norm_rope_store(**compress_kwargs(ref, sslots.shape[0], req, pos, sslots, kslots), fmt=fmt)
+    return S.pages, ref.pages
+
+
+def case_compress_norm_rope_store(target):
+    """C4 main and indexer fp8, C128 main (V40_584 records)."""
     lines = []
-    # C4 main and indexer fp8 (one [8, D] tile an entry), C128 main (AMD: 16 column slices, then a finishing
-    # launch): a prefill-sized step with padding, then a decode-sized one. Windows reach back into state rows
-    # no step wrote (random values, read alike by kernel and oracle), which keeps the C128 steps short
-    for ratio, kind, lens, steps in ((4, "main", [21, 9], ({0: (0, 13), 1: (0, 9)}, {0: (13, 14)})),
-                                     (4, "fp8", [17, 6], ({0: (0, 12), 1: (0, 6)}, {0: (12, 13)})),
-                                     (128, "main", [128, 128], ({0: (118, 127), 1: (120, 128)}, {0: (127, 128)}))):
-        S = make_setup(ratio, kind, lens, "cpu", seed=ratio, scale=4.0)
-        S.kv_score[0][2, :64] = float("nan")                         # a poisoned row inside a window
-        ref = S.clone()
-        c, sbs = rc.coff(ratio), rc.state_block_size(ratio)
-        for ranges in steps:
-            kv_score, pos, req, sslots, kslots = step_inputs(S, ranges, pad=2)
-            kv, score = kv_score.split([c * S.D, c * S.D], dim=-1)
-            for s in (S, ref):
-                ops.save_partial_states(kv, score, s.ape, pos, s.state, sslots, sbs, c * S.D, ratio)
-            K.compress_norm_rope_store(**compress_kwargs(S, sslots.shape[0], req, pos, sslots, kslots))
-            rc.compress_norm_rope_store(**compress_kwargs(ref, sslots.shape[0], req, pos, sslots, kslots))
-        lines.append(_bytes_equal(S.pages, ref.pages, f"C{ratio} {kind} cache pages"))
+    for ratio, kind, lens, steps in ((4, "main", [21, 9], _C4_STEPS), (4, "fp8", [17, 6], _C4_FP8_STEPS),
+                                     (128, "main", [128, 128], _C128_STEPS)):
+        got, want = _compressed_pages(ratio, kind, lens, steps, ratio)
+        lines.append(_bytes_equal(got, want, f"C{ratio} {kind} cache pages"))
     amd = target.startswith("gfx")
     return lines, {"_compress_norm_rope_store_kernel": dict(FNUZ=target == "gfx942", STAGE=1 if amd else 0,
                                                            NSPLIT=16 if amd else 1, FMT=_V40)}
@@ -114,31 +126,14 @@ def case_compress_norm_rope_store(target):
 def case_compress_norm_rope_store_v41(target):
     """The DeepSeek-V4.1 records of the compressor store (the cache's last dim names them): all 512 dims of
     RoPE(bf16 latent) as V41_528 (e4m3, UE8M0 per 32) or V41_FP4_288 (e2m1, e4m3 scale per 16, its scale
-    encoded and read back through the target's fp8 convert), page-split and interleaved; C4 (one [8, D] tile
-    an entry) and C128 (AMD: 16 column slices, then a finishing launch)."""
-    from compressor_batches import compress_kwargs, make_setup, step_inputs
-    from dsv4_rocm import ops
-    from dsv4_rocm.reference import compressor as rc
-    from dsv4_rocm.triton import compress_norm_rope_store as K
+    encoded and read back through the target's fp8 convert), page-split and interleaved; C4 and C128."""
     lines = []
-    for ratio, kind, lens, steps in ((4, "v41", [21, 9], ({0: (0, 13), 1: (0, 9)}, {0: (13, 14)})),
-                                     (4, "fp4", [17, 6], ({0: (0, 12), 1: (0, 6)}, {0: (12, 13)})),
-                                     (128, "fp4", [128, 128], ({0: (118, 127), 1: (120, 128)}, {0: (127, 128)}))):
+    for ratio, kind, lens, steps in ((4, "v41", [21, 9], _C4_STEPS), (4, "fp4", [17, 6], _C4_FP8_STEPS),
+                                     (128, "fp4", [128, 128], _C128_STEPS)):
         for layout in ("page_split", "interleaved"):
             fmt = L.with_layout({"v41": _V41, "fp4": _FP4}[kind], layout)
-            S = make_setup(ratio, kind, lens, "cpu", seed=ratio + len(layout), scale=4.0)
-            S.kv_score[0][2, :64] = float("nan")                     # a poisoned row inside a window
-            ref = S.clone()
-            c, sbs = rc.coff(ratio), rc.state_block_size(ratio)
-            for ranges in steps:
-                kv_score, pos, req, sslots, kslots = step_inputs(S, ranges, pad=2)
-                kv, score = kv_score.split([c * S.D, c * S.D], dim=-1)
-                for s in (S, ref):
-                    ops.save_partial_states(kv, score, s.ape, pos, s.state, sslots, sbs, c * S.D, ratio)
-                K.compress_norm_rope_store(**compress_kwargs(S, sslots.shape[0], req, pos, sslots, kslots), fmt=fmt)
-                rc.compress_norm_rope_store(**compress_kwargs(ref, sslots.shape[0], req, pos, sslots, kslots),
-                                            fmt=fmt)
-            lines.append(_bytes_equal(S.pages, ref.pages, f"C{ratio} {fmt.name} {layout} cache pages"))
+            got, want = _compressed_pages(ratio, kind, lens, steps, ratio + len(layout), fmt)
+            lines.append(_bytes_equal(got, want, f"C{ratio} {fmt.name} {layout} cache pages"))
     amd = target.startswith("gfx")
     return lines, {"_compress_norm_rope_store_kernel": dict(FNUZ=target == "gfx942", STAGE=1 if amd else 0,
                                                            FMT=L.interleaved(_FP4))}
