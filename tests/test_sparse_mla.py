@@ -67,6 +67,30 @@ def test_reference_topk_zero_and_empty_batches():
     assert out.shape == (0, 1, 64, 512) and lse.shape == (0, 64, 1)
 
 
+def test_k_cache_fnuz_reads_a_fnuz_flavour_window():
+    """``k_cache_fnuz``: k_cache holds FNUZ-flavour records (vLLM's gfx942 window), extra_k_cache OCP ones; the
+    op reads them as the reference does with those formats, which differs from reading the window as OCP.
+    The flag is checked before anything is written."""
+    fz = L.with_fnuz(L.V40_584)
+    a = decode_case(2, 1, 64, 64, 40, 3, 24, "cpu", 21, num_blocks=6, formats=(fz, L.V40_584))
+    out = torch.full((2, 1, 64, 512), float("nan"), dtype=torch.bfloat16)
+    got, lse = ops.sparse_mla_decode(*decode_args(a), out=out, k_cache_fnuz=True)
+    ref, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=(fz, L.V40_584))
+    assert got is out and torch.equal(got, ref) and torch.equal(lse, ref_lse)
+    assert not torch.equal(ops.sparse_mla_decode(*decode_args(a))[0], ref)
+    for bad, match in ((1, "k_cache_fnuz must be a bool"), ("yes", "k_cache_fnuz must be a bool")):
+        o = torch.full_like(out, float("nan"))
+        with pytest.raises(ValueError, match=match):
+            ops.sparse_mla_decode(*decode_args(a), out=o, k_cache_fnuz=bad)
+        assert o.isnan().all()
+    v41 = decode_case(2, 1, 64, 5, 32, 3, 16, "cpu", 4, num_blocks=9,
+                      formats=(L.with_layout(L.V41_528), L.with_layout(L.V41_FP4_288)))
+    fp4_main = dict(v41, k_cache=v41["extra_k_cache"], indices=v41["extra_indices_in_kvcache"],
+                    topk_length=v41["extra_topk_length"])
+    with pytest.raises(ValueError, match="V41_FP4_288 records have no FNUZ flavour"):
+        ops.sparse_mla_decode(*decode_args(fp4_main), k_cache_fnuz=True)
+
+
 def test_paged_decode_equals_bf16_prefill_semantics():
     """The two reference paths agree: paged fp8 decode == prefill over the dequantized rows."""
     a = decode_case(4, 1, 64, 64, 96, 0, 0, "cpu", 9)

@@ -13,7 +13,8 @@ prefill ``(q, kv, indices, sm_scale: float, d_v, attn_sink, topk_length, out=Non
 lse)``, every tensor checked as below, on one device, caches as uint8 or float8_e4m3fn (int8 arrives as
 uint8), any strides but a unit last one; ``formats`` are the caches' record formats
 (``dsv4_rocm.layout.RecordFormat``; extra None without an extra cache), named by the caches' last
-dimension and the ``kv_layout`` of the call; it writes ``out`` when given and copies nothing.
+dimension, the ``kv_layout`` of the call and, for k_cache, ``k_cache_fnuz`` (the format's ``fp8`` field);
+it writes ``out`` when given and copies nothing.
 
 Record formats (as FlashMLA detects them, from the last dimension): 584 (V40_584), 528 (V41_528), 288
 (V41_FP4_288). The pairs (k_cache, extra_k_cache) that exist: the same format twice, or V41_528 with a
