@@ -111,6 +111,7 @@ def fp8_linear(x, w8, w_scale):
 
 
 _MERGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_OUT = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def _check_lse(name, t, H, T, dev):
@@ -119,11 +120,12 @@ def _check_lse(name, t, H, T, dev):
 
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                       prefill_tokens_with_context=None, output_scale=None) -> None:
-    """vLLM's ``merge_attn_states``, in place: ``output`` [T, H, D] (bf16, fp16, fp32, or float8_e4m3fn with
-    ``output_scale``) gets the merge of ``prefix_output`` and ``suffix_output`` [T, H, D] (bf16, fp16 or
-    fp32, one dtype) by their lse [H, T] fp32; ``output_lse`` [H, T] fp32 gets the merged lse when given.
-    Tokens at or past ``prefill_tokens_with_context`` (an int in [0, T]; None = T) copy the suffix. An lse
-    of +inf (an empty part, FlashMLA's convention) is read as -inf. Any strides but a unit last one for
+    """vLLM's ``merge_attn_states``, in place: ``output`` [T, H, D] (bf16, fp16, fp32, or with ``output_scale``
+    float8_e4m3fn or float8_e4m3fnuz, vLLM's fp8 dtype on gfx942) gets the merge of ``prefix_output`` and
+    ``suffix_output`` [T, H, D] (bf16, fp16 or fp32, one dtype) by their lse [H, T] fp32; ``output_lse``
+    [H, T] fp32 gets the merged lse when given. Tokens at or past ``prefill_tokens_with_context`` (an int in
+    [0, T]; None = T) copy the suffix. An lse of +inf (an empty part, FlashMLA's convention) is read as
+    -inf. Any strides but a unit last one for
     the [T, H, D] tensors, any strides for the lse; ``output`` may be one of the inputs. The math:
     dsv4_rocm.reference.output.merge_attn_states."""
     C.tensor("prefix_output", prefix_output, dtype=_MERGE_DTYPES, dim=3)
@@ -131,9 +133,9 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     dev = prefix_output.device
     C.tensor("suffix_output", suffix_output, dtype=prefix_output.dtype, shape=(T, H, D), device=dev)
     fp8 = output_scale is not None
-    if not fp8 and getattr(output, "dtype", None) == torch.float8_e4m3fn:
-        raise ValueError("output_scale is required when output is float8_e4m3fn")
-    C.tensor("output", output, dtype=torch.float8_e4m3fn if fp8 else _MERGE_DTYPES, shape=(T, H, D), device=dev)
+    if not fp8 and getattr(output, "dtype", None) in _FP8_OUT:
+        raise ValueError(f"output_scale is required when output is {output.dtype}")
+    C.tensor("output", output, dtype=_FP8_OUT if fp8 else _MERGE_DTYPES, shape=(T, H, D), device=dev)
     if fp8:
         C.tensor("output_scale", output_scale, dtype=torch.float32, device=dev)
         if output_scale.numel() != 1:

@@ -25,7 +25,7 @@ are quantized per token per 128 columns with eps 1e-4.
 """
 import torch
 
-from .quant import UE8M0_NAN, e4m3_decode, e4m3_encode, exponent_to_ue8m0, quantize_blocks
+from .quant import UE8M0_NAN, e4m3_decode, e4m3_encode, e4m3fnuz_encode, exponent_to_ue8m0, quantize_blocks
 from .rope import rope_inv
 
 O_EPS = 1e-10
@@ -135,8 +135,9 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         output = prefix_output * (a / (a + b)) + suffix_output * (b / (a + b)),  output_lse = m + ln(a + b)
     both parts empty: output 0, output_lse -inf. Tokens t >= n take suffix_output and suffix_lse (+inf
     written -inf). fp32 math, one rounding to output's dtype; with ``output_scale`` (fp32, one element) the
-    output is the float8_e4m3fn byte of value * (1 / scale) (saturating at +-448, RNE, -0 written 0x00;
-    ``quant.e4m3_encode``)."""
+    output is the e4m3 byte of value * (1 / scale), RNE: float8_e4m3fn saturating at +-448, -0 written 0x00
+    (``quant.e4m3_encode``); float8_e4m3fnuz (vLLM's fp8 on gfx942) saturating at vLLM's +-224, NaN 0x80
+    (``quant.e4m3fnuz_encode``)."""
     T = output.shape[0]
     n = T if prefill_tokens_with_context is None else prefill_tokens_with_context
 
@@ -157,7 +158,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     lse = torch.where(ctx, lse, s)
     if output_scale is not None:
         inv = torch.reciprocal(output_scale.float().reshape(()))
-        output.view(torch.uint8).copy_(e4m3_encode(merged * inv))
+        encode = e4m3fnuz_encode if output.dtype == torch.float8_e4m3fnuz else e4m3_encode
+        output.view(torch.uint8).copy_(encode(merged * inv))
     else:
         output.copy_(merged.to(output.dtype))
     if output_lse is not None:
