@@ -80,7 +80,9 @@ def loop_c128a(pos, r, nd, t2r, bt, bs, sm, width, cap):
     return gd, dl, pf
 
 
-def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width):
+def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width, left=None, right=None):
+    """combine_topk_swa_indices token by token: the window of a token at p is [p - max(l, W - 1), p + r] cut at
+    position 0 (l, r: its in-image visibility, 0 without), its rows outside the gathered ones -1."""
     rows, lens = [[-1] * width for _ in range(topk.shape[0])], [0] * topk.shape[0]
     base = int(qsl[0])
     for b in range(seq.shape[0]):
@@ -88,10 +90,15 @@ def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width):
         gstart = int(seq[b]) - int(gl[b])
         for t in range(qs, qe):
             p = int(seq[b]) - (qe - qs) + t - qs
-            tl_, sw = min((p + 1) // r, k), min(p + 1, W)
+            lv = 0 if left is None else max(int(left[t]), 0)
+            rv = 0 if right is None else max(int(right[t]), 0)
+            start = max(p - max(lv, W - 1), 0)
+            tl_ = min((p + 1) // r, k)
+            sw = min(p + rv + 1 - start, width - tl_)
             loc = [int(x) for x in topk[t, :tl_]]
             rows[t][:tl_] = [b * Mrows + x if 0 <= x < N else -1 for x in loc]
-            rows[t][tl_:tl_ + sw] = [b * Mrows + N + q - gstart for q in range(p - sw + 1, p + 1)]
+            rows[t][tl_:tl_ + sw] = [b * Mrows + N + q - gstart if 0 <= q - gstart < int(gl[b])
+                                     and N + q - gstart < Mrows else -1 for q in range(start, start + sw)]
             lens[t] = tl_ + sw
     return rows, lens
 
@@ -409,6 +416,98 @@ def test_combine_by_hand():
     assert i2.data_ptr() == ci.data_ptr() and i2.shape == (3, 256) and torch.equal(i2[:, :128], idx)
     assert (i2[:, 128:] == -1).all() and (ci[3:] == POISON).all()
     assert l2.tolist() == [6, 6, 3] and (cl[3:] == POISON).all()
+
+
+def image_chunk():
+    """One request prefilling positions 0..11 (window 4, top-k 2 at ratio 4) with an image at positions 3..8:
+    vLLM's visibility of it (left = p - 3, right = 8 - p inside, 0 outside; max_image_tokens 6)."""
+    p = torch.arange(12)
+    inside = (p >= 3) & (p <= 8)
+    left, right = torch.where(inside, p - 3, 0).int(), torch.where(inside, 8 - p, 0).int()
+    loc = (torch.arange(12 * 2).view(12, 2) % 3).int()
+    return loc, i32([0, 12]), i32([12]), i32([12]), left, right
+
+
+def test_combine_image_visibility_by_hand():
+    """vLLM 0.33's in-image bidirectional visibility: a token of the image sees every image position (before
+    it beyond the window, and after it), the others their causal window; rows reserve W + max_image_tokens
+    window columns."""
+    N, Mrows, W = 3, 40, 4
+    loc, qsl, seq, gl, left, right = image_chunk()
+    idx, lens = ops.combine_topk_swa_indices(loc, qsl, seq, gl, W, 4, 2, Mrows, N, None, left, right, 6)
+    assert idx.shape == (12, 128) and lens[[3, 5, 8, 10]].tolist() == [1 + 9, 1 + 7, 2 + 6, 2 + 4]
+    assert idx[3, :10].tolist() == [loc[3, 0]] + [N + q for q in range(0, 9)]        # positions 0..8
+    assert idx[5, :8].tolist() == [loc[5, 0]] + [N + q for q in range(2, 9)]         # 2..8 (left 2 < W - 1)
+    assert idx[8, :8].tolist() == loc[8].tolist() + [N + q for q in range(3, 9)]     # 3..8 (left 5 > W - 1)
+    assert idx[10, :6].tolist() == loc[10].tolist() + [N + q for q in range(7, 11)]  # 7..10: the causal window
+    assert (idx.tolist(), lens.tolist()) == loop_combine(loc, qsl, seq, gl, W, 4, 2, Mrows, N, 128, left, right)
+    plain, plain_lens = ops.combine_topk_swa_indices(loc, qsl, seq, gl, W, 4, 2, Mrows, N)
+    assert torch.equal(idx[:3, :plain.shape[1]], plain[:3]) and torch.equal(lens[9:], plain_lens[9:])
+
+
+def test_combine_vllm_033_out_form():
+    """vLLM 0.33 passes its workspace as out=(indices, lens): every row of indices is reset (rows past the
+    chunk's tokens to -1) and the whole buffers come back; the first rows are the keyword form's."""
+    loc, qsl, seq, gl, left, right = image_chunk()
+    want, want_lens = ops.combine_topk_swa_indices(loc, qsl, seq, gl, 4, 4, 2, 40, 3, left_visible=left,
+                                                   right_visible=right, max_image_tokens=6)
+    ci, cl = torch.full((14, 256), POISON, dtype=I32), torch.full((14,), POISON, dtype=I32)
+    got = ops.combine_topk_swa_indices(loc, qsl, seq, gl, 4, 4, 2, 40, 3, (ci, cl), left, right, 6)
+    assert got[0] is ci and got[1] is cl
+    assert torch.equal(ci[:12, :128], want) and (ci[:12, 128:] == -1).all() and (ci[12:] == -1).all()
+    assert torch.equal(cl[:12], want_lens) and (cl[12:] == POISON).all()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(out=(torch.empty(12, 128, dtype=I32), torch.empty(12, dtype=I32)),
+          combined_indices=torch.empty(12, 128, dtype=I32)), "not both"),
+    (dict(out=torch.empty(12, 128, dtype=I32)), "out must be the pair"),
+    (dict(left_visible=i32([0] * 12)), "must be given together"),
+    (dict(left_visible=i32([0] * 12), right_visible=i32([0] * 11)), "right_visible has 11 entries"),
+    (dict(left_visible=i32([-1] + [0] * 11), right_visible=i32([0] * 12), max_image_tokens=6), ">= 0"),
+    (dict(left_visible=i32([0] * 12), right_visible=i32([7] + [0] * 11), max_image_tokens=6),
+     "window of 11 positions, more than window_size \\+ max_image_tokens = 10"),
+    (dict(max_image_tokens=-1), "max_image_tokens"),
+])
+def test_combine_rejects_bad_033_arguments_before_any_write(kw, match):
+    loc, qsl, seq, gl, _, _ = image_chunk()
+    if "out" in kw:
+        bufs = list(kw["out"]) if isinstance(kw["out"], tuple) else [kw["out"]]
+    else:
+        bufs = [torch.full((12, 128), POISON, dtype=I32), torch.full((12,), POISON, dtype=I32)]
+        if "combined_indices" not in kw:
+            kw = dict(kw, combined_indices=bufs[0], combined_lens=bufs[1])
+    for b in bufs:
+        b.fill_(POISON)
+    with pytest.raises(ValueError, match=match):
+        ops.combine_topk_swa_indices(loc, qsl, seq, gl, 4, 4, 2, 40, 3, **kw)
+    assert all((b == POISON).all() for b in bufs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_combine_random_image_spans(seed):
+    """Random chunks with image spans (vLLM's visibility rule per span), against the token loop."""
+    g = torch.Generator().manual_seed(seed)
+    R, W, k, ratio, IW = 3, 8, 4, 4, 12
+    qlens = torch.randint(1, 30, (R,), generator=g)
+    seq = (qlens + torch.randint(0, 20, (R,), generator=g)).int()
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), qlens.cumsum(0)]).int() + 5
+    T = int(qsl[-1] - qsl[0])
+    left, right = torch.zeros(T, dtype=I32), torch.zeros(T, dtype=I32)
+    for b in range(R):
+        lo, hi = int(seq[b] - qlens[b]), int(seq[b])
+        s0 = int(torch.randint(lo, hi, (), generator=g))
+        s1 = min(s0 + int(torch.randint(0, IW, (), generator=g)), hi - 1)          # span [s0, s1], <= IW tokens
+        for t in range(int(qsl[b] - qsl[0]), int(qsl[b + 1] - qsl[0])):
+            p = int(seq[b]) - int(qlens[b]) + t - int(qsl[b] - qsl[0])
+            if s0 <= p <= s1:
+                left[t], right[t] = min(p - s0, IW - 1), min(s1 - p, IW)
+    gl = seq.clone()                                          # the whole sequences gathered
+    loc = torch.randint(-2, 12, (T, k), generator=g, dtype=I32)
+    N, Mrows = 12, 12 + int(seq.max()) + 1
+    idx, lens = ops.combine_topk_swa_indices(loc, qsl, seq, gl, W, ratio, k, Mrows, N, None, left, right, IW)
+    rows, want = loop_combine(loc, qsl, seq, gl, W, ratio, k, Mrows, N, M.combined_width(k, W, IW), left, right)
+    assert idx.tolist() == rows and lens.tolist() == want
 
 
 def test_combine_swa_only_layer():
@@ -925,13 +1024,16 @@ def garbage_cases(seed, scale=1):
                                                                                 dtype=I32), cap),
                   dict(max_seq_len=pick(None, ri(0, 7000)), needs_constant_topk=bool(ri(0, 2)))))
     R, T, K = ri(0, 5 * scale), ri(0, 10 * scale), ri(0, 10)
-    topk, W, N = ri(0, K + 1), pick(1, 4, 128), ri(0, 60)
-    width = M.combined_width(topk, W)
+    topk, W, N, IW = ri(0, K + 1), pick(1, 4, 128), ri(0, 60), pick(0, ri(0, 200))
+    width = M.combined_width(topk, W, IW)
     ci = pick(None, torch.full((T + ri(0, 2), width + pick(0, 128)), POISON, dtype=I32))
     cl = pick(None, torch.full((T + ri(0, 2),), POISON, dtype=I32))
+    vis = pick(False, True)                    # in-image visibility, garbage values (negative, past the row)
+    left, right = (ri(-3, 300, T + ri(0, 2)) if vis else None for _ in range(2))
     cases.append(("combine_topk_swa_indices",
                   (ri(-3, 80, T, K), qsl_of(R, T), ri(-3, 400, R), ri(-3, 400, R), W, pick(1, 4, 128), topk,
-                   N + ri(1, 300), N), dict(combined_indices=ci, combined_lens=cl)))
+                   N + ri(1, 300), N), dict(combined_indices=ci, combined_lens=cl, left_visible=left,
+                                            right_visible=right, max_image_tokens=IW)))
     return cases
 
 

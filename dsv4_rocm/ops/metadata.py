@@ -214,11 +214,38 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
                 prefill_buffer, max_compressed_tokens, max_seq_len=max_seq_len, needs_constant_topk=needs_constant_topk)
 
 
+def _visibility(left_visible, right_visible, T, window_size, max_image_tokens, topk_indices):
+    """Checks of vLLM's in-image visibility arguments: both or neither, 1-D index tensors of >= T entries;
+    where values are read, 0 <= left, 0 <= right and the window max(left, W - 1) + right + 1 within the
+    W + max_image_tokens columns the row reserves for it."""
+    if (left_visible is None) != (right_visible is None):
+        raise ValueError("left_visible and right_visible must be given together")
+    if left_visible is None:
+        return
+    for name, t in (("left_visible", left_visible), ("right_visible", right_visible)):
+        _vector(name, t, T)
+    C.same_device(topk_indices=topk_indices, left_visible=left_visible, right_visible=right_visible)
+    if T and value_checks(left_visible):
+        left, right = left_visible[:T].long(), right_visible[:T].long()
+        if int(left.min()) < 0 or int(right.min()) < 0:
+            raise ValueError("left_visible and right_visible must be >= 0")
+        span = int((torch.clamp(left, min=window_size - 1) + right + 1).max())
+        if span > window_size + max_image_tokens:
+            raise ValueError(f"left_visible / right_visible give a window of {span} positions, more than "
+                             f"window_size + max_image_tokens = {window_size + max_image_tokens}")
+
+
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens, window_size: int,
-                             compress_ratio: int, topk: int, M: int, N: int, *, combined_indices=None,
+                             compress_ratio: int, topk: int, M: int, N: int, out=None, left_visible=None,
+                             right_visible=None, max_image_tokens: int = 0, *, combined_indices=None,
                              combined_lens=None):
     """Prefill indices of one chunk into its workspace: per token [compressed rows | window rows | -1],
-    width round_up(topk + W, 128), and their lengths. Returns (indices int32 [T, width], lens int32 [T])."""
+    width round_up(topk + W + max_image_tokens, 128), and their lengths. Returns (indices int32 [T, width],
+    lens int32 [T]). Output buffers in either of vLLM's forms: ``out=(indices, lens)`` (vLLM 0.33: every
+    row of ``indices`` is reset, rows past T to -1, and the whole buffers are returned) or
+    ``combined_indices=`` / ``combined_lens=`` (earlier vLLM: their first T rows are written and returned).
+    ``left_visible`` / ``right_visible`` (int [T], vLLM 0.33's in-image bidirectional visibility) widen a
+    token's window to the image positions it sees before and after it (dsv4_rocm.reference.metadata)."""
     C.tensor("topk_indices", topk_indices, dtype=C.INDEX, dim=2)
     _rows("topk_indices", topk_indices)
     T, K = topk_indices.shape
@@ -227,17 +254,27 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     _nonneg_int("topk", topk)
     _nonneg_int("N", N)
     C.positive_int("M", M)
+    _nonneg_int("max_image_tokens", max_image_tokens)
     if topk > K:
         raise ValueError(f"topk {topk} exceeds the {K} columns of topk_indices")
     if N >= M:
         raise ValueError(f"N ({N} compressed rows) must be below M ({M} workspace rows per request)")
+    if out is not None:
+        if combined_indices is not None or combined_lens is not None:
+            raise ValueError("give the output buffers as out=(indices, lens) or as combined_indices= / "
+                             "combined_lens=, not both")
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out)):
+            raise ValueError("out must be the pair (combined_indices, combined_lens) of tensors")
+        combined_indices, combined_lens = out
+        if combined_indices.data_ptr() == combined_lens.data_ptr():
+            raise ValueError("out: combined_indices and combined_lens must be two buffers")
     _rows("seq_lens", C.tensor("seq_lens", seq_lens, dtype=C.INDEX, dim=1))
     R = seq_lens.shape[0]
     _rows("query_start_loc", C.tensor("query_start_loc", query_start_loc, dtype=C.INDEX, shape=(R + 1,)))
     _rows("gather_lens", C.tensor("gather_lens", gather_lens, dtype=C.INDEX, shape=(R,)))
     if R * M > INT32_MAX:
         raise ValueError(f"{R} requests x M = {M} workspace rows do not fit int32 indices")
-    width = _rm.combined_width(topk, window_size)
+    width = _rm.combined_width(topk, window_size, max_image_tokens)
     if combined_indices is not None:
         C.no_overlap("combined_indices", C.tensor("combined_indices", combined_indices, dtype=torch.int32, dim=2))
         _rows("combined_indices", combined_indices)
@@ -248,6 +285,7 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
         _vector("combined_lens", combined_lens, T, dtype=torch.int32, written=True)
     C.same_device(topk_indices=topk_indices, query_start_loc=query_start_loc, seq_lens=seq_lens,
                   gather_lens=gather_lens, combined_indices=combined_indices, combined_lens=combined_lens)
+    _visibility(left_visible, right_visible, T, window_size, max_image_tokens, topk_indices)
     _check_batch(query_start_loc, seq_lens, R, T, base=True)
     if value_checks(gather_lens) and R:
         ql = (query_start_loc[1:] - query_start_loc[:-1]).long().cpu()
@@ -258,5 +296,12 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
                              "the window of every token must be among the gathered rows")
         if N + int(gl.max()) > M:
             raise ValueError(f"N + gather_lens = {N + int(gl.max())} exceeds M = {M} workspace rows")
-    return _run("combine_topk_swa_indices", topk_indices.device, topk_indices, query_start_loc, seq_lens, gather_lens,
-                window_size, compress_ratio, topk, M, N, combined_indices=combined_indices, combined_lens=combined_lens)
+    res = _run("combine_topk_swa_indices", topk_indices.device, topk_indices, query_start_loc, seq_lens, gather_lens,
+               window_size, compress_ratio, topk, M, N, combined_indices=combined_indices,
+               combined_lens=combined_lens, left_visible=left_visible, right_visible=right_visible,
+               max_image_tokens=max_image_tokens)
+    if out is None:
+        return res
+    if combined_indices.shape[0] > T:
+        combined_indices[T:].fill_(-1)
+    return combined_indices, combined_lens

@@ -279,41 +279,46 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     return gd, dl, pf
 
 
-def combined_width(topk: int, window_size: int) -> int:
-    """Columns of combine_topk_swa_indices' output: topk + window rounded up to 128."""
-    return -(-(topk + window_size) // TOPK_ALIGNMENT) * TOPK_ALIGNMENT
+def combined_width(topk: int, window_size: int, max_image_tokens: int = 0) -> int:
+    """Columns of combine_topk_swa_indices' output: topk + window + max_image_tokens rounded up to 128."""
+    return -(-(topk + window_size + max_image_tokens) // TOPK_ALIGNMENT) * TOPK_ALIGNMENT
 
 
-def combine_outputs(topk_indices, topk: int, window_size: int, combined_indices=None, combined_lens=None):
+def combine_outputs(topk_indices, topk: int, window_size: int, combined_indices=None, combined_lens=None,
+                    max_image_tokens: int = 0):
     """(indices, lens) combine_topk_swa_indices writes: the first len(topk_indices) rows of the caller's
     buffers, or new int32 tensors of ``combined_width`` columns."""
     T, dev = topk_indices.shape[0], topk_indices.device
     ci = combined_indices[:T] if combined_indices is not None else \
-        torch.empty(T, combined_width(topk, window_size), dtype=torch.int32, device=dev)
+        torch.empty(T, combined_width(topk, window_size, max_image_tokens), dtype=torch.int32, device=dev)
     cl = combined_lens[:T] if combined_lens is not None else torch.empty(T, dtype=torch.int32, device=dev)
     return ci, cl
 
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens, window_size: int,
                              compress_ratio: int, topk: int, M: int, N: int, *, combined_indices=None,
-                             combined_lens=None):
+                             combined_lens=None, left_visible=None, right_visible=None, max_image_tokens: int = 0):
     """Prefill indices into one chunk's bf16 workspace (vLLM's ``combine_topk_swa_indices``).
 
     The chunk holds requests b < len(seq_lens); ``query_start_loc`` (len + 1 entries) is taken relative to
     its first entry, so row t of ``topk_indices`` is the chunk's t-th token. Request b owns workspace rows
     [b*M, (b+1)*M): rows [0, N) its compressed entries, rows N + g for g < gather_lens[b] its raw tokens
-    at positions seq_len - gather_len + g. Token t of request b at position p, with
-    topk_len = min((p+1) // r, topk) and swa_len = min(p+1, W), gets the row
-        [ b*M + topk_indices[t, i] for i < topk_len | b*M + N + (p - swa_len + 1 + i - gather_start)
+    at positions seq_len - gather_len + g. Token t of request b at position p sees the window
+    [p - max(l, W - 1), p + r] cut at position 0, l = left_visible[t] and r = right_visible[t] (the
+    positions of its image span it sees before and after it, vLLM's in-image bidirectional visibility; 0
+    and 0 without them: the causal window min(p + 1, W)). With topk_len = min((p+1) // r, topk), swa_start
+    the window's first position and swa_len its length, the row is
+        [ b*M + topk_indices[t, i] for i < topk_len | b*M + N + (swa_start + i - gather_start)
           for i < swa_len | -1 ... ]
-    of ``combined_topk = round_up(topk + W, 128)`` columns, and lens = topk_len + swa_len. A local index
-    outside [0, N) or a window row outside the gathered rows (or past M) becomes -1 in place (the
-    length stays: the attention skips -1). Rows of tokens outside every request, or at a negative
-    position, are all -1 with lens 0. Returns (indices, lens) = the first len(topk_indices) rows of
-    ``combined_indices`` / ``combined_lens`` when given, else new tensors."""
+    of ``combined_width(topk, W, max_image_tokens)`` columns, and lens = topk_len + swa_len (a window
+    longer than the row holds is cut to it; negative l, r count as 0). A local index outside [0, N) or a
+    window row outside the gathered rows (or past M) becomes -1 in place (the length stays: the attention
+    skips -1). Rows of tokens outside every request, or at a negative position, are all -1 with lens 0.
+    Returns (indices, lens) = the first len(topk_indices) rows of ``combined_indices`` / ``combined_lens``
+    when given, else new tensors."""
     T, K = topk_indices.shape
     dev = topk_indices.device
-    ci, cl = combine_outputs(topk_indices, topk, window_size, combined_indices, combined_lens)
+    ci, cl = combine_outputs(topk_indices, topk, window_size, combined_indices, combined_lens, max_image_tokens)
     R = seq_lens.shape[0]
     qsl = query_start_loc[:R + 1].long() - query_start_loc[0].long()
     t = torch.arange(T, device=dev)
@@ -321,11 +326,14 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     pos = token_positions(t, req, ok, qsl, seq_lens)
     ok = ok & (pos >= 0)
     zero = torch.zeros_like(pos)
+    left = zero if left_visible is None else left_visible[:T].long().clamp(min=0)
+    right = zero if right_visible is None else right_visible[:T].long().clamp(min=0)
     tlen = torch.where(ok, torch.clamp(torch.div(pos + 1, compress_ratio, rounding_mode="floor"), max=topk), zero)
-    slen = torch.where(ok, torch.clamp(pos + 1, max=window_size), zero)
+    start = torch.clamp(pos - torch.clamp(left, min=window_size - 1), min=0)
+    slen = torch.where(ok, torch.minimum(pos + right + 1 - start, ci.shape[1] - tlen), zero)
     r = torch.where(ok, req, zero)
     gl = gather_lens.long()[r] if R else zero
-    first = pos - slen + 1 - (seq_lens.long()[r] - gl if R else zero)
+    first = start - (seq_lens.long()[r] - gl if R else zero)
     base = (r * M).unsqueeze(1)
     c = torch.arange(ci.shape[1], device=dev).unsqueeze(0)
     loc = torch.full((T, ci.shape[1]), -1, dtype=torch.int64, device=dev)
