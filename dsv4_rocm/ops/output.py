@@ -24,10 +24,13 @@ def _flag(name, v):
 
 
 def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,
-                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False):
+                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False,
+                             quantize: bool = True):
     """vLLM's ``fused_inv_rope_fp8_quant``: (fp8 [T, G, D] over [G, T, D] storage, MN-major scales), D =
     heads_per_group * 512; fp32 scales [T, G, D/128] (SM90 form) or, with ``tma_aligned_scales``, UE8M0
-    bytes packed 4 an int32 [T, G, heads_per_group] (SM100 form). dsv4_rocm.reference.output has the math."""
+    bytes packed 4 an int32 [T, G, heads_per_group] (SM100 form). With ``quantize=False`` (vLLM 0.33, for a
+    bf16 output projection): the rotated rows as bf16 [T, G, D] over [G, T, D] storage and an empty scale
+    tensor (int32 with ``tma_aligned_scales``, else fp32). dsv4_rocm.reference.output has the math."""
     C.tensor("o", o, dtype=torch.bfloat16, dim=3)
     C.positive_int("n_groups", n_groups)
     C.positive_int("heads_per_group", heads_per_group)
@@ -35,6 +38,7 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
         raise ValueError(f"nope_dim, rope_dim, quant_group_size must be DeepSeek-V4's 448, 64, 128; got "
                          f"{nope_dim}, {rope_dim}, {quant_group_size}")
     _flag("tma_aligned_scales", tma_aligned_scales)
+    _flag("quantize", quantize)
     T, H, D = o.shape
     if D != nope_dim + rope_dim or o.stride(2) != 1:
         raise ValueError(f"o must be [T, H, {nope_dim + rope_dim}] with unit stride along the head dim, got shape "
@@ -46,7 +50,7 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
         raise ValueError("cos_sin_cache must have unit stride along its 64 columns")
     C.same_device(o=o, positions=positions, cos_sin_cache=cos_sin_cache)
     return _run("fused_inv_rope_fp8_quant", o.device, o, positions, cos_sin_cache, n_groups, heads_per_group,
-                nope_dim, rope_dim, quant_group_size, tma_aligned_scales)
+                nope_dim, rope_dim, quant_group_size, tma_aligned_scales, quantize)
 
 
 def _pair(name, p):

@@ -51,14 +51,22 @@ def _mn_major(values: torch.Tensor) -> torch.Tensor:
 
 
 def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,
-                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False):
-    """o bf16 [T, H, 512] -> (fp8 [T, G, (H/G) * 512] over [G, T, D] storage, MN-major scales); see above."""
+                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False,
+                             quantize: bool = True):
+    """o bf16 [T, H, 512] -> (fp8 [T, G, (H/G) * 512] over [G, T, D] storage, MN-major scales); see above.
+    ``quantize=False`` (vLLM 0.33): (bf16 o' rounded to nearest even [T, G, D] over [G, T, D] storage, an
+    empty scale tensor: int32 with ``tma_aligned_scales``, else fp32)."""
     T, H, D = o.shape
     if H != n_groups * heads_per_group or (nope_dim, rope_dim, quant_group_size) != (448, 64, 128):
         raise ValueError("expected H = n_groups * heads_per_group heads of 448 + 64 dims in blocks of 128")
     x = rope_inv(o, positions, cos_sin_cache)
-    q, e = quantize_blocks(x, 128, O_EPS)
     d = heads_per_group * D
+    if not quantize:
+        rows = torch.empty(n_groups, T, d, dtype=torch.bfloat16, device=o.device)
+        rows.copy_(x.to(torch.bfloat16).reshape(T, n_groups, d).transpose(0, 1))
+        empty = torch.empty(0, dtype=torch.int32 if tma_aligned_scales else torch.float32, device=o.device)
+        return rows.transpose(0, 1), empty
+    q, e = quantize_blocks(x, 128, O_EPS)
     data = torch.empty(n_groups, T, d, dtype=torch.uint8, device=o.device)
     data.copy_(q.reshape(T, n_groups, d).transpose(0, 1))
     data = data.view(torch.float8_e4m3fn).transpose(0, 1)
