@@ -43,6 +43,20 @@ def loop_compressed_slots(num_tokens, qsl, seq, bt, bs, r, world=1, rank=0, inte
     return out
 
 
+def loop_compressed_slots_033(num_tokens, slots, qsl, seq, bt, bs, r, dcp=1, inter=1):
+    """vLLM 0.33's rule: only tokens with a slot of their own; under DCP the rank-local position compressed."""
+    out = [-1] * num_tokens
+    for b in range(bt.shape[0]):
+        qs, qe = int(qsl[b]), int(qsl[b + 1])
+        for i in range(qe - qs):
+            p = int(seq[b]) - (qe - qs) + i
+            if (p + 1) % r or int(slots[qs + i]) < 0:
+                continue
+            j = ((p // (inter * dcp)) * inter + p % inter) // r
+            out[qs + i] = int(bt[b, j // bs]) * bs + j % bs
+    return out
+
+
 def loop_swa(W, qsl, seq, t2r, valid, bt, bs, tokens):
     rows, lens = [], []
     for t in tokens:
@@ -169,6 +183,78 @@ def test_compressed_slot_mapping_by_hand():
     assert s1.tolist() == [-1] * 7 + [7 * 32] + [-1, -1, -1, 4 * 32 + 31, -1, -1, -1, -1]
     assert s0.tolist() == loop_compressed_slots(16, qsl, seq, BT, 32, 4, 2, 0)
     assert s1.tolist() == loop_compressed_slots(16, qsl, seq, BT, 32, 4, 2, 1)
+
+
+def test_compressed_slot_mapping_vllm_033_form():
+    """vLLM 0.33 passes the tokens' own slot_mapping second: a replayed token (slot -1) writes no compressed
+    entry. Both forms are taken, positionally and by keyword; where every token has a slot they agree."""
+    qsl, seq = i32([0, 8, 16]), i32([8, 260])
+    old = ops.get_compressed_slot_mapping(16, qsl, seq, BT, 64, 4)
+    slots = torch.arange(16) + 1000
+    assert ops.get_compressed_slot_mapping(16, slots, qsl, seq, BT, 64, 4).tolist() == old.tolist()
+    slots[[3, 11]] = -1                                       # tokens at positions 3 and 255: replayed
+    want = old.clone()
+    want[[3, 11]] = -1
+    out = torch.full((18,), POISON, dtype=torch.int64)
+    calls = [lambda: ops.get_compressed_slot_mapping(16, slots, qsl, seq, BT, 64, 4),
+             lambda: ops.get_compressed_slot_mapping(16, slots, qsl, seq, BT, 64, 4, out, 1, 1),
+             lambda: ops.get_compressed_slot_mapping(num_tokens=16, slot_mapping=slots, query_start_loc=qsl,
+                                                     seq_lens=seq, block_table=BT, block_size=64, compress_ratio=4,
+                                                     out=out, dcp_world_size=1, cp_interleave=1),
+             lambda: M.get_compressed_slot_mapping(16, qsl, seq, BT, 64, 4, slot_mapping=slots)]
+    for call in calls:
+        assert call().tolist() == want.tolist()
+    assert (out[16:] == -1).all()
+    assert want.tolist() == loop_compressed_slots_033(16, slots, qsl, seq, BT, 64, 4)
+    # the earlier form by keyword and with out= by keyword, positionally with CP
+    assert ops.get_compressed_slot_mapping(16, query_start_loc=qsl, seq_lens=seq, block_table=BT, block_size=64,
+                                           compress_ratio=4).tolist() == old.tolist()
+    assert ops.get_compressed_slot_mapping(16, qsl, seq, BT, 64, 4, out=out).data_ptr() == out.data_ptr()
+    assert ops.get_compressed_slot_mapping(16, qsl, seq, BT, 32, 4, None, 2, 1).tolist() == \
+        loop_compressed_slots(16, qsl, seq, BT, 32, 4, 2, 1)
+
+
+def test_compressed_slot_mapping_dcp_over_positions():
+    """vLLM 0.33's DCP: 2 ranks, interleave 4 (a multiple of the ratio): rank 0 owns positions p with
+    (p // 4) % 2 == 0 (the others have slot -1 in its slot_mapping) and compresses its local positions
+    (p // 8) * 4 + p % 4, so its entries are consecutive: 0, 1, 2, 3 for positions 3, 11, 19, 27."""
+    qsl, seq, bt = i32([0, 32]), i32([32]), i32([[6, 9]])
+    p = torch.arange(32)
+    own = torch.where((p // 4) % 2 == 0, p + 100, -1)
+    s = ops.get_compressed_slot_mapping(32, own, qsl, seq, bt, 2, 4, None, 2, 4)
+    want = [-1] * 32
+    want[3], want[11], want[19], want[27] = 6 * 2 + 0, 6 * 2 + 1, 9 * 2 + 0, 9 * 2 + 1
+    assert s.tolist() == want == loop_compressed_slots_033(32, own, qsl, seq, bt, 2, 4, 2, 4)
+
+
+NEITHER = "not a call of either of vLLM's forms"
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ops.get_compressed_slot_mapping(4, i32([0, 4]), i32([4]), BT[:1], 64, 4, dcp_world_size=2), NEITHER),
+    (lambda: ops.get_compressed_slot_mapping(4, torch.zeros(4, dtype=torch.long), i32([0, 4]), i32([4]), BT[:1], 64,
+                                             4, cp_rank=0), NEITHER),
+    (lambda: ops.get_compressed_slot_mapping(4, i32([0, 4]), i32([4]), BT[:1], 64, 4, None, 2, cp_world_size=2),
+     NEITHER),
+    (lambda: ops.get_compressed_slot_mapping(4, query_start_loc=i32([0, 4]), seq_lens=i32([4]), block_size=64,
+                                             compress_ratio=4), NEITHER + ".*missing a required argument"),
+    (lambda: ops.get_compressed_slot_mapping(4, i32([0, 4]), i32([4]), BT[:1], 64.0, 4), NEITHER),
+    (lambda: ops.get_compressed_slot_mapping(4, torch.zeros(4, dtype=torch.long), i32([0, 4]), i32([4]), BT[:1], 64,
+                                             4, None, 0), "dcp_world_size must be a positive int"),
+    (lambda: ops.get_compressed_slot_mapping(4, torch.zeros(4, 1, dtype=torch.long), i32([0, 4]), i32([4]), BT[:1],
+                                             64, 4), "slot_mapping"),
+])
+def test_compressed_slot_mapping_forms_are_not_mixed(call, match):
+    """A call that mixes the two forms, or fits neither, is a ValueError saying why for each form."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_compressed_slot_mapping_shows_vllm_033_parameters():
+    import inspect
+    names = tuple(inspect.signature(ops.get_compressed_slot_mapping).parameters)
+    assert names[:10] == ("num_tokens", "slot_mapping", "query_start_loc", "seq_lens", "block_table", "block_size",
+                          "compress_ratio", "out", "dcp_world_size", "cp_interleave")
 
 
 def test_compressed_slot_mapping_vllm_storage_block_boundary():
@@ -654,6 +740,8 @@ def test_compressed_slot_mapping_random_batches(seed, ratio):
     got = ops.get_compressed_slot_mapping(b["T"], b["qsl"], b["seq"], b["bt"], bs, ratio, out=out)
     assert got.tolist() == loop_compressed_slots(b["T"], b["qsl"], b["seq"], b["bt"], bs, ratio)
     assert (out[b["Treal"]:] == -1).all()                      # padding tokens and the buffer's tail
+    got = ops.get_compressed_slot_mapping(b["T"], b["slot"], b["qsl"], b["seq"], b["bt"], bs, ratio, out)
+    assert got.tolist() == loop_compressed_slots_033(b["T"], b["slot"], b["qsl"], b["seq"], b["bt"], bs, ratio)
 
 
 @PROPERTY
@@ -991,6 +1079,11 @@ def garbage_cases(seed, scale=1):
     world = pick(1, 2, 3)
     cases.append(("get_compressed_slot_mapping", (T, qsl_of(R, T), ri(-3, 300, R), table(R), pick(2, 16, 64),
                                                   pick(1, 4, 8), out, world, ri(0, world), pick(1, 2, 4)), {}))
+    out = pick(None, torch.full((T + ri(0, 4),), POISON, dtype=torch.int64))     # vLLM 0.33: own slots, DCP
+    cases.append(("get_compressed_slot_mapping", (T, qsl_of(R, T), ri(-3, 300, R), table(R), pick(2, 16, 64),
+                                                  pick(1, 4, 8), out, world, 0, pick(1, 4, 8)),
+                  dict(slot_mapping=ri(-2, 50, T + ri(-2, 3) if T > 1 else T, dtype=torch.int64),
+                       cp_over_positions=bool(ri(0, 2)))))
     R, W, n = ri(0, 5 * scale), pick(1, 3, 8, 128), ri(0, 10 * scale)
     off = ri(0, 3)
     store = torch.full((n + ri(0, 2), 1 + ri(0, 2), W), POISON, dtype=I32)

@@ -84,14 +84,24 @@ def token_positions(tokens, req, inside, query_start_loc, seq_lens):
 
 def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table, block_size: int,
                                 compress_ratio: int, out=None, cp_world_size: int = 1, cp_rank: int = 0,
-                                cp_kv_cache_interleave_size: int = 1) -> torch.Tensor:
+                                cp_kv_cache_interleave_size: int = 1, *, slot_mapping=None,
+                                cp_over_positions: bool = False) -> torch.Tensor:
     """int64 [num_tokens]: the compressed-cache slot each token writes, -1 for the others.
 
     Requests are the rows of ``block_table``. Token t of request b at position p writes compressed entry
-    j = p // r iff (p + 1) % r == 0. With context parallelism (W = cp_world_size ranks, interleave I) the
-    logical block of j is ``j // (bs * W)``; j lives on rank ``((j mod bs*W) // I) % W`` at local offset
-    ``((j mod bs*W) // (W*I)) * I + (j mod bs*W) % I``; entries of other ranks get -1. With ``out`` all of
-    ``out`` is set to -1 first and ``out[:num_tokens]`` is returned (vLLM fills the whole buffer)."""
+    j = p // r iff (p + 1) % r == 0, and, with ``slot_mapping`` (vLLM 0.33), iff its own slot
+    ``slot_mapping[t]`` is not padding (< 0, or t past its entries): a token vLLM replays, or one another
+    context-parallel rank owns, writes nothing. Context parallelism (W = cp_world_size ranks, interleave I):
+
+    * over entries (earlier vLLM): the logical block of j is ``j // (bs * W)``; j lives on rank
+      ``((j mod bs*W) // I) % W`` at local offset ``((j mod bs*W) // (W*I)) * I + (j mod bs*W) % I``; entries
+      of other ranks get -1.
+    * over positions (``cp_over_positions``, vLLM 0.33's dcp_world_size / cp_interleave): the rank-local
+      position ``(p // (I*W)) * I + p % I`` is compressed (j = local // r) and paged as usual; which tokens
+      are this rank's is slot_mapping's to say.
+
+    With ``out`` all of ``out`` is set to -1 first and ``out[:num_tokens]`` is returned (vLLM fills the whole
+    buffer)."""
     dev = query_start_loc.device
     if out is not None:
         out.fill_(-1)
@@ -103,15 +113,25 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     req, inside = request_of_tokens(t, query_start_loc, R)
     pos = token_positions(t, req, inside, query_start_loc, seq_lens)
     ok = inside & (pos >= 0)
+    if slot_mapping is not None:
+        own = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)
+        n = min(num_tokens, slot_mapping.shape[0])
+        own[:n] = slot_mapping[:n].long()
+        ok = ok & (own >= 0)
     pos = torch.where(ok, pos, torch.zeros_like(pos))
     ok = ok & ((pos + 1) % compress_ratio == 0)
-    j = pos // compress_ratio
     W, I = cp_world_size, cp_kv_cache_interleave_size
-    vbs = block_size * W
-    col, voff = j // vbs, j % vbs
-    ok = ok & ((voff // I) % W == cp_rank)
+    if cp_over_positions:
+        j = ((pos // (I * W)) * I + pos % I) // compress_ratio
+        col, off = j // block_size, j % block_size
+    else:
+        j = pos // compress_ratio
+        vbs = block_size * W
+        col, voff = j // vbs, j % vbs
+        ok = ok & ((voff // I) % W == cp_rank)
+        off = (voff // (W * I)) * I + voff % I
     page, pok = _page(block_table, torch.where(ok, req, torch.full_like(req, -1)), col)
-    slot = page * block_size + (voff // (W * I)) * I + voff % I
+    slot = page * block_size + off
     res.copy_(torch.where(ok & pok, slot, torch.full_like(slot, -1)))
     return res
 
