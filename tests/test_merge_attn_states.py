@@ -96,18 +96,24 @@ def test_output_may_be_an_input_and_output_lse_is_optional():
     assert all(torch.equal(a, b) for a, b in zip(before, (pl, sl, so)))
 
 
-def test_fp8_output_bytes():
-    po, pl, so, sl = states(7, 4, 128, seed=5)
-    po[0, 0, :4] = torch.tensor([1e-9, -1e-9, 1e4, -1e4])       # -0 and saturation
+def fp8_merge(odt, seed, specials):
+    """(fp8 output of dtype odt, the fp32 merged values * (1 / scale)) of one merge with scale 0.05, context 5;
+    token 0 head 0 (prefix alone: suffix empty) starts with the values ``specials``."""
+    po, pl, so, sl = states(7, 4, 128, seed=seed)
+    po[0, 0, :len(specials)] = torch.tensor(specials)
     pl[0, 0], sl[0, 0] = 0.0, float("-inf")
     scale = torch.tensor([0.05])
-    out = torch.empty(7, 4, 128, dtype=torch.float8_e4m3fn)
+    out = torch.empty(7, 4, 128, dtype=odt)
     ops.merge_attn_states(out, po, pl, so, sl, None, 5, scale)
     merged = torch.empty(7, 4, 128)
     ops.merge_attn_states(merged, po, pl, so, sl, None, 5)
-    want = e4m3_encode(merged * (1 / torch.tensor(0.05)))
-    assert torch.equal(out.view(torch.uint8), want)
-    assert int(out.view(torch.uint8)[0, 0, 1]) == 0 and int(out.view(torch.uint8)[0, 0, 2]) == 0x7E
+    return out.view(torch.uint8), merged * (1 / torch.tensor(0.05))
+
+
+def test_fp8_output_bytes():
+    out, x = fp8_merge(torch.float8_e4m3fn, 5, [1e-9, -1e-9, 1e4, -1e4])          # -0 and saturation
+    assert torch.equal(out, e4m3_encode(x))
+    assert int(out[0, 0, 1]) == 0 and int(out[0, 0, 2]) == 0x7E
 
 
 def test_fp8_fnuz_output_bytes():
@@ -115,22 +121,15 @@ def test_fp8_fnuz_output_bytes():
     clamp(value * (1 / scale), +-224), rounded to nearest even, one zero byte. Stated here on its own:
     torch's e4m3fnuz cast of the clamped value. NaN is the fnuz NaN 0x80 (vLLM's fminf / fmaxf clamp would
     make it 224: docs/numerics.md#differences)."""
-    po, pl, so, sl = states(7, 4, 128, seed=15)
-    po[0, 0, :5] = torch.tensor([1e-9, -1e-9, 1e4, -1e4, float("nan")])       # -0, saturation, NaN
-    pl[0, 0], sl[0, 0] = 0.0, float("-inf")
-    scale = torch.tensor([0.05])
-    out = torch.empty(7, 4, 128, dtype=torch.float8_e4m3fnuz)
-    ops.merge_attn_states(out, po, pl, so, sl, None, 5, scale)
-    merged = torch.empty(7, 4, 128)
-    ops.merge_attn_states(merged, po, pl, so, sl, None, 5)
-    x = merged * (1 / torch.tensor(0.05))
+    out, x = fp8_merge(torch.float8_e4m3fnuz, 15, [1e-9, -1e-9, 1e4, -1e4, float("nan")])   # -0, saturation, NaN
     want = x.clamp(-224, 224).to(torch.float8_e4m3fnuz).view(torch.uint8)
     want[x.isnan()] = 0x80
-    assert torch.equal(out.view(torch.uint8), want)
-    assert out.view(torch.uint8)[0, 0, :5].tolist() == [0, 0, 0x7E, 0xFE, 0x80]
-    assert not bool((out.view(torch.uint8)[1:] == 0x80).any())
+    assert torch.equal(out, want)
+    assert out[0, 0, :5].tolist() == [0, 0, 0x7E, 0xFE, 0x80]
+    assert not bool((out[1:] == 0x80).any())
     fin = x.isfinite() & (x.abs() <= 224)
-    torch.testing.assert_close(out.float()[fin], x[fin], rtol=2 ** -4, atol=2 ** -10)    # one fnuz step
+    got = out.view(torch.float8_e4m3fnuz).float()
+    torch.testing.assert_close(got[fin], x[fin], rtol=2 ** -4, atol=2 ** -10)      # one fnuz step
 
 
 def test_vllm_call_forms():
