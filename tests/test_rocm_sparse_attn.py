@@ -382,9 +382,9 @@ def test_adapters_reuse_their_workspaces_and_stay_exact(monkeypatch):
     from dsv4_rocm.ops import rocm_attention as RA
     seen = []
 
-    def spy(*args):       # (q, k_cache, indices, lens, sink, extra_k_cache, extra_indices, extra_lens, scale, out)
+    def spy(*args, **kwargs):     # (q, k_cache, idx, lens, sink, extra_cache, extra_idx, extra_lens, scale, out)
         seen.append([args[i].data_ptr() for i in (0, 2, 3, 4, 6, 7, 9)])
-        return RA.sparse_mla_decode.__wrapped__(*args)
+        return RA.sparse_mla_decode.__wrapped__(*args, **kwargs)
     spy.__wrapped__ = RA.sparse_mla_decode
     monkeypatch.setattr(RA, "sparse_mla_decode", spy)
     for seed in (12, 13):
