@@ -48,6 +48,7 @@ CASES = {
     "fp8_linear": ("gfx942", "gfx950"),
     "fp8_mqa_logits": ("gfx942", "gfx950"),
     "fp8_paged_mqa_logits": ("gfx942", "gfx950"),
+    "merge_attn_states_fp8_flavours": ("gfx942", "gfx950"),
     "sparse_mla_decode": ("gfx942", "gfx950", "sm_100"),
     "sparse_mla_decode_v41": ("gfx942", "gfx950", "sm_100"),
     "sparse_mla_decode_fnuz_window": ("gfx942", "gfx950", "sm_100"),
@@ -520,6 +521,38 @@ def case_sparse_mla_prefill(target):
     torch.testing.assert_close(mx[fin], ref[1][fin], atol=1e-5, rtol=1e-5)
     return ["prefill: out within 2/128 |r| + 2^-8 max|K|; lse and max_logits close, lonely queries exact"], {
         "_sparse_mla_prefill_kernel": dict(BLOCK_N=P.default_config(target)["BLOCK_N"])}
+
+
+def case_merge_attn_states_fp8_flavours(target):
+    """merge_attn_states' fp8 outputs, float8_e4m3fn and vLLM's gfx942 float8_e4m3fnuz, on merges whose
+    values are exact in fp32: every byte the oracle's, NaN included (gfx942's route for the OCP byte maps
+    its fnuz NaN back to 0x7F)."""
+    from dsv4_rocm.reference import output as O
+    from dsv4_rocm.triton import merge_attn_states as M
+    g = torch.Generator().manual_seed(9)
+    T, H, D = 6, 4, 128
+    # equal lse (weights 1/2 each), one part empty, both empty, tokens past the context: the merged values
+    # are exact in fp32, so the fp8 bytes are the oracle's exactly; values span both formats' subnormals and
+    # their saturation, with -0, +-inf and NaN
+    po, so = (torch.randn(T, H, D, generator=g) * torch.exp2(torch.randint(-14, 12, (T, H, D), generator=g).float())
+              for _ in range(2))
+    po[0, 0, :5] = torch.tensor([-0.0, float("inf"), float("-inf"), 1e6, float("inf")])
+    so[0, 0, :5] = torch.tensor([-0.0, 1.0, 1.0, 1e6, float("-inf")])            # the last: NaN
+    po, so = po.bfloat16(), so.bfloat16()
+    lse = torch.randn(H, T, generator=g)
+    pl, sl = lse.clone(), lse.clone()
+    pl[1, 2], sl[2, 3] = float("inf"), float("-inf")
+    pl[3, 1], sl[3, 1] = float("inf"), float("inf")
+    scale = torch.tensor([0.5])
+    lines = []
+    for odt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        out, ref = (torch.zeros(T, H, D, dtype=odt) for _ in range(2))
+        olse, rlse = (torch.full((H, T), float("nan")) for _ in range(2))
+        M.merge_attn_states(out, po, pl, so, sl, olse, 5, scale)
+        O.merge_attn_states(ref, po, pl, so, sl, rlse, 5, scale)
+        lines.append(_bytes_equal(out, ref, f"{odt} output"))
+        assert torch.equal(olse.isnan(), rlse.isnan()) and torch.allclose(olse, rlse, rtol=1e-6, equal_nan=True)
+    return lines, {"_merge_attn_states_kernel": dict(FNUZ=target == "gfx942", OUT_FNUZ=True)}
 
 
 def case_top_k_per_row(target):

@@ -124,6 +124,20 @@ def test_vllm_call_forms_write_the_same_bytes():
         assert torch.equal(c, want)
 
 
+def insert_and_gather_both_flavours(k, slots, seq, gls, bt, bs, offset):
+    """{use_fnuz: bf16 rows [R, 24, 512]}: k inserted at slots into pages of random bytes (6 pages of bs), then
+    gathered back through bt at ``offset`` into NaN-poisoned rows, in each flavour."""
+    rows = {}
+    for flavour in (False, True):
+        cache = torch.randint(0, 256, (6, bs * 584), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+        ops.quantize_and_insert_k_cache(k, cache, slots, bs, use_fnuz=flavour)
+        out = torch.full((len(seq), 24, 512), float("nan"), dtype=torch.bfloat16)
+        ops.dequantize_and_gather_k_cache(out, cache.view(6, bs, 584), torch.tensor(seq), torch.tensor(gls), bt, bs,
+                                          offset, use_fnuz=flavour)
+        rows[flavour] = out
+    return rows
+
+
 def test_gather_reads_fnuz_caches_through_a_block_table():
     """vLLM's prefill: insert the window with use_fnuz, gather it back with use_fnuz (offset, gather_lens):
     the same bf16 rows as the OCP flavour gives for the same K."""
@@ -131,14 +145,7 @@ def test_gather_reads_fnuz_caches_through_a_block_table():
     bt = torch.tensor([[4, 0, 2], [5, -1, -1]], dtype=torch.int32)
     k = random_k(sum(seq))
     slots = torch.cat([bt[r, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs for r, n in enumerate(seq)])
-    rows = {}
-    for flavour in (False, True):
-        cache = torch.randint(0, 256, (6, bs * 584), dtype=torch.uint8)
-        ops.quantize_and_insert_k_cache(k, cache, slots, bs, use_fnuz=flavour)
-        out = torch.full((2, 24, 512), float("nan"), dtype=torch.bfloat16)
-        ops.dequantize_and_gather_k_cache(out, cache.view(6, bs, 584), torch.tensor(seq), torch.tensor(gls), bt, bs,
-                                          2, use_fnuz=flavour)
-        rows[flavour] = out
+    rows = insert_and_gather_both_flavours(k, slots, seq, gls, bt, bs, 2)
     assert torch.equal(rows[True].view(torch.int16), rows[False].view(torch.int16))
     assert rows[True][:, :2].isnan().all() and not rows[True][0, 2:22].isnan().any()
 

@@ -28,6 +28,10 @@ VLLM_SCHEMAS = {   # torch.ops._C schemas of vLLM (csrc torch_bindings), argumen
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
         "(Tensor q, Tensor kv, Tensor(a!) q_fp8, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
         "Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, float eps, int cache_block_size) -> ()",
+    # vLLM 0.33.0's csrc/torch_bindings.cpp (its Tensor! written as this library's alias annotations)
+    "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert":
+        "(Tensor(a!) q, Tensor kv, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
+        "Tensor cos_sin_cache, float eps, int cache_block_size, bool apply_q_norm=True) -> ()",
 }
 
 
@@ -63,6 +67,9 @@ def cases(device):
         "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
             (q, k, torch.empty(8, 4, 512, dtype=torch.uint8, device=d), full, torch.tensor([0, 17, -1, 63], device=d),
              pos.int(), cs, one, one * 4, 1e-6, 16),
+        "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert":
+            (q.clone(), k, torch.zeros(4, 16, 512, device=d).bfloat16(), torch.tensor([0, 17, -1, 63], device=d), pos,
+             cs, 1e-6, 16, False),
     }
 
 

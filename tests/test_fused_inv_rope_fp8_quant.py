@@ -2,7 +2,8 @@
 view of [G, T, D] storage and MN-major scales (fp32, or UE8M0 packed 4 an int32).
 
 CPU: the oracle against the formula written out pair by pair and block by block; vLLM's call forms (keywords,
-strided o, int32 positions, bf16 cos/sin); the layouts and their zero padding; the NaN policy; bad input;
+strided o, int32 positions, bf16 cos/sin, vLLM 0.33's quantize=False bf16 rows); the layouts and their zero
+padding; the NaN policy; bad input;
 the Triton kernel under the interpreter (scales, padding and poisoning exact; its fp8 casts are not
 modelled exactly there, so bytes are checked on the GPU). GPU: kernel bytes and scales equal the oracle's,
 padding tokens, graph capture.
@@ -36,15 +37,21 @@ def _storage(scales):
     return torch.as_strided(scales, (G, K, T4), (K * T4, T4, 1))
 
 
-def _formula(o, pos, cs, G):
-    """Per token, head and block, in float64 where exact: the rotated fp32 values, the exponent, the bytes."""
-    T, H, _ = o.shape
+def _rotated(o, pos, cs):
+    """The inverse rotation pair by pair: fp32 [T, H, 512]."""
     x = o.float().clone()
     for i in range(32):
         c, s = cs[pos, i].float()[:, None], cs[pos, 32 + i].float()[:, None]
         e, od = x[..., 448 + 2 * i].clone(), x[..., 449 + 2 * i].clone()
         x[..., 448 + 2 * i] = e * c + od * s                        # fp32 products and sum, no fma
         x[..., 449 + 2 * i] = od * c - e * s
+    return x
+
+
+def _formula(o, pos, cs, G):
+    """Per token, head and block, in float64 where exact: the rotated fp32 values, the exponent, the bytes."""
+    T, H, _ = o.shape
+    x = _rotated(o, pos, cs)
     blocks = x.reshape(T, H, 4, 128)
     amax = blocks.abs().amax(-1).clamp(min=1e-10)
     q = torch.zeros(T, H, 4, 128, dtype=torch.uint8)
@@ -103,6 +110,24 @@ def test_vllm_call_forms_give_the_same_result():
     assert torch.equal(d.view(torch.uint8), r[0].view(torch.uint8)) and torch.equal(s, r[1])
 
 
+def test_quantize_false_gives_the_rotated_bf16_rows():
+    """vLLM 0.33's ``quantize=False`` (a bf16 output projection): the rotated values rounded once to bf16,
+    in the same [T, G, D] view of [G, T, D] storage, and an empty scale tensor of the form's dtype."""
+    T, H, G = 5, 16, 4
+    o, pos = _o(T, H, 3), torch.tensor([3, 0, 1999, 17, 256])
+    want = _rotated(o, pos, CS).bfloat16().reshape(T, G, H // G * 512)
+    for tma in (False, True):
+        for rows, scales in (ops.fused_inv_rope_fp8_quant(o, pos, CS, G, H // G, 448, 64, 128, tma, False),
+                             ops.fused_inv_rope_fp8_quant(o, pos, CS, G, H // G, tma_aligned_scales=tma,
+                                                          quantize=False)):
+            assert rows.dtype == torch.bfloat16 and rows.shape == (T, G, H // G * 512)
+            assert rows.stride() == (H // G * 512, T * H // G * 512, 1)
+            assert torch.equal(rows.view(torch.int16), want.view(torch.int16))
+            assert scales.numel() == 0 and scales.dtype == (torch.int32 if tma else torch.float32)
+    q8, _ = ops.fused_inv_rope_fp8_quant(o, pos, CS, G, H // G)          # the same rows, quantized
+    assert torch.equal(q8.view(torch.uint8), O.fused_inv_rope_fp8_quant(o, pos, CS, G, H // G)[0].view(torch.uint8))
+
+
 def test_output_feeds_fp8_einsum_as_vllm_passes_it():
     T, H, G, n = 4, 16, 2, 128
     o, pos = _o(T, H, 2), torch.tensor([1, 2, 3, 4])
@@ -153,6 +178,7 @@ def _bad_calls():
     yield "nope_dim", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, nope_dim=512)
     yield "quant_group_size", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, quant_group_size=64)
     yield "tma_aligned_scales", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, tma_aligned_scales=1)
+    yield "quantize must be a bool", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, quantize=None)
     yield "o must have dtype", lambda: ops.fused_inv_rope_fp8_quant(o.float(), pos, CS, 2, 8)
     yield "o must be", lambda: ops.fused_inv_rope_fp8_quant(o[..., :448], pos, CS, 2, 8)
     yield "unit stride", lambda: ops.fused_inv_rope_fp8_quant(o.transpose(1, 2).contiguous().transpose(1, 2), pos,
@@ -199,6 +225,17 @@ _INTERPRETED = textwrap.dedent("""
     bad = torch.tensor([5, -1, 2048, 7, 9])             # positions outside the table: padding tokens, written 0
     d, s = K.fused_inv_rope_fp8_quant(o, bad, cs, G, HPG)
     print(int(d.view(torch.uint8)[1:3].ne(0).sum()), int(s[1:3].ne(0).sum()), int(d.view(torch.uint8)[0].ne(0).sum()))
+    import sys
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_bf16
+    patch_interpreter_bf16()                            # fp32 -> bf16 rounded as the GPUs round it
+    rows, sc = K.fused_inv_rope_fp8_quant(o, pos, cs, G, HPG, quantize=False)           # vLLM 0.33's bf16 rows
+    want, _ = O.fused_inv_rope_fp8_quant(o, pos, cs, G, HPG, quantize=False)
+    nan = want.isnan()
+    same = torch.equal(rows.isnan(), nan) and torch.equal(rows.view(torch.int16)[~nan], want.view(torch.int16)[~nan]) \
+        and rows.stride() == want.stride()
+    rows, _ = K.fused_inv_rope_fp8_quant(o, bad, cs, G, HPG, quantize=False)
+    print(int(same), int(sc.numel()), int(rows[1:3].view(torch.int16).ne(0).sum()), int(rows[0].ne(0).sum()) > 0)
 """)
 
 
@@ -210,6 +247,7 @@ def test_kernel_scales_padding_and_poison_under_the_interpreter(tmp_path):
     assert rows[0] == ["0", "True", "True", "0", "2"] and rows[1] == ["1", "True", "True", "0", "2"]
     zeros_bytes, zeros_scales, valid_bytes = map(int, rows[2])
     assert zeros_bytes == 0 and zeros_scales == 0 and valid_bytes > 0
+    assert rows[3] == ["1", "0", "0", "True"]            # quantize=False: the oracle's bf16 bits, padding 0
 
 
 @pytest.mark.gpu
@@ -230,6 +268,19 @@ def test_gpu_kernel_equals_the_oracle(T, H, G, cs_dtype, gpu):
         ns = int((_storage(s).view(torch.int32) != _storage(rs).view(torch.int32)).sum())
         print(f"T={T} H={H} cos/sin {cs_dtype} packed={tma}: {nb} bytes, {ns} scale words differ")
         assert d.stride() == rd.stride() and s.stride() == rs.stride() and nb == 0 and ns == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 130, 4099])
+def test_gpu_quantize_false_equals_the_oracle(T, gpu):
+    H, G = 128, 16
+    o = _o(T, H, T, gpu)
+    pos = torch.randint(0, CS.shape[0], (T,), generator=torch.Generator().manual_seed(T)).to(gpu)
+    with ops.use_backend("triton"):
+        rows, scales = ops.fused_inv_rope_fp8_quant(o, pos, CS.to(gpu), G, H // G, quantize=False)
+    want, _ = O.fused_inv_rope_fp8_quant(o, pos, CS.to(gpu), G, H // G, quantize=False)
+    assert rows.stride() == want.stride() and scales.numel() == 0
+    assert torch.equal(rows.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -229,6 +229,28 @@ def test_deepgemm_paged_mqa_logits_semantics(next_n, bs, lens_2d):
     _check_deepgemm_paged(*_deepgemm_paged_case(3, next_n, 96, bs, lens_2d, "cpu", g, 160))
 
 
+def test_weights_out_dtype_of_vllm_033():
+    """vLLM 0.33's eighth argument: bfloat16 weights for the MXFP4 query are the float32 ones rounded to
+    nearest even (vLLM's kernel stores its fp32 product into a bf16 buffer); the FP8 query takes float32
+    only, as vLLM asserts; anything else is a ValueError."""
+    g = torch.Generator().manual_seed(8)
+    pos, qi, w = query(5, 16, g)
+    w = w * torch.exp2(torch.randint(-20, 20, w.shape, generator=g).float())      # many bf16 roundings
+    (p32, s32), w32 = ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, True)
+    (p16, s16), w16 = ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, True, torch.bfloat16)
+    assert torch.equal(p16, p32) and torch.equal(s16, s32) and w16.dtype == torch.bfloat16
+    bits = w32.view(torch.int32).long()                                      # RNE of the fp32 bits, by hand
+    rne = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(torch.int16)
+    assert torch.equal(w16.view(torch.int16), rne)
+    _, w8 = ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, weights_out_dtype=torch.float32)
+    _, w8d = ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS)
+    assert w8.dtype == torch.float32 and torch.equal(w8, w8d)
+    with pytest.raises(ValueError, match="weights_out_dtype=torch.bfloat16 is for the MXFP4 query"):
+        ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="weights_out_dtype must be"):
+        ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, True, torch.float16)
+
+
 # ---- call forms -----------------------------------------------------------------------------------------
 def test_call_forms_are_vllms_and_deepgemms():
     g = torch.Generator().manual_seed(7)

@@ -3,9 +3,10 @@ output_lse=None, prefill_tokens_with_context=None, output_scale=None) -> None, l
 
 CPU: the reference equals attention over the union of the two key sets (empty parts as +inf and -inf,
 both empty -> 0 and -inf), tokens past the context copy the suffix, output aliasing an input, fp8 output
-bytes, vLLM's call forms, bad input rejected before any write; the Triton kernel against the reference
-under the interpreter (dtypes, head sizes that are not powers of two, strided views, partial contexts,
-fp8 output). GPU: the kernel against the reference at serving sizes and vLLM's test shapes, and replayed
+bytes (OCP, and the fnuz bytes vLLM writes on gfx942), vLLM's call forms, bad input rejected before any
+write; the Triton kernel against the reference under the interpreter (dtypes, head sizes that are not
+powers of two, strided views, partial contexts, fp8 outputs of both flavours; the gfx942 / gfx950 branches
+in tests/amd_tier.py). GPU: the kernel against the reference at serving sizes and vLLM's test shapes, and replayed
 in a CUDA graph. Tolerances: docs/numerics.md#merge-attn-states.
 """
 import pytest
@@ -95,18 +96,40 @@ def test_output_may_be_an_input_and_output_lse_is_optional():
     assert all(torch.equal(a, b) for a, b in zip(before, (pl, sl, so)))
 
 
-def test_fp8_output_bytes():
-    po, pl, so, sl = states(7, 4, 128, seed=5)
-    po[0, 0, :4] = torch.tensor([1e-9, -1e-9, 1e4, -1e4])       # -0 and saturation
+def fp8_merge(odt, seed, specials):
+    """(fp8 output of dtype odt, the fp32 merged values * (1 / scale)) of one merge with scale 0.05, context 5;
+    token 0 head 0 (prefix alone: suffix empty) starts with the values ``specials``."""
+    po, pl, so, sl = states(7, 4, 128, seed=seed)
+    po[0, 0, :len(specials)] = torch.tensor(specials)
     pl[0, 0], sl[0, 0] = 0.0, float("-inf")
     scale = torch.tensor([0.05])
-    out = torch.empty(7, 4, 128, dtype=torch.float8_e4m3fn)
+    out = torch.empty(7, 4, 128, dtype=odt)
     ops.merge_attn_states(out, po, pl, so, sl, None, 5, scale)
     merged = torch.empty(7, 4, 128)
     ops.merge_attn_states(merged, po, pl, so, sl, None, 5)
-    want = e4m3_encode(merged * (1 / torch.tensor(0.05)))
-    assert torch.equal(out.view(torch.uint8), want)
-    assert int(out.view(torch.uint8)[0, 0, 1]) == 0 and int(out.view(torch.uint8)[0, 0, 2]) == 0x7E
+    return out.view(torch.uint8), merged * (1 / torch.tensor(0.05))
+
+
+def test_fp8_output_bytes():
+    out, x = fp8_merge(torch.float8_e4m3fn, 5, [1e-9, -1e-9, 1e4, -1e4])          # -0 and saturation
+    assert torch.equal(out, e4m3_encode(x))
+    assert int(out[0, 0, 1]) == 0 and int(out[0, 0, 2]) == 0x7E
+
+
+def test_fp8_fnuz_output_bytes():
+    """vLLM's fp8 output on gfx942 (output float8_e4m3fnuz): its kernel writes the fnuz byte of
+    clamp(value * (1 / scale), +-224), rounded to nearest even, one zero byte. Stated here on its own:
+    torch's e4m3fnuz cast of the clamped value. NaN is the fnuz NaN 0x80 (vLLM's fminf / fmaxf clamp would
+    make it 224: docs/numerics.md#differences)."""
+    out, x = fp8_merge(torch.float8_e4m3fnuz, 15, [1e-9, -1e-9, 1e4, -1e4, float("nan")])   # -0, saturation, NaN
+    want = x.clamp(-224, 224).to(torch.float8_e4m3fnuz).view(torch.uint8)
+    want[x.isnan()] = 0x80
+    assert torch.equal(out, want)
+    assert out[0, 0, :5].tolist() == [0, 0, 0x7E, 0xFE, 0x80]
+    assert not bool((out[1:] == 0x80).any())
+    fin = x.isfinite() & (x.abs() <= 224)
+    got = out.view(torch.float8_e4m3fnuz).float()
+    torch.testing.assert_close(got[fin], x[fin], rtol=2 ** -4, atol=2 ** -10)      # one fnuz step
 
 
 def test_vllm_call_forms():
@@ -151,6 +174,8 @@ def test_fp8_output_needs_a_one_value_scale():
         ops.merge_attn_states(out, PO, PL, SO, SL)
     with pytest.raises(ValueError, match="output_scale must hold one value"):
         ops.merge_attn_states(out, PO, PL, SO, SL, None, None, torch.ones(2))
+    with pytest.raises(ValueError, match="output_scale is required when output is torch.float8_e4m3fnuz"):
+        ops.merge_attn_states(out.view(torch.float8_e4m3fnuz), PO, PL, SO, SL)
 
 
 # ---- the Triton kernel under the interpreter -------------------------------------------------------------
@@ -164,6 +189,7 @@ def interpreter_cases():
         ("in place over the prefix", 4, 6, 128, torch.bfloat16, torch.bfloat16, 3, False, True, True),
         ("no context", 3, 2, 32, torch.float32, torch.float32, 0, False, False, True),
         ("fp8 out", 4, 5, 128, torch.bfloat16, torch.float8_e4m3fn, 3, True, False, True),
+        ("fp8 fnuz out", 4, 5, 128, torch.bfloat16, torch.float8_e4m3fnuz, 3, True, False, True),
     ]
 
 
@@ -179,7 +205,7 @@ def _strided(t, strided):
         return t
     T, H, D = t.shape
     big = torch.full((T, H + 2, D + 8), float("nan"), dtype=t.dtype, device=t.device) if t.dtype.is_floating_point \
-        and t.dtype != torch.float8_e4m3fn else torch.zeros((T, H + 2, D + 8), dtype=t.dtype, device=t.device)
+        and t.dtype.itemsize > 1 else torch.zeros((T, H + 2, D + 8), dtype=t.dtype, device=t.device)
     v = big[:, 1:H + 1, 4:D + 4]
     v.copy_(t)
     return v
@@ -190,7 +216,8 @@ def run_kernel_case(kernel, case, seed, device="cpu"):
     po, pl, so, sl = states(T, H, D, dtype=dt, seed=seed, device=device)
     po, so = _strided(po, strided), _strided(so, strided)
     pl, sl = pl.t().contiguous().t(), sl.t().contiguous().t()           # [H, T] views of [T, H] storage
-    scale = torch.tensor([0.03], device=device) if odt == torch.float8_e4m3fn else None
+    fp8 = odt in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+    scale = torch.tensor([0.03], device=device) if fp8 else None
     if alias:
         out, ref_out = po, po.clone()
     else:
@@ -200,7 +227,7 @@ def run_kernel_case(kernel, case, seed, device="cpu"):
     ref_lse = torch.full((H, T), float("nan"), device=device) if with_lse else None
     O.merge_attn_states(ref_out, po.clone() if alias else po, pl, so, sl, ref_lse, n_ctx, scale)
     kernel(out, po, pl, so, sl, lse, n_ctx, scale)
-    if odt == torch.float8_e4m3fn:
+    if fp8:
         a, b = (ordinal(t.view(torch.uint8)) for t in (out, ref_out))
         ok = (a - b).abs() <= 1                        # one e4m3 step (the fp32 values differ by ulps of exp)
         if device == "cpu":
@@ -227,7 +254,7 @@ def interpreter_main():
 def test_triton_kernel_under_interpreter():
     """TRITON_INTERPRET=1 must be set before triton is imported: a subprocess runs this file's __main__."""
     r = run_file_interpreted(__file__)
-    assert r.returncode == 0 and "interpreter cases passed: 14" in r.stdout
+    assert r.returncode == 0 and "interpreter cases passed: 16" in r.stdout
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------
@@ -237,6 +264,7 @@ def test_triton_kernel_under_interpreter():
     (613, 48, 96, torch.float16, torch.float16, 128),             # vLLM's test shapes
     (256, 4, 32, torch.float32, torch.float32, None),
     (1024, 64, 256, torch.bfloat16, torch.float8_e4m3fn, 128),
+    (1024, 64, 256, torch.bfloat16, torch.float8_e4m3fnuz, 128),       # vLLM's gfx942 dtype, any GPU
     (3, 16, 512, torch.bfloat16, torch.bfloat16, 0),
 ])
 def test_gpu_kernel_matches_the_reference(T, H, D, dt, odt, n_ctx, gpu):

@@ -43,6 +43,20 @@ def loop_compressed_slots(num_tokens, qsl, seq, bt, bs, r, world=1, rank=0, inte
     return out
 
 
+def loop_compressed_slots_033(num_tokens, slots, qsl, seq, bt, bs, r, dcp=1, inter=1):
+    """vLLM 0.33's rule: only tokens with a slot of their own; under DCP the rank-local position compressed."""
+    out = [-1] * num_tokens
+    for b in range(bt.shape[0]):
+        qs, qe = int(qsl[b]), int(qsl[b + 1])
+        for i in range(qe - qs):
+            p = int(seq[b]) - (qe - qs) + i
+            if (p + 1) % r or int(slots[qs + i]) < 0:
+                continue
+            j = ((p // (inter * dcp)) * inter + p % inter) // r
+            out[qs + i] = int(bt[b, j // bs]) * bs + j % bs
+    return out
+
+
 def loop_swa(W, qsl, seq, t2r, valid, bt, bs, tokens):
     rows, lens = [], []
     for t in tokens:
@@ -80,7 +94,9 @@ def loop_c128a(pos, r, nd, t2r, bt, bs, sm, width, cap):
     return gd, dl, pf
 
 
-def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width):
+def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width, left=None, right=None):
+    """combine_topk_swa_indices token by token: the window of a token at p is [p - max(l, W - 1), p + r] cut at
+    position 0 (l, r: its in-image visibility, 0 without), its rows outside the gathered ones -1."""
     rows, lens = [[-1] * width for _ in range(topk.shape[0])], [0] * topk.shape[0]
     base = int(qsl[0])
     for b in range(seq.shape[0]):
@@ -88,10 +104,15 @@ def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width):
         gstart = int(seq[b]) - int(gl[b])
         for t in range(qs, qe):
             p = int(seq[b]) - (qe - qs) + t - qs
-            tl_, sw = min((p + 1) // r, k), min(p + 1, W)
+            lv = 0 if left is None else max(int(left[t]), 0)
+            rv = 0 if right is None else max(int(right[t]), 0)
+            start = max(p - max(lv, W - 1), 0)
+            tl_ = min((p + 1) // r, k)
+            sw = min(p + rv + 1 - start, width - tl_)
             loc = [int(x) for x in topk[t, :tl_]]
             rows[t][:tl_] = [b * Mrows + x if 0 <= x < N else -1 for x in loc]
-            rows[t][tl_:tl_ + sw] = [b * Mrows + N + q - gstart for q in range(p - sw + 1, p + 1)]
+            rows[t][tl_:tl_ + sw] = [b * Mrows + N + q - gstart if 0 <= q - gstart < int(gl[b])
+                                     and N + q - gstart < Mrows else -1 for q in range(start, start + sw)]
             lens[t] = tl_ + sw
     return rows, lens
 
@@ -162,6 +183,78 @@ def test_compressed_slot_mapping_by_hand():
     assert s1.tolist() == [-1] * 7 + [7 * 32] + [-1, -1, -1, 4 * 32 + 31, -1, -1, -1, -1]
     assert s0.tolist() == loop_compressed_slots(16, qsl, seq, BT, 32, 4, 2, 0)
     assert s1.tolist() == loop_compressed_slots(16, qsl, seq, BT, 32, 4, 2, 1)
+
+
+def test_compressed_slot_mapping_vllm_033_form():
+    """vLLM 0.33 passes the tokens' own slot_mapping second: a replayed token (slot -1) writes no compressed
+    entry. Both forms are taken, positionally and by keyword; where every token has a slot they agree."""
+    qsl, seq = i32([0, 8, 16]), i32([8, 260])
+    old = ops.get_compressed_slot_mapping(16, qsl, seq, BT, 64, 4)
+    slots = torch.arange(16) + 1000
+    assert ops.get_compressed_slot_mapping(16, slots, qsl, seq, BT, 64, 4).tolist() == old.tolist()
+    slots[[3, 11]] = -1                                       # tokens at positions 3 and 255: replayed
+    want = old.clone()
+    want[[3, 11]] = -1
+    out = torch.full((18,), POISON, dtype=torch.int64)
+    calls = [lambda: ops.get_compressed_slot_mapping(16, slots, qsl, seq, BT, 64, 4),
+             lambda: ops.get_compressed_slot_mapping(16, slots, qsl, seq, BT, 64, 4, out, 1, 1),
+             lambda: ops.get_compressed_slot_mapping(num_tokens=16, slot_mapping=slots, query_start_loc=qsl,
+                                                     seq_lens=seq, block_table=BT, block_size=64, compress_ratio=4,
+                                                     out=out, dcp_world_size=1, cp_interleave=1),
+             lambda: M.get_compressed_slot_mapping(16, qsl, seq, BT, 64, 4, slot_mapping=slots)]
+    for call in calls:
+        assert call().tolist() == want.tolist()
+    assert (out[16:] == -1).all()
+    assert want.tolist() == loop_compressed_slots_033(16, slots, qsl, seq, BT, 64, 4)
+    # the earlier form by keyword and with out= by keyword, positionally with CP
+    assert ops.get_compressed_slot_mapping(16, query_start_loc=qsl, seq_lens=seq, block_table=BT, block_size=64,
+                                           compress_ratio=4).tolist() == old.tolist()
+    assert ops.get_compressed_slot_mapping(16, qsl, seq, BT, 64, 4, out=out).data_ptr() == out.data_ptr()
+    assert ops.get_compressed_slot_mapping(16, qsl, seq, BT, 32, 4, None, 2, 1).tolist() == \
+        loop_compressed_slots(16, qsl, seq, BT, 32, 4, 2, 1)
+
+
+def test_compressed_slot_mapping_dcp_over_positions():
+    """vLLM 0.33's DCP: 2 ranks, interleave 4 (a multiple of the ratio): rank 0 owns positions p with
+    (p // 4) % 2 == 0 (the others have slot -1 in its slot_mapping) and compresses its local positions
+    (p // 8) * 4 + p % 4, so its entries are consecutive: 0, 1, 2, 3 for positions 3, 11, 19, 27."""
+    qsl, seq, bt = i32([0, 32]), i32([32]), i32([[6, 9]])
+    p = torch.arange(32)
+    own = torch.where((p // 4) % 2 == 0, p + 100, -1)
+    s = ops.get_compressed_slot_mapping(32, own, qsl, seq, bt, 2, 4, None, 2, 4)
+    want = [-1] * 32
+    want[3], want[11], want[19], want[27] = 6 * 2 + 0, 6 * 2 + 1, 9 * 2 + 0, 9 * 2 + 1
+    assert s.tolist() == want == loop_compressed_slots_033(32, own, qsl, seq, bt, 2, 4, 2, 4)
+
+
+NEITHER = "not a call of either of vLLM's forms"
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ops.get_compressed_slot_mapping(4, i32([0, 4]), i32([4]), BT[:1], 64, 4, dcp_world_size=2), NEITHER),
+    (lambda: ops.get_compressed_slot_mapping(4, torch.zeros(4, dtype=torch.long), i32([0, 4]), i32([4]), BT[:1], 64,
+                                             4, cp_rank=0), NEITHER),
+    (lambda: ops.get_compressed_slot_mapping(4, i32([0, 4]), i32([4]), BT[:1], 64, 4, None, 2, cp_world_size=2),
+     NEITHER),
+    (lambda: ops.get_compressed_slot_mapping(4, query_start_loc=i32([0, 4]), seq_lens=i32([4]), block_size=64,
+                                             compress_ratio=4), NEITHER + ".*missing a required argument"),
+    (lambda: ops.get_compressed_slot_mapping(4, i32([0, 4]), i32([4]), BT[:1], 64.0, 4), NEITHER),
+    (lambda: ops.get_compressed_slot_mapping(4, torch.zeros(4, dtype=torch.long), i32([0, 4]), i32([4]), BT[:1], 64,
+                                             4, None, 0), "dcp_world_size must be a positive int"),
+    (lambda: ops.get_compressed_slot_mapping(4, torch.zeros(4, 1, dtype=torch.long), i32([0, 4]), i32([4]), BT[:1],
+                                             64, 4), "slot_mapping"),
+])
+def test_compressed_slot_mapping_forms_are_not_mixed(call, match):
+    """A call that mixes the two forms, or fits neither, is a ValueError saying why for each form."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_compressed_slot_mapping_shows_vllm_033_parameters():
+    import inspect
+    names = tuple(inspect.signature(ops.get_compressed_slot_mapping).parameters)
+    assert names[:10] == ("num_tokens", "slot_mapping", "query_start_loc", "seq_lens", "block_table", "block_size",
+                          "compress_ratio", "out", "dcp_world_size", "cp_interleave")
 
 
 def test_compressed_slot_mapping_vllm_storage_block_boundary():
@@ -411,6 +504,98 @@ def test_combine_by_hand():
     assert l2.tolist() == [6, 6, 3] and (cl[3:] == POISON).all()
 
 
+def image_chunk():
+    """One request prefilling positions 0..11 (window 4, top-k 2 at ratio 4) with an image at positions 3..8:
+    vLLM's visibility of it (left = p - 3, right = 8 - p inside, 0 outside; max_image_tokens 6)."""
+    p = torch.arange(12)
+    inside = (p >= 3) & (p <= 8)
+    left, right = torch.where(inside, p - 3, 0).int(), torch.where(inside, 8 - p, 0).int()
+    loc = (torch.arange(12 * 2).view(12, 2) % 3).int()
+    return loc, i32([0, 12]), i32([12]), i32([12]), left, right
+
+
+def test_combine_image_visibility_by_hand():
+    """vLLM 0.33's in-image bidirectional visibility: a token of the image sees every image position (before
+    it beyond the window, and after it), the others their causal window; rows reserve W + max_image_tokens
+    window columns."""
+    N, Mrows, W = 3, 40, 4
+    loc, qsl, seq, gl, left, right = image_chunk()
+    idx, lens = ops.combine_topk_swa_indices(loc, qsl, seq, gl, W, 4, 2, Mrows, N, None, left, right, 6)
+    assert idx.shape == (12, 128) and lens[[3, 5, 8, 10]].tolist() == [1 + 9, 1 + 7, 2 + 6, 2 + 4]
+    assert idx[3, :10].tolist() == [loc[3, 0]] + [N + q for q in range(0, 9)]        # positions 0..8
+    assert idx[5, :8].tolist() == [loc[5, 0]] + [N + q for q in range(2, 9)]         # 2..8 (left 2 < W - 1)
+    assert idx[8, :8].tolist() == loc[8].tolist() + [N + q for q in range(3, 9)]     # 3..8 (left 5 > W - 1)
+    assert idx[10, :6].tolist() == loc[10].tolist() + [N + q for q in range(7, 11)]  # 7..10: the causal window
+    assert (idx.tolist(), lens.tolist()) == loop_combine(loc, qsl, seq, gl, W, 4, 2, Mrows, N, 128, left, right)
+    plain, plain_lens = ops.combine_topk_swa_indices(loc, qsl, seq, gl, W, 4, 2, Mrows, N)
+    assert torch.equal(idx[:3, :plain.shape[1]], plain[:3]) and torch.equal(lens[9:], plain_lens[9:])
+
+
+def test_combine_vllm_033_out_form():
+    """vLLM 0.33 passes its workspace as out=(indices, lens): every row of indices is reset (rows past the
+    chunk's tokens to -1) and the whole buffers come back; the first rows are the keyword form's."""
+    loc, qsl, seq, gl, left, right = image_chunk()
+    want, want_lens = ops.combine_topk_swa_indices(loc, qsl, seq, gl, 4, 4, 2, 40, 3, left_visible=left,
+                                                   right_visible=right, max_image_tokens=6)
+    ci, cl = torch.full((14, 256), POISON, dtype=I32), torch.full((14,), POISON, dtype=I32)
+    got = ops.combine_topk_swa_indices(loc, qsl, seq, gl, 4, 4, 2, 40, 3, (ci, cl), left, right, 6)
+    assert got[0] is ci and got[1] is cl
+    assert torch.equal(ci[:12, :128], want) and (ci[:12, 128:] == -1).all() and (ci[12:] == -1).all()
+    assert torch.equal(cl[:12], want_lens) and (cl[12:] == POISON).all()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(out=(torch.empty(12, 128, dtype=I32), torch.empty(12, dtype=I32)),
+          combined_indices=torch.empty(12, 128, dtype=I32)), "not both"),
+    (dict(out=torch.empty(12, 128, dtype=I32)), "out must be the pair"),
+    (dict(left_visible=i32([0] * 12)), "must be given together"),
+    (dict(left_visible=i32([0] * 12), right_visible=i32([0] * 11)), "right_visible has 11 entries"),
+    (dict(left_visible=i32([-1] + [0] * 11), right_visible=i32([0] * 12), max_image_tokens=6), ">= 0"),
+    (dict(left_visible=i32([0] * 12), right_visible=i32([7] + [0] * 11), max_image_tokens=6),
+     "window of 11 positions, more than window_size \\+ max_image_tokens = 10"),
+    (dict(max_image_tokens=-1), "max_image_tokens"),
+])
+def test_combine_rejects_bad_033_arguments_before_any_write(kw, match):
+    loc, qsl, seq, gl, _, _ = image_chunk()
+    if "out" in kw:
+        bufs = list(kw["out"]) if isinstance(kw["out"], tuple) else [kw["out"]]
+    else:
+        bufs = [torch.full((12, 128), POISON, dtype=I32), torch.full((12,), POISON, dtype=I32)]
+        if "combined_indices" not in kw:
+            kw = dict(kw, combined_indices=bufs[0], combined_lens=bufs[1])
+    for b in bufs:
+        b.fill_(POISON)
+    with pytest.raises(ValueError, match=match):
+        ops.combine_topk_swa_indices(loc, qsl, seq, gl, 4, 4, 2, 40, 3, **kw)
+    assert all((b == POISON).all() for b in bufs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_combine_random_image_spans(seed):
+    """Random chunks with image spans (vLLM's visibility rule per span), against the token loop."""
+    g = torch.Generator().manual_seed(seed)
+    R, W, k, ratio, IW = 3, 8, 4, 4, 12
+    qlens = torch.randint(1, 30, (R,), generator=g)
+    seq = (qlens + torch.randint(0, 20, (R,), generator=g)).int()
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), qlens.cumsum(0)]).int() + 5
+    T = int(qsl[-1] - qsl[0])
+    left, right = torch.zeros(T, dtype=I32), torch.zeros(T, dtype=I32)
+    for b in range(R):
+        lo, hi = int(seq[b] - qlens[b]), int(seq[b])
+        s0 = int(torch.randint(lo, hi, (), generator=g))
+        s1 = min(s0 + int(torch.randint(0, IW, (), generator=g)), hi - 1)          # span [s0, s1], <= IW tokens
+        for t in range(int(qsl[b] - qsl[0]), int(qsl[b + 1] - qsl[0])):
+            p = int(seq[b]) - int(qlens[b]) + t - int(qsl[b] - qsl[0])
+            if s0 <= p <= s1:
+                left[t], right[t] = min(p - s0, IW - 1), min(s1 - p, IW)
+    gl = seq.clone()                                          # the whole sequences gathered
+    loc = torch.randint(-2, 12, (T, k), generator=g, dtype=I32)
+    N, Mrows = 12, 12 + int(seq.max()) + 1
+    idx, lens = ops.combine_topk_swa_indices(loc, qsl, seq, gl, W, ratio, k, Mrows, N, None, left, right, IW)
+    rows, want = loop_combine(loc, qsl, seq, gl, W, ratio, k, Mrows, N, M.combined_width(k, W, IW), left, right)
+    assert idx.tolist() == rows and lens.tolist() == want
+
+
 def test_combine_swa_only_layer():
     """SWA-only layers: topk 0, compress_ratio 1, N 0, a zero-width topk buffer."""
     idx, lens = ops.combine_topk_swa_indices(torch.empty(3, 0, dtype=I32), i32([0, 3]), i32([3]), i32([3]), 128, 1, 0,
@@ -555,6 +740,8 @@ def test_compressed_slot_mapping_random_batches(seed, ratio):
     got = ops.get_compressed_slot_mapping(b["T"], b["qsl"], b["seq"], b["bt"], bs, ratio, out=out)
     assert got.tolist() == loop_compressed_slots(b["T"], b["qsl"], b["seq"], b["bt"], bs, ratio)
     assert (out[b["Treal"]:] == -1).all()                      # padding tokens and the buffer's tail
+    got = ops.get_compressed_slot_mapping(b["T"], b["slot"], b["qsl"], b["seq"], b["bt"], bs, ratio, out)
+    assert got.tolist() == loop_compressed_slots_033(b["T"], b["slot"], b["qsl"], b["seq"], b["bt"], bs, ratio)
 
 
 @PROPERTY
@@ -892,6 +1079,11 @@ def garbage_cases(seed, scale=1):
     world = pick(1, 2, 3)
     cases.append(("get_compressed_slot_mapping", (T, qsl_of(R, T), ri(-3, 300, R), table(R), pick(2, 16, 64),
                                                   pick(1, 4, 8), out, world, ri(0, world), pick(1, 2, 4)), {}))
+    out = pick(None, torch.full((T + ri(0, 4),), POISON, dtype=torch.int64))     # vLLM 0.33: own slots, DCP
+    cases.append(("get_compressed_slot_mapping", (T, qsl_of(R, T), ri(-3, 300, R), table(R), pick(2, 16, 64),
+                                                  pick(1, 4, 8), out, world, 0, pick(1, 4, 8)),
+                  dict(slot_mapping=ri(-2, 50, T + ri(-2, 3) if T > 1 else T, dtype=torch.int64),
+                       cp_over_positions=bool(ri(0, 2)))))
     R, W, n = ri(0, 5 * scale), pick(1, 3, 8, 128), ri(0, 10 * scale)
     off = ri(0, 3)
     store = torch.full((n + ri(0, 2), 1 + ri(0, 2), W), POISON, dtype=I32)
@@ -925,13 +1117,16 @@ def garbage_cases(seed, scale=1):
                                                                                 dtype=I32), cap),
                   dict(max_seq_len=pick(None, ri(0, 7000)), needs_constant_topk=bool(ri(0, 2)))))
     R, T, K = ri(0, 5 * scale), ri(0, 10 * scale), ri(0, 10)
-    topk, W, N = ri(0, K + 1), pick(1, 4, 128), ri(0, 60)
-    width = M.combined_width(topk, W)
+    topk, W, N, IW = ri(0, K + 1), pick(1, 4, 128), ri(0, 60), pick(0, ri(0, 200))
+    width = M.combined_width(topk, W, IW)
     ci = pick(None, torch.full((T + ri(0, 2), width + pick(0, 128)), POISON, dtype=I32))
     cl = pick(None, torch.full((T + ri(0, 2),), POISON, dtype=I32))
+    vis = pick(False, True)                    # in-image visibility, garbage values (negative, past the row)
+    left, right = (ri(-3, 300, T + ri(0, 2)) if vis else None for _ in range(2))
     cases.append(("combine_topk_swa_indices",
                   (ri(-3, 80, T, K), qsl_of(R, T), ri(-3, 400, R), ri(-3, 400, R), W, pick(1, 4, 128), topk,
-                   N + ri(1, 300), N), dict(combined_indices=ci, combined_lens=cl)))
+                   N + ri(1, 300), N), dict(combined_indices=ci, combined_lens=cl, left_visible=left,
+                                            right_visible=right, max_image_tokens=IW)))
     return cases
 
 

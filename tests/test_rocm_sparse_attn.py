@@ -14,6 +14,8 @@ tolerances (tests/sparse_mla_inputs.py), and the decode replayed in a CUDA graph
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dsv4_rocm import ops
 from dsv4_rocm.reference import attention as ra
@@ -330,6 +332,101 @@ def test_prefill_bad_input_is_rejected_before_any_write():
     assert out.isnan().all()
 
 
+# ---- no allocation inside a call once its shapes have run (workspaces) --------------------------------
+class Allocations(TorchDispatchMode):
+    """Counts the aten calls that return a tensor on storage none of their arguments has (an allocation),
+    except inside ``kernel`` (the attention and the index conversion implementations, whose own buffers
+    are the kernels' business)."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocations, self.depth = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.depth == 0:
+            have = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor)}
+            self.allocations += [str(func) for t in tree_flatten(out)[0]
+                                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in have]
+        return out
+
+    def kernel(self, fn):
+        def run(*args, **kwargs):
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+        return run
+
+
+def adapter_calls(d, T, out):
+    """The adapters' allocating forms as calls with their inputs built: 16 heads (padded to 64), ragged rows,
+    int64 and strided dense rows, int64 lengths, the folded inverse RoPE; decode (C4 and C128 forms) and
+    prefill."""
+    dev = d["q"].device
+    sr, sp, tr, tp = (t.to(dev) for t in (*ragged(d["swa_lists"][:T], d["swa_idx"].shape[1], T),
+                                          *ragged(d["topk_lists"][:T], d["topk_idx"].shape[1], T)))
+    wide = torch.full((T, 2 * d["topk_idx"].shape[1]), -1, dtype=torch.long, device=dev)
+    wide[:, ::2] = d["topk_idx"][:T]
+    swa64, swa_lens64, topk_lens64, pos, cs = (d["swa_idx"][:T].long(), d["swa_lens"][:T].long(),
+                                               d["topk_lens"][:T].long(), torch.arange(T, device=dev), CS.to(dev))
+    common = dict(q=d["q"][:T], kv_cache=d["comp"], swa_k_cache=d["swa"], swa_only=False, attn_sink=d["sink"],
+                  scale=SM, head_dim=512, nope_head_dim=448, rope_head_dim=64, output=out[:T])
+    return [
+        lambda: ops.rocm_sparse_attn_decode(
+            **common, topk_indices=None, topk_lens=topk_lens64, swa_indices=None, swa_lens=None,
+            swa_ragged_indices=sr, swa_ragged_indptr=sp, topk_ragged_indices=tr, topk_ragged_indptr=tp,
+            inv_rope_positions=pos, inv_rope_cos_sin_cache=cs),
+        lambda: ops.rocm_sparse_attn_decode(
+            **common, topk_indices=wide[:, ::2], topk_lens=d["topk_lens"][:T], swa_indices=swa64,
+            swa_lens=swa_lens64, swa_ragged_indices=None, swa_ragged_indptr=None, topk_ragged_indices=None,
+            topk_ragged_indptr=None),
+        lambda: ops.rocm_sparse_attn_prefill(d["q"][:T], d["kv"], None, None, SM, 512, 448, 64, d["sink"],
+                                             out[:T], sr, sp)]
+
+
+def test_adapters_allocate_nothing_once_a_shape_has_run(monkeypatch):
+    """A serving step calls the adapters at shapes that have run before: they then allocate nothing (the
+    attention's own buffers aside). Value checks are off, as they are for GPU tensors by default."""
+    from dsv4_rocm.ops import rocm_attention as RA
+    d = decode_inputs(T=6, H=16, seed=11)
+    d["kv"] = torch.randn(300, 1, 512).bfloat16()
+    mode = Allocations()
+    monkeypatch.setattr(RA, "value_checks", lambda t: False)
+    for name in ("_run", "sparse_mla_decode", "sparse_mla_prefill"):
+        monkeypatch.setattr(RA, name, mode.kernel(getattr(RA, name)))
+    out = torch.empty_like(d["q"])
+    steps = adapter_calls(d, 6, out) + adapter_calls(d, 3, out)          # a smaller step after a larger one
+    for call in steps[:3]:                              # the first calls at these shapes size the workspaces
+        call()
+    with mode:
+        for call in steps:
+            call()
+    assert mode.allocations == []
+
+
+def test_adapters_reuse_their_workspaces_and_stay_exact(monkeypatch):
+    """Two decode steps at one shape hand the attention the same buffers (addresses), and each result is
+    the oracle's: the workspaces carry nothing from one call into the next."""
+    from dsv4_rocm.ops import rocm_attention as RA
+    seen = []
+
+    def spy(*args, **kwargs):     # (q, k_cache, idx, lens, sink, extra_cache, extra_idx, extra_lens, scale, out)
+        seen.append([args[i].data_ptr() for i in (0, 2, 3, 4, 6, 7, 9)])
+        return RA.sparse_mla_decode.__wrapped__(*args, **kwargs)
+    spy.__wrapped__ = RA.sparse_mla_decode
+    monkeypatch.setattr(RA, "sparse_mla_decode", spy)
+    for seed in (12, 13):
+        d = decode_inputs(H=16, seed=seed)
+        d["topk_lens"] = d["topk_lens"].long()
+        out = torch.full_like(d["q"], float("nan"))
+        decode_call(d, out, form="c4")
+        assert_near(out, decode_oracle(d))
+    assert len(seen) == 2 and seen[0] == seen[1]
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------
 def _key_amax(d, sets, device):
     """max |K| per (token, dim) over the token's keys of every set: [T, 1, 512] (the P-rounding tolerance)."""
@@ -415,3 +512,39 @@ def test_gpu_decode_replays_in_a_cuda_graph(gpu):
         eager = torch.empty_like(out)
         step(eager)
         assert torch.equal(out, eager)
+
+
+def _allocations(fn):
+    """Allocations torch's CUDA allocator counts during fn() (after a synchronize on each side)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+
+@pytest.mark.gpu
+def test_gpu_adapters_allocate_no_more_than_the_attention(gpu):
+    """A decode step and a prefill through the adapters (16 heads, ragged rows, int64 and strided index rows,
+    int64 lengths, the folded inverse RoPE), once their shapes have run, make exactly as many allocations
+    as the attention ops called on inputs already in their form (the attention's own lse / max-logits
+    outputs): the adapters add none."""
+    T = 24
+    d = decode_inputs(T=T, H=16, W=128, K=512, seed=21, device=gpu)
+    d["kv"] = torch.randn(3000, 1, 512, device=gpu).bfloat16()
+    out = torch.empty_like(d["q"])
+    calls = adapter_calls(d, T, out)
+    q64 = torch.zeros(T, 1, 64, 512, dtype=torch.bfloat16, device=gpu)
+    sink64 = torch.zeros(64, device=gpu)
+    o64 = torch.empty_like(q64)
+    swa_idx, topk_idx = d["swa_idx"].unsqueeze(1).contiguous(), d["topk_idx"].unsqueeze(1).contiguous()
+    direct = [lambda: ops.sparse_mla_decode(q64, d["swa"], swa_idx, d["swa_lens"], sink64, d["comp"], topk_idx,
+                                            d["topk_lens"], SM, o64),
+              lambda: ops.sparse_mla_prefill(q64[:, 0], d["kv"], swa_idx, SM, 512, sink64, d["swa_lens"],
+                                             o64[:, 0])]
+    for c in calls + direct:                              # compile and size the workspaces
+        c()
+    counts = [_allocations(c) for c in calls]
+    want = [_allocations(direct[0])] * 2 + [_allocations(direct[1])]
+    print("allocations per call: adapters", counts, "attention alone", want)
+    assert counts == want

@@ -75,10 +75,12 @@ def _needed_pages_valid(name, block_table, lengths, bs, num_pages, allow_padding
 # ---- query ----------------------------------------------------------------------------------------
 def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
                                index_weights_softmax_scale: float, index_weights_head_scale: float,
-                               use_fp4: bool = False):
+                               use_fp4: bool = False, weights_out_dtype: torch.dtype = torch.float32):
     """index_q [T, H, 128] (bf16, fp16 or fp32), positions int [T], cos/sin table fp32 or bf16 [P, 64],
     index_weights [T, H] -> (q float8_e4m3fn [T, H, 128], w' fp32 [T, H]) with the q scale folded into w',
-    or with use_fp4 ((packed uint8 [T, H, 64], UE8M0 scales int32 [T, H]), w') (reference.indexer)."""
+    or with use_fp4 ((packed uint8 [T, H, 64], UE8M0 scales int32 [T, H]), w') (reference.indexer).
+    ``weights_out_dtype`` (vLLM 0.33): w''s dtype, float32, or with use_fp4 bfloat16 (the fp32 w' rounded
+    to nearest even, what DeepGEMM's MXFP4 logits take); vLLM's FP8 path takes float32 only."""
     C.tensor("index_q", index_q, dtype=FLOATS, shape=(None, None, L.INDEXER_DIM))
     _unit_inner("index_q", index_q)
     T, H = index_q.shape[:2]
@@ -87,10 +89,16 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
     C.finite_float("index_weights_softmax_scale", index_weights_softmax_scale)
     C.finite_float("index_weights_head_scale", index_weights_head_scale)
     _flag("use_fp4", use_fp4)
+    if weights_out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"weights_out_dtype must be torch.float32 or torch.bfloat16, got {weights_out_dtype!r}")
+    if weights_out_dtype == torch.bfloat16 and not use_fp4:
+        raise ValueError("weights_out_dtype=torch.bfloat16 is for the MXFP4 query (use_fp4=True); the FP8 "
+                         "query's folded weights are float32 (as in vLLM)")
     C.same_device(positions=positions, index_q=index_q, index_q_cos_sin_cache=index_q_cos_sin_cache,
                   index_weights=index_weights)
-    return _run("fused_indexer_q_rope_quant", index_q.device, positions, index_q, index_q_cos_sin_cache,
+    q, w = _run("fused_indexer_q_rope_quant", index_q.device, positions, index_q, index_q_cos_sin_cache,
                 index_weights, float(index_weights_softmax_scale), float(index_weights_head_scale), use_fp4)
+    return q, w if weights_out_dtype == torch.float32 else w.to(weights_out_dtype)
 
 
 # ---- logits ---------------------------------------------------------------------------------------

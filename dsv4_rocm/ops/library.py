@@ -1,7 +1,7 @@
 """The cache and Q/KV ops as torch custom ops, ``torch.ops.dsv4_rocm.<name>``, with vLLM's schemas.
 
 vLLM calls some of these as ``torch.ops._C.<name>`` (the fused q norm + insert, its ``_out`` variant, the
-full-cache fp8 insert): the same schema under the ``dsv4_rocm`` namespace makes the swap a changed
+full-cache fp8 and bf16 inserts): the same schema under the ``dsv4_rocm`` namespace makes the swap a changed
 namespace. The others are Python functions in vLLM; as custom ops they go through torch.compile and
 FakeTensor tracing unchanged. Each op has a fake (shape-only) implementation and one real implementation
 for CPU and CUDA (ROCm included): the public op in ``dsv4_rocm.ops`` (checks, then the reference on
@@ -74,6 +74,11 @@ def _full_cache(q, kv, q_fp8, k_cache, slot_mapping, position_ids, cos_sin_cache
                                             cache_block_size, fp8_scale, q_fp8, q_fp8_scale_inv)
 
 
+def _full_bf16(q, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, eps, cache_block_size, apply_q_norm=True):
+    _qkv.qnorm_rope_and_insert_full_bf16_k_cache(q, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, eps,
+                                                 cache_block_size, apply_q_norm)
+
+
 SCHEMAS = {
     "quantize_and_insert_k_cache":
         ("quantize_and_insert_k_cache(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, int block_size=64, "
@@ -101,6 +106,10 @@ SCHEMAS = {
         ("fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(Tensor q, Tensor kv, Tensor(a!) q_fp8, "
          "Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, Tensor fp8_scale, "
          "Tensor q_fp8_scale_inv, float eps, int cache_block_size) -> ()", _full_cache, _none),
+    "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert":
+        ("fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert(Tensor(a!) q, Tensor kv, Tensor(b!) k_cache, "
+         "Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, float eps, int cache_block_size, "
+         "bool apply_q_norm=True) -> ()", _full_bf16, _none),
 }
 
 for _schema, _impl, _fake in SCHEMAS.values():

@@ -9,6 +9,8 @@ CPU, GPU, ``validation("full")``): a negative or out-of-range request id, positi
 page or local index, and a slot an int32 output cannot hold, give -1 entries that never count in a
 length, never another request's rows (vLLM's bounds semantics).
 """
+import inspect
+
 import torch
 
 from .. import _checks as C
@@ -74,29 +76,127 @@ def _check_batch(query_start_loc, seq_lens, num_reqs, num_tokens=None, base=Fals
                          f"more than the {num_tokens} given")
 
 
-def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table, block_size: int,
-                                compress_ratio: int, out=None, cp_world_size: int = 1, cp_rank: int = 0,
-                                cp_kv_cache_interleave_size: int = 1) -> torch.Tensor:
+def _form_033(num_tokens, slot_mapping, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out=None,
+              dcp_world_size=1, cp_interleave=1):
+    """vLLM 0.33's call form of get_compressed_slot_mapping (its parameters, for binding a call)."""
+
+
+def _form_earlier(num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out=None,
+                  cp_world_size=1, cp_rank=0, cp_kv_cache_interleave_size=1):
+    """The earlier call form of get_compressed_slot_mapping (its parameters, for binding a call)."""
+
+
+_FORMS = (("vLLM 0.33", inspect.signature(_form_033)), ("earlier vLLM", inspect.signature(_form_earlier)))
+
+
+def _fits(a) -> str:
+    """Why bound arguments are not a call of their form ('' when they are): block_table a tensor, the sizes
+    ints."""
+    if not isinstance(a.get("block_table"), torch.Tensor):
+        return f"block_table is {type(a.get('block_table')).__name__}, not a tensor"
+    for name in ("block_size", "compress_ratio"):
+        if not isinstance(a.get(name), int) or isinstance(a.get(name), bool):
+            return f"{name} is {a.get(name)!r}, not an int"
+    return ""
+
+
+_PARAMS = tuple((name, tuple(sig.parameters), {n: p.default for n, p in sig.parameters.items()
+                                                if p.default is not inspect.Parameter.empty})
+                for name, sig in _FORMS)
+
+
+def _bind_positional(args, kwargs):
+    """The binding of ``_bind_slot_mapping_call`` for the calls engines make, without inspect's cost (tens of
+    microseconds): all positional but ``out``, at least up to compress_ratio. The fifth argument after
+    num_tokens is block_table (a tensor) in 0.33's form, block_size (an int) in the earlier one."""
+    if len(args) < 6 or (kwargs and (len(kwargs) > 1 or "out" not in kwargs)):
+        return None
+    (name, names, defaults) = _PARAMS[0] if isinstance(args[4], torch.Tensor) else _PARAMS[1]
+    if len(args) > len(names) or (kwargs and "out" in names[:len(args)]):
+        return None
+    a = dict(defaults, **dict(zip(names, args)), **kwargs)
+    return (name, a) if len(a) == len(names) and not _fits(a) else None
+
+
+def _bind_slot_mapping_call(args, kwargs):
+    """(form name, arguments with defaults) of a get_compressed_slot_mapping call. vLLM 0.33 put slot_mapping
+    second, so a call is read in whichever of the two forms it fits: in the other one its block_table would be
+    an int, a size a tensor, a parameter missing, doubled or unknown. No call fits both."""
+    fast = _bind_positional(args, kwargs)
+    if fast is not None:
+        return fast
+    fits, why = [], []
+    for name, sig in _FORMS:
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            why.append(f"{name}: {e}")
+            continue
+        reason = _fits(bound.arguments)
+        if reason:
+            why.append(f"{name}: {reason}")
+            continue
+        bound.apply_defaults()
+        fits.append((name, bound.arguments))
+    if len(fits) != 1:
+        raise ValueError("get_compressed_slot_mapping: the arguments are not a call of either of vLLM's forms "
+                         f"(num_tokens, slot_mapping, query_start_loc, ...) or (num_tokens, query_start_loc, ...): "
+                         + "; ".join(why))
+    return fits[0]
+
+
+def get_compressed_slot_mapping(*args, **kwargs) -> torch.Tensor:
     """int64 [num_tokens]: slot of compressed entry p // r for each token at position p with (p+1) % r == 0,
-    -1 for the others (vLLM's form; with ``out`` the whole buffer is reset to -1 and its first num_tokens
-    entries returned)."""
+    -1 for the others (with ``out`` the whole buffer is reset to -1 and its first num_tokens entries
+    returned). Both of vLLM's forms, positionally or by keyword (a call fits exactly one):
+
+    * 0.33: ``(num_tokens, slot_mapping, query_start_loc, seq_lens, block_table, block_size, compress_ratio,
+      out=None, dcp_world_size=1, cp_interleave=1)``: a token whose own ``slot_mapping`` entry is padding
+      (< 0; a replayed token, or one another decode-context-parallel rank owns) writes nothing; under DCP the
+      rank-local position is compressed (dsv4_rocm.reference.metadata).
+    * earlier: ``(num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out=None,
+      cp_world_size=1, cp_rank=0, cp_kv_cache_interleave_size=1)``: CP distributes compressed entries.
+    """
+    form, a = _bind_slot_mapping_call(args, kwargs)
+    num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out = (
+        a["num_tokens"], a["query_start_loc"], a["seq_lens"], a["block_table"], a["block_size"], a["compress_ratio"],
+        a["out"])
+    new = form == "vLLM 0.33"
+    slot_mapping = a["slot_mapping"] if new else None
+    if new:
+        world, rank, inter, names = a["dcp_world_size"], 0, a["cp_interleave"], ("dcp_world_size", "cp_interleave")
+    else:
+        world, rank, inter = a["cp_world_size"], a["cp_rank"], a["cp_kv_cache_interleave_size"]
+        names = ("cp_world_size", "cp_kv_cache_interleave_size")
     _nonneg_int("num_tokens", num_tokens)
     C.positive_int("block_size", block_size)
     C.positive_int("compress_ratio", compress_ratio)
-    C.positive_int("cp_world_size", cp_world_size)
-    C.positive_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size)
-    if not isinstance(cp_rank, int) or isinstance(cp_rank, bool) or not 0 <= cp_rank < cp_world_size:
-        raise ValueError(f"cp_rank must be an int in [0, cp_world_size={cp_world_size}), got {cp_rank!r}")
+    C.positive_int(names[0], world)
+    C.positive_int(names[1], inter)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+        raise ValueError(f"cp_rank must be an int in [0, cp_world_size={world}), got {rank!r}")
     _block_table(block_table)
     R = block_table.shape[0]
     _vector("query_start_loc", query_start_loc, R + 1)
     _vector("seq_lens", seq_lens, R)
+    if slot_mapping is not None:
+        _vector("slot_mapping", slot_mapping, 0)
     if out is not None:
         _vector("out", out, num_tokens, dtype=torch.int64, written=True)
-    C.same_device(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, out=out)
+    C.same_device(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, out=out,
+                  slot_mapping=slot_mapping)
     _check_batch(query_start_loc, seq_lens, R, num_tokens)
     return _run("get_compressed_slot_mapping", query_start_loc.device, num_tokens, query_start_loc, seq_lens,
-                block_table, block_size, compress_ratio, out, cp_world_size, cp_rank, cp_kv_cache_interleave_size)
+                block_table, block_size, compress_ratio, out, world, rank, inter, slot_mapping=slot_mapping,
+                cp_over_positions=new)
+
+
+# what introspection shows (an engine comparing parameters, as vLLM's plugin guards and the engine tier do):
+# vLLM 0.33's form, with the earlier form's context-parallel names after it
+get_compressed_slot_mapping.__signature__ = inspect.Signature(
+    list(inspect.signature(_form_033).parameters.values()) +
+    [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d)
+     for n, d in (("cp_world_size", 1), ("cp_rank", 0), ("cp_kv_cache_interleave_size", 1))])
 
 
 def compute_swa_indices_and_lens(swa_indices, swa_lens, window_size: int, query_start_loc, seq_lens,
@@ -214,11 +314,38 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
                 prefill_buffer, max_compressed_tokens, max_seq_len=max_seq_len, needs_constant_topk=needs_constant_topk)
 
 
+def _visibility(left_visible, right_visible, T, window_size, max_image_tokens, topk_indices):
+    """Checks of vLLM's in-image visibility arguments: both or neither, 1-D index tensors of >= T entries;
+    where values are read, 0 <= left, 0 <= right and the window max(left, W - 1) + right + 1 within the
+    W + max_image_tokens columns the row reserves for it."""
+    if (left_visible is None) != (right_visible is None):
+        raise ValueError("left_visible and right_visible must be given together")
+    if left_visible is None:
+        return
+    for name, t in (("left_visible", left_visible), ("right_visible", right_visible)):
+        _vector(name, t, T)
+    C.same_device(topk_indices=topk_indices, left_visible=left_visible, right_visible=right_visible)
+    if T and value_checks(left_visible):
+        left, right = left_visible[:T].long(), right_visible[:T].long()
+        if int(left.min()) < 0 or int(right.min()) < 0:
+            raise ValueError("left_visible and right_visible must be >= 0")
+        span = int((torch.clamp(left, min=window_size - 1) + right + 1).max())
+        if span > window_size + max_image_tokens:
+            raise ValueError(f"left_visible / right_visible give a window of {span} positions, more than "
+                             f"window_size + max_image_tokens = {window_size + max_image_tokens}")
+
+
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens, window_size: int,
-                             compress_ratio: int, topk: int, M: int, N: int, *, combined_indices=None,
+                             compress_ratio: int, topk: int, M: int, N: int, out=None, left_visible=None,
+                             right_visible=None, max_image_tokens: int = 0, *, combined_indices=None,
                              combined_lens=None):
     """Prefill indices of one chunk into its workspace: per token [compressed rows | window rows | -1],
-    width round_up(topk + W, 128), and their lengths. Returns (indices int32 [T, width], lens int32 [T])."""
+    width round_up(topk + W + max_image_tokens, 128), and their lengths. Returns (indices int32 [T, width],
+    lens int32 [T]). Output buffers in either of vLLM's forms: ``out=(indices, lens)`` (vLLM 0.33: every
+    row of ``indices`` is reset, rows past T to -1, and the whole buffers are returned) or
+    ``combined_indices=`` / ``combined_lens=`` (earlier vLLM: their first T rows are written and returned).
+    ``left_visible`` / ``right_visible`` (int [T], vLLM 0.33's in-image bidirectional visibility) widen a
+    token's window to the image positions it sees before and after it (dsv4_rocm.reference.metadata)."""
     C.tensor("topk_indices", topk_indices, dtype=C.INDEX, dim=2)
     _rows("topk_indices", topk_indices)
     T, K = topk_indices.shape
@@ -227,17 +354,27 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     _nonneg_int("topk", topk)
     _nonneg_int("N", N)
     C.positive_int("M", M)
+    _nonneg_int("max_image_tokens", max_image_tokens)
     if topk > K:
         raise ValueError(f"topk {topk} exceeds the {K} columns of topk_indices")
     if N >= M:
         raise ValueError(f"N ({N} compressed rows) must be below M ({M} workspace rows per request)")
+    if out is not None:
+        if combined_indices is not None or combined_lens is not None:
+            raise ValueError("give the output buffers as out=(indices, lens) or as combined_indices= / "
+                             "combined_lens=, not both")
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out)):
+            raise ValueError("out must be the pair (combined_indices, combined_lens) of tensors")
+        combined_indices, combined_lens = out
+        if combined_indices.data_ptr() == combined_lens.data_ptr():
+            raise ValueError("out: combined_indices and combined_lens must be two buffers")
     _rows("seq_lens", C.tensor("seq_lens", seq_lens, dtype=C.INDEX, dim=1))
     R = seq_lens.shape[0]
     _rows("query_start_loc", C.tensor("query_start_loc", query_start_loc, dtype=C.INDEX, shape=(R + 1,)))
     _rows("gather_lens", C.tensor("gather_lens", gather_lens, dtype=C.INDEX, shape=(R,)))
     if R * M > INT32_MAX:
         raise ValueError(f"{R} requests x M = {M} workspace rows do not fit int32 indices")
-    width = _rm.combined_width(topk, window_size)
+    width = _rm.combined_width(topk, window_size, max_image_tokens)
     if combined_indices is not None:
         C.no_overlap("combined_indices", C.tensor("combined_indices", combined_indices, dtype=torch.int32, dim=2))
         _rows("combined_indices", combined_indices)
@@ -248,6 +385,7 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
         _vector("combined_lens", combined_lens, T, dtype=torch.int32, written=True)
     C.same_device(topk_indices=topk_indices, query_start_loc=query_start_loc, seq_lens=seq_lens,
                   gather_lens=gather_lens, combined_indices=combined_indices, combined_lens=combined_lens)
+    _visibility(left_visible, right_visible, T, window_size, max_image_tokens, topk_indices)
     _check_batch(query_start_loc, seq_lens, R, T, base=True)
     if value_checks(gather_lens) and R:
         ql = (query_start_loc[1:] - query_start_loc[:-1]).long().cpu()
@@ -258,5 +396,12 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
                              "the window of every token must be among the gathered rows")
         if N + int(gl.max()) > M:
             raise ValueError(f"N + gather_lens = {N + int(gl.max())} exceeds M = {M} workspace rows")
-    return _run("combine_topk_swa_indices", topk_indices.device, topk_indices, query_start_loc, seq_lens, gather_lens,
-                window_size, compress_ratio, topk, M, N, combined_indices=combined_indices, combined_lens=combined_lens)
+    res = _run("combine_topk_swa_indices", topk_indices.device, topk_indices, query_start_loc, seq_lens, gather_lens,
+               window_size, compress_ratio, topk, M, N, combined_indices=combined_indices,
+               combined_lens=combined_lens, left_visible=left_visible, right_visible=right_visible,
+               max_image_tokens=max_image_tokens)
+    if out is None:
+        return res
+    if combined_indices.shape[0] > T:
+        combined_indices[T:].fill_(-1)
+    return combined_indices, combined_lens

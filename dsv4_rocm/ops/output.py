@@ -24,10 +24,13 @@ def _flag(name, v):
 
 
 def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,
-                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False):
+                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False,
+                             quantize: bool = True):
     """vLLM's ``fused_inv_rope_fp8_quant``: (fp8 [T, G, D] over [G, T, D] storage, MN-major scales), D =
     heads_per_group * 512; fp32 scales [T, G, D/128] (SM90 form) or, with ``tma_aligned_scales``, UE8M0
-    bytes packed 4 an int32 [T, G, heads_per_group] (SM100 form). dsv4_rocm.reference.output has the math."""
+    bytes packed 4 an int32 [T, G, heads_per_group] (SM100 form). With ``quantize=False`` (vLLM 0.33, for a
+    bf16 output projection): the rotated rows as bf16 [T, G, D] over [G, T, D] storage and an empty scale
+    tensor (int32 with ``tma_aligned_scales``, else fp32). dsv4_rocm.reference.output has the math."""
     C.tensor("o", o, dtype=torch.bfloat16, dim=3)
     C.positive_int("n_groups", n_groups)
     C.positive_int("heads_per_group", heads_per_group)
@@ -35,6 +38,7 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
         raise ValueError(f"nope_dim, rope_dim, quant_group_size must be DeepSeek-V4's 448, 64, 128; got "
                          f"{nope_dim}, {rope_dim}, {quant_group_size}")
     _flag("tma_aligned_scales", tma_aligned_scales)
+    _flag("quantize", quantize)
     T, H, D = o.shape
     if D != nope_dim + rope_dim or o.stride(2) != 1:
         raise ValueError(f"o must be [T, H, {nope_dim + rope_dim}] with unit stride along the head dim, got shape "
@@ -46,7 +50,7 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
         raise ValueError("cos_sin_cache must have unit stride along its 64 columns")
     C.same_device(o=o, positions=positions, cos_sin_cache=cos_sin_cache)
     return _run("fused_inv_rope_fp8_quant", o.device, o, positions, cos_sin_cache, n_groups, heads_per_group,
-                nope_dim, rope_dim, quant_group_size, tma_aligned_scales)
+                nope_dim, rope_dim, quant_group_size, tma_aligned_scales, quantize)
 
 
 def _pair(name, p):
@@ -111,6 +115,7 @@ def fp8_linear(x, w8, w_scale):
 
 
 _MERGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_OUT = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def _check_lse(name, t, H, T, dev):
@@ -119,11 +124,12 @@ def _check_lse(name, t, H, T, dev):
 
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                       prefill_tokens_with_context=None, output_scale=None) -> None:
-    """vLLM's ``merge_attn_states``, in place: ``output`` [T, H, D] (bf16, fp16, fp32, or float8_e4m3fn with
-    ``output_scale``) gets the merge of ``prefix_output`` and ``suffix_output`` [T, H, D] (bf16, fp16 or
-    fp32, one dtype) by their lse [H, T] fp32; ``output_lse`` [H, T] fp32 gets the merged lse when given.
-    Tokens at or past ``prefill_tokens_with_context`` (an int in [0, T]; None = T) copy the suffix. An lse
-    of +inf (an empty part, FlashMLA's convention) is read as -inf. Any strides but a unit last one for
+    """vLLM's ``merge_attn_states``, in place: ``output`` [T, H, D] (bf16, fp16, fp32, or with ``output_scale``
+    float8_e4m3fn or float8_e4m3fnuz, vLLM's fp8 dtype on gfx942) gets the merge of ``prefix_output`` and
+    ``suffix_output`` [T, H, D] (bf16, fp16 or fp32, one dtype) by their lse [H, T] fp32; ``output_lse``
+    [H, T] fp32 gets the merged lse when given. Tokens at or past ``prefill_tokens_with_context`` (an int in
+    [0, T]; None = T) copy the suffix. An lse of +inf (an empty part, FlashMLA's convention) is read as
+    -inf. Any strides but a unit last one for
     the [T, H, D] tensors, any strides for the lse; ``output`` may be one of the inputs. The math:
     dsv4_rocm.reference.output.merge_attn_states."""
     C.tensor("prefix_output", prefix_output, dtype=_MERGE_DTYPES, dim=3)
@@ -131,9 +137,9 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     dev = prefix_output.device
     C.tensor("suffix_output", suffix_output, dtype=prefix_output.dtype, shape=(T, H, D), device=dev)
     fp8 = output_scale is not None
-    if not fp8 and getattr(output, "dtype", None) == torch.float8_e4m3fn:
-        raise ValueError("output_scale is required when output is float8_e4m3fn")
-    C.tensor("output", output, dtype=torch.float8_e4m3fn if fp8 else _MERGE_DTYPES, shape=(T, H, D), device=dev)
+    if not fp8 and getattr(output, "dtype", None) in _FP8_OUT:
+        raise ValueError(f"output_scale is required when output is {output.dtype}")
+    C.tensor("output", output, dtype=_FP8_OUT if fp8 else _MERGE_DTYPES, shape=(T, H, D), device=dev)
     if fp8:
         C.tensor("output_scale", output_scale, dtype=torch.float32, device=dev)
         if output_scale.numel() != 1:

@@ -1,5 +1,6 @@
 """The Q/KV ops in vLLM's call forms: the q_lora / kv norms, and the fused q norm + RoPE with kv RoPE +
-quant + cache insert (V40_584 or V41_528 pages, or FlashInfer's full-width per-tensor fp8 cache).
+quant + cache insert (V40_584 or V41_528 pages, or the full-width caches of vLLM's FlashInfer sparse MLA:
+per-tensor fp8 or plain bf16 rows).
 
 cos_sin_cache is fp32 or bf16 [max_pos, 64]; positions and slots are int32 or int64; caches come in
 every view vLLM holds (``dsv4_rocm.cache_views``). Bad input is a ValueError naming the argument before
@@ -14,13 +15,16 @@ from ..reference import norm as _rn, qkv as _rq
 from ._dispatch import register, run as _run, value_checks
 
 __all__ = ["fused_q_kv_rmsnorm", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert",
-           "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out", "qnorm_rope_and_insert_full_k_cache"]
+           "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out", "qnorm_rope_and_insert_full_k_cache",
+           "qnorm_rope_and_insert_full_bf16_k_cache"]
 
 register("fused_q_kv_rmsnorm", _rn.fused_q_kv_rmsnorm, hip="dsv4_rocm.hip_ops:fused_q_kv_rmsnorm")
 register("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", _rq.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
          hip="dsv4_rocm.hip_ops:fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert")
 register("qnorm_rope_and_insert_full_k_cache", _rq.qnorm_rope_and_insert_full_k_cache,
          hip="dsv4_rocm.hip_ops:qnorm_rope_and_insert_full_k_cache")
+register("qnorm_rope_and_insert_full_bf16_k_cache", _rq.qnorm_rope_and_insert_full_bf16_k_cache,
+         triton="dsv4_rocm.triton.qnorm_rope_and_insert_full_bf16_k_cache:qnorm_rope_and_insert_full_bf16_k_cache")
 
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -122,6 +126,45 @@ def _scalar(name, t):
         raise ValueError(f"{name} must be a finite positive scale, got {float(t.reshape(()))}")
 
 
+def _full_cache_rows(k_cache, cache_block_size, dtype):
+    """k_cache [nb, cache_block_size, 512] of ``dtype``: dense rows that do not overlap, 16-byte aligned."""
+    C.positive_int("cache_block_size", cache_block_size)
+    C.tensor("k_cache", k_cache, dtype=dtype, shape=(None, cache_block_size, L.HEAD_DIM))
+    row = L.HEAD_DIM * k_cache.element_size()
+    if k_cache.stride(2) != 1 or (cache_block_size > 1 and k_cache.stride(1) < L.HEAD_DIM) or (
+            k_cache.shape[0] > 1 and k_cache.stride(0) < cache_block_size * k_cache.stride(1)):
+        raise ValueError(f"k_cache rows must be dense {row}-byte rows that do not overlap, got stride "
+                         f"{k_cache.stride()}")
+    size = k_cache.element_size()
+    if (k_cache.stride(0) * size) % 16 or (k_cache.stride(1) * size) % 16 or (k_cache.storage_offset() * size) % 16:
+        raise ValueError(f"k_cache strides and start must be multiples of 16 bytes, got stride {k_cache.stride()}")
+
+
+def qnorm_rope_and_insert_full_bf16_k_cache(q, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, eps: float,
+                                            cache_block_size: int, apply_q_norm: bool = True) -> None:
+    """vLLM's bf16 full-cache form (torch.ops._C's fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert,
+    the plain-row cache of its FlashInfer sparse MLA and of its ROCm DSpark draft layer): q bf16 [T, H, 512]
+    is rewritten in place as bf(RoPE(RMSNorm(q))) per head (bf(RoPE(q)) without ``apply_q_norm``); the first
+    len(slot_mapping) tokens' bf(RoPE(kv)) rows go to k_cache bf16 [nb, bs, 512] at slot_mapping[t] (a slot
+    < 0 is padding). No quantization and no fp8_ds_mla record: none of dsv4_rocm's attention kernels reads
+    this cache."""
+    _check_q_kv(q, kv, slot_mapping, position_ids, cos_sin_cache, eps)
+    C.no_overlap("q", q)
+    if q.shape[-1] > 1 and q.stride(-1) != 1:
+        raise ValueError(f"q must have a contiguous last dimension, got strides {q.stride()}")
+    if kv.stride(-1) != 1:
+        raise ValueError(f"kv must have a contiguous last dimension, got strides {kv.stride()}")
+    if not isinstance(apply_q_norm, bool):
+        raise ValueError(f"apply_q_norm must be a bool, got {apply_q_norm!r}")
+    _full_cache_rows(k_cache, cache_block_size, torch.bfloat16)
+    C.same_device(q=q, kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, position_ids=position_ids,
+                  cos_sin_cache=cos_sin_cache)
+    C.slots_inside("slot_mapping", slot_mapping, k_cache.shape[0] * cache_block_size,
+                   f"({k_cache.shape[0]} pages x {cache_block_size})")
+    _run("qnorm_rope_and_insert_full_bf16_k_cache", q.device, q, kv, k_cache, slot_mapping, position_ids,
+         cos_sin_cache, eps, cache_block_size, apply_q_norm)
+
+
 def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
                                        cache_block_size: int, fp8_scale, q_fp8=None, q_fp8_scale_inv=None) -> None:
     """vLLM's full-cache form (FlashInfer's sparse MLA, torch.ops._C's
@@ -130,14 +173,7 @@ def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, 
     kv * fp32(1 / fp8_scale)), for the first len(slot_mapping) tokens. Per-tensor scales, saturating at
     +-448; a non-finite value is stored as NaN (0x7F)."""
     _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps)
-    C.positive_int("cache_block_size", cache_block_size)
-    C.tensor("k_cache", k_cache, dtype=(torch.float8_e4m3fn, torch.uint8),
-             shape=(None, cache_block_size, L.HEAD_DIM))
-    if k_cache.stride(2) != 1 or (cache_block_size > 1 and k_cache.stride(1) < L.HEAD_DIM) or (
-            k_cache.shape[0] > 1 and k_cache.stride(0) < cache_block_size * k_cache.stride(1)):
-        raise ValueError(f"k_cache rows must be dense 512-byte rows that do not overlap, got stride {k_cache.stride()}")
-    if k_cache.stride(0) % 16 or k_cache.stride(1) % 16 or (k_cache.storage_offset() % 16):
-        raise ValueError(f"k_cache strides and start must be multiples of 16 bytes, got stride {k_cache.stride()}")
+    _full_cache_rows(k_cache, cache_block_size, (torch.float8_e4m3fn, torch.uint8))
     if q_fp8 is None or q_fp8_scale_inv is None:
         raise ValueError("q_fp8 and q_fp8_scale_inv are required (the fp8 q output and its inverse scale)")
     C.no_overlap("q_fp8", C.tensor("q_fp8", q_fp8, dtype=(torch.float8_e4m3fn, torch.uint8), shape=tuple(q.shape)))

@@ -12,6 +12,10 @@ these adapters only translate the call form:
   ``ceil(len(ragged_indices) / T)`` (vLLM allocates its ragged streams as T times the widest row).
 * q has any head count up to 128 (vLLM's ROCm layer does not pad heads); the kernels take 64 or 128, so
   other counts run on a zero-padded copy of q and the first heads of the result are copied to ``output``.
+* nothing is allocated inside a call once its shapes have run (a decode step of a served model): the
+  padded q, the kernels' output, the padded sink, dense rows of a ragged stream and int32 copies of int64
+  or strided indices live in workspaces kept per device and stream (``dsv4_rocm/workspace.py``, kept
+  alive for captured graphs); int32 indices with a unit last stride and 64 or 128 heads are read in place.
 * the decode can fold the inverse RoPE of its output rows (``inv_rope_positions``): it then rotates
   ``output`` in place with ``rocm_inverse_rope_rows_`` and returns T, as vLLM's fused epilogue does;
   otherwise it returns 0 and vLLM rotates the rows itself.
@@ -29,6 +33,7 @@ import torch
 
 from .. import _checks as C
 from .. import layout as L
+from ..workspace import workspace
 from ..reference import metadata as _rm
 from ..reference import rope as _rr
 from ._dispatch import register, run as _run, value_checks
@@ -127,7 +132,9 @@ def _check_q_out(q, output):
 
 
 def _padded(q, output, attn_sink):
-    """(q, out, sink) with the head count the kernels take, and the copy back to ``output`` (or None)."""
+    """(q, out, sink) with the head count the kernels take, and the copy back to ``output`` (or None). Other
+    head counts run on workspaces (the q copy, its zero heads, the sink and the kernel's output): nothing is
+    allocated once a shape has run."""
     T, H, D = q.shape
     if attn_sink is not None:
         C.tensor("attn_sink", attn_sink, dtype=torch.float32, dim=1, device=q.device)
@@ -137,13 +144,17 @@ def _padded(q, output, attn_sink):
     if H in _KERNEL_HEADS:
         return q, output, attn_sink, None
     Hp = 64 if H < 64 else 128
-    qp = q.new_zeros(T, Hp, D)
-    qp[:, :H] = q
+    dev = q.device
+    qp = workspace("rocm_attention.q", dev, (T, Hp, D), torch.bfloat16)
+    qp[:, :H].copy_(q)
+    qp[:, H:].zero_()
     sink = None
     if attn_sink is not None:
-        sink = attn_sink.new_zeros(Hp)
-        sink[:H] = attn_sink
-    return qp, q.new_empty(T, Hp, D), sink, lambda out: output.copy_(out[:, :H])
+        sink = workspace("rocm_attention.sink", dev, (Hp,), torch.float32)
+        sink[:H].copy_(attn_sink)
+        sink[H:].zero_()
+    out = workspace("rocm_attention.out", dev, (T, Hp, D), torch.bfloat16)
+    return qp, out, sink, lambda o: output.copy_(o[:, :H])
 
 
 def _dense_width(name, t, T):
@@ -153,37 +164,48 @@ def _dense_width(name, t, T):
     return t.shape[-1]
 
 
-def _index_rows(name, t, T):
+def _as_int32(kind, t, shape):
+    """``t`` itself where it is int32 with a unit last stride, else its values in an int32 workspace."""
+    if t.dtype == torch.int32 and (t.shape[-1] <= 1 or t.stride(-1) == 1):
+        return t
+    ws = workspace(kind, t.device, shape, torch.int32)
+    ws.copy_(t)
+    return ws
+
+
+def _index_rows(kind, name, t, T):
     """A dense index set as FlashMLA's [T, 1, W] int32 (a view where it already is one)."""
     t = t.reshape(T, 1, _dense_width(name, t, T))
-    return t if t.dtype == torch.int32 and (t.shape[-1] <= 1 or t.stride(-1) == 1) else t.to(torch.int32).contiguous()
+    return _as_int32(kind + ".indices", t, t.shape)
 
 
-def _lengths(name, t, T):
+def _lengths(kind, name, t, T):
     if t is None:
         return None
     C.tensor(name, t, dtype=C.INDEX, shape=(T,))
-    return t if t.dtype == torch.int32 else t.to(torch.int32)
+    return _as_int32(kind + ".lengths", t, (T,))
 
 
 def _index_set(names, dense, lengths, ragged, indptr, T, dev):
     """(indices [T, 1, W] int32, lengths [T] int32 or None) of one index set given in any of vLLM's forms;
-    ``names``: the call's names of (dense indices, lengths, ragged indices, ragged offsets)."""
+    ``names``: the call's names of (dense indices, lengths, ragged indices, ragged offsets), which also name
+    the set's workspaces (distinct for the two sets of a decode call)."""
     n_dense, n_len, n_ragged, n_ptr = names
+    kind = "rocm_attention." + n_dense
     if (ragged is None) != (indptr is None):
         raise ValueError(f"{n_ragged} and {n_ptr} must be given together")
     if ragged is None:
         if dense is None:
             raise ValueError(f"{n_dense} is required when {n_ragged} / {n_ptr} are not given")
-        return _index_rows(n_dense, dense, T), _lengths(n_len, lengths, T)
+        return _index_rows(kind, n_dense, dense, T), _lengths(kind, n_len, lengths, T)
     C.tensor(n_ragged, ragged, dtype=C.INDEX)
     C.tensor(n_ptr, indptr, dtype=C.INDEX, shape=(T + 1,))
     if dense is not None:
         width = _dense_width(n_dense, dense, T)
     else:
         width = -(-ragged.numel() // T) if T else 0
-    idx = torch.empty(T, width, dtype=torch.int32, device=dev)
-    lens = torch.empty(T, dtype=torch.int32, device=dev)
+    idx = workspace(kind + ".indices", dev, (T, width), torch.int32)
+    lens = workspace(kind + ".lengths", dev, (T,), torch.int32)
     ragged_indices_to_dense(ragged.reshape(-1), indptr, idx, lens)
     return idx.unsqueeze(1), lens
 

@@ -84,14 +84,24 @@ def token_positions(tokens, req, inside, query_start_loc, seq_lens):
 
 def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, block_table, block_size: int,
                                 compress_ratio: int, out=None, cp_world_size: int = 1, cp_rank: int = 0,
-                                cp_kv_cache_interleave_size: int = 1) -> torch.Tensor:
+                                cp_kv_cache_interleave_size: int = 1, *, slot_mapping=None,
+                                cp_over_positions: bool = False) -> torch.Tensor:
     """int64 [num_tokens]: the compressed-cache slot each token writes, -1 for the others.
 
     Requests are the rows of ``block_table``. Token t of request b at position p writes compressed entry
-    j = p // r iff (p + 1) % r == 0. With context parallelism (W = cp_world_size ranks, interleave I) the
-    logical block of j is ``j // (bs * W)``; j lives on rank ``((j mod bs*W) // I) % W`` at local offset
-    ``((j mod bs*W) // (W*I)) * I + (j mod bs*W) % I``; entries of other ranks get -1. With ``out`` all of
-    ``out`` is set to -1 first and ``out[:num_tokens]`` is returned (vLLM fills the whole buffer)."""
+    j = p // r iff (p + 1) % r == 0, and, with ``slot_mapping`` (vLLM 0.33), iff its own slot
+    ``slot_mapping[t]`` is not padding (< 0, or t past its entries): a token vLLM replays, or one another
+    context-parallel rank owns, writes nothing. Context parallelism (W = cp_world_size ranks, interleave I):
+
+    * over entries (earlier vLLM): the logical block of j is ``j // (bs * W)``; j lives on rank
+      ``((j mod bs*W) // I) % W`` at local offset ``((j mod bs*W) // (W*I)) * I + (j mod bs*W) % I``; entries
+      of other ranks get -1.
+    * over positions (``cp_over_positions``, vLLM 0.33's dcp_world_size / cp_interleave): the rank-local
+      position ``(p // (I*W)) * I + p % I`` is compressed (j = local // r) and paged as usual; which tokens
+      are this rank's is slot_mapping's to say.
+
+    With ``out`` all of ``out`` is set to -1 first and ``out[:num_tokens]`` is returned (vLLM fills the whole
+    buffer)."""
     dev = query_start_loc.device
     if out is not None:
         out.fill_(-1)
@@ -103,15 +113,25 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
     req, inside = request_of_tokens(t, query_start_loc, R)
     pos = token_positions(t, req, inside, query_start_loc, seq_lens)
     ok = inside & (pos >= 0)
+    if slot_mapping is not None:
+        own = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)
+        n = min(num_tokens, slot_mapping.shape[0])
+        own[:n] = slot_mapping[:n].long()
+        ok = ok & (own >= 0)
     pos = torch.where(ok, pos, torch.zeros_like(pos))
     ok = ok & ((pos + 1) % compress_ratio == 0)
-    j = pos // compress_ratio
     W, I = cp_world_size, cp_kv_cache_interleave_size
-    vbs = block_size * W
-    col, voff = j // vbs, j % vbs
-    ok = ok & ((voff // I) % W == cp_rank)
+    if cp_over_positions:
+        j = ((pos // (I * W)) * I + pos % I) // compress_ratio
+        col, off = j // block_size, j % block_size
+    else:
+        j = pos // compress_ratio
+        vbs = block_size * W
+        col, voff = j // vbs, j % vbs
+        ok = ok & ((voff // I) % W == cp_rank)
+        off = (voff // (W * I)) * I + voff % I
     page, pok = _page(block_table, torch.where(ok, req, torch.full_like(req, -1)), col)
-    slot = page * block_size + (voff // (W * I)) * I + voff % I
+    slot = page * block_size + off
     res.copy_(torch.where(ok & pok, slot, torch.full_like(slot, -1)))
     return res
 
@@ -279,41 +299,46 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
     return gd, dl, pf
 
 
-def combined_width(topk: int, window_size: int) -> int:
-    """Columns of combine_topk_swa_indices' output: topk + window rounded up to 128."""
-    return -(-(topk + window_size) // TOPK_ALIGNMENT) * TOPK_ALIGNMENT
+def combined_width(topk: int, window_size: int, max_image_tokens: int = 0) -> int:
+    """Columns of combine_topk_swa_indices' output: topk + window + max_image_tokens rounded up to 128."""
+    return -(-(topk + window_size + max_image_tokens) // TOPK_ALIGNMENT) * TOPK_ALIGNMENT
 
 
-def combine_outputs(topk_indices, topk: int, window_size: int, combined_indices=None, combined_lens=None):
+def combine_outputs(topk_indices, topk: int, window_size: int, combined_indices=None, combined_lens=None,
+                    max_image_tokens: int = 0):
     """(indices, lens) combine_topk_swa_indices writes: the first len(topk_indices) rows of the caller's
     buffers, or new int32 tensors of ``combined_width`` columns."""
     T, dev = topk_indices.shape[0], topk_indices.device
     ci = combined_indices[:T] if combined_indices is not None else \
-        torch.empty(T, combined_width(topk, window_size), dtype=torch.int32, device=dev)
+        torch.empty(T, combined_width(topk, window_size, max_image_tokens), dtype=torch.int32, device=dev)
     cl = combined_lens[:T] if combined_lens is not None else torch.empty(T, dtype=torch.int32, device=dev)
     return ci, cl
 
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens, window_size: int,
                              compress_ratio: int, topk: int, M: int, N: int, *, combined_indices=None,
-                             combined_lens=None):
+                             combined_lens=None, left_visible=None, right_visible=None, max_image_tokens: int = 0):
     """Prefill indices into one chunk's bf16 workspace (vLLM's ``combine_topk_swa_indices``).
 
     The chunk holds requests b < len(seq_lens); ``query_start_loc`` (len + 1 entries) is taken relative to
     its first entry, so row t of ``topk_indices`` is the chunk's t-th token. Request b owns workspace rows
     [b*M, (b+1)*M): rows [0, N) its compressed entries, rows N + g for g < gather_lens[b] its raw tokens
-    at positions seq_len - gather_len + g. Token t of request b at position p, with
-    topk_len = min((p+1) // r, topk) and swa_len = min(p+1, W), gets the row
-        [ b*M + topk_indices[t, i] for i < topk_len | b*M + N + (p - swa_len + 1 + i - gather_start)
+    at positions seq_len - gather_len + g. Token t of request b at position p sees the window
+    [p - max(l, W - 1), p + r] cut at position 0, l = left_visible[t] and r = right_visible[t] (the
+    positions of its image span it sees before and after it, vLLM's in-image bidirectional visibility; 0
+    and 0 without them: the causal window min(p + 1, W)). With topk_len = min((p+1) // r, topk), swa_start
+    the window's first position and swa_len its length, the row is
+        [ b*M + topk_indices[t, i] for i < topk_len | b*M + N + (swa_start + i - gather_start)
           for i < swa_len | -1 ... ]
-    of ``combined_topk = round_up(topk + W, 128)`` columns, and lens = topk_len + swa_len. A local index
-    outside [0, N) or a window row outside the gathered rows (or past M) becomes -1 in place (the
-    length stays: the attention skips -1). Rows of tokens outside every request, or at a negative
-    position, are all -1 with lens 0. Returns (indices, lens) = the first len(topk_indices) rows of
-    ``combined_indices`` / ``combined_lens`` when given, else new tensors."""
+    of ``combined_width(topk, W, max_image_tokens)`` columns, and lens = topk_len + swa_len (a window
+    longer than the row holds is cut to it; negative l, r count as 0). A local index outside [0, N) or a
+    window row outside the gathered rows (or past M) becomes -1 in place (the length stays: the attention
+    skips -1). Rows of tokens outside every request, or at a negative position, are all -1 with lens 0.
+    Returns (indices, lens) = the first len(topk_indices) rows of ``combined_indices`` / ``combined_lens``
+    when given, else new tensors."""
     T, K = topk_indices.shape
     dev = topk_indices.device
-    ci, cl = combine_outputs(topk_indices, topk, window_size, combined_indices, combined_lens)
+    ci, cl = combine_outputs(topk_indices, topk, window_size, combined_indices, combined_lens, max_image_tokens)
     R = seq_lens.shape[0]
     qsl = query_start_loc[:R + 1].long() - query_start_loc[0].long()
     t = torch.arange(T, device=dev)
@@ -321,11 +346,14 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     pos = token_positions(t, req, ok, qsl, seq_lens)
     ok = ok & (pos >= 0)
     zero = torch.zeros_like(pos)
+    left = zero if left_visible is None else left_visible[:T].long().clamp(min=0)
+    right = zero if right_visible is None else right_visible[:T].long().clamp(min=0)
     tlen = torch.where(ok, torch.clamp(torch.div(pos + 1, compress_ratio, rounding_mode="floor"), max=topk), zero)
-    slen = torch.where(ok, torch.clamp(pos + 1, max=window_size), zero)
+    start = torch.clamp(pos - torch.clamp(left, min=window_size - 1), min=0)
+    slen = torch.where(ok, torch.minimum(pos + right + 1 - start, ci.shape[1] - tlen), zero)
     r = torch.where(ok, req, zero)
     gl = gather_lens.long()[r] if R else zero
-    first = pos - slen + 1 - (seq_lens.long()[r] - gl if R else zero)
+    first = start - (seq_lens.long()[r] - gl if R else zero)
     base = (r * M).unsqueeze(1)
     c = torch.arange(ci.shape[1], device=dev).unsqueeze(0)
     loc = torch.full((T, ci.shape[1]), -1, dtype=torch.int64, device=dev)

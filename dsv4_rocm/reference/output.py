@@ -25,7 +25,7 @@ are quantized per token per 128 columns with eps 1e-4.
 """
 import torch
 
-from .quant import UE8M0_NAN, e4m3_decode, e4m3_encode, exponent_to_ue8m0, quantize_blocks
+from .quant import UE8M0_NAN, e4m3_decode, e4m3_encode, e4m3fnuz_encode, exponent_to_ue8m0, quantize_blocks
 from .rope import rope_inv
 
 O_EPS = 1e-10
@@ -51,14 +51,22 @@ def _mn_major(values: torch.Tensor) -> torch.Tensor:
 
 
 def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,
-                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False):
-    """o bf16 [T, H, 512] -> (fp8 [T, G, (H/G) * 512] over [G, T, D] storage, MN-major scales); see above."""
+                             rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False,
+                             quantize: bool = True):
+    """o bf16 [T, H, 512] -> (fp8 [T, G, (H/G) * 512] over [G, T, D] storage, MN-major scales); see above.
+    ``quantize=False`` (vLLM 0.33): (bf16 o' rounded to nearest even [T, G, D] over [G, T, D] storage, an
+    empty scale tensor: int32 with ``tma_aligned_scales``, else fp32)."""
     T, H, D = o.shape
     if H != n_groups * heads_per_group or (nope_dim, rope_dim, quant_group_size) != (448, 64, 128):
         raise ValueError("expected H = n_groups * heads_per_group heads of 448 + 64 dims in blocks of 128")
     x = rope_inv(o, positions, cos_sin_cache)
-    q, e = quantize_blocks(x, 128, O_EPS)
     d = heads_per_group * D
+    if not quantize:
+        rows = torch.empty(n_groups, T, d, dtype=torch.bfloat16, device=o.device)
+        rows.copy_(x.to(torch.bfloat16).reshape(T, n_groups, d).transpose(0, 1))
+        empty = torch.empty(0, dtype=torch.int32 if tma_aligned_scales else torch.float32, device=o.device)
+        return rows.transpose(0, 1), empty
+    q, e = quantize_blocks(x, 128, O_EPS)
     data = torch.empty(n_groups, T, d, dtype=torch.uint8, device=o.device)
     data.copy_(q.reshape(T, n_groups, d).transpose(0, 1))
     data = data.view(torch.float8_e4m3fn).transpose(0, 1)
@@ -135,8 +143,9 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         output = prefix_output * (a / (a + b)) + suffix_output * (b / (a + b)),  output_lse = m + ln(a + b)
     both parts empty: output 0, output_lse -inf. Tokens t >= n take suffix_output and suffix_lse (+inf
     written -inf). fp32 math, one rounding to output's dtype; with ``output_scale`` (fp32, one element) the
-    output is the float8_e4m3fn byte of value * (1 / scale) (saturating at +-448, RNE, -0 written 0x00;
-    ``quant.e4m3_encode``)."""
+    output is the e4m3 byte of value * (1 / scale), RNE: float8_e4m3fn saturating at +-448, -0 written 0x00
+    (``quant.e4m3_encode``); float8_e4m3fnuz (vLLM's fp8 on gfx942) saturating at vLLM's +-224, NaN 0x80
+    (``quant.e4m3fnuz_encode``)."""
     T = output.shape[0]
     n = T if prefill_tokens_with_context is None else prefill_tokens_with_context
 
@@ -157,7 +166,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     lse = torch.where(ctx, lse, s)
     if output_scale is not None:
         inv = torch.reciprocal(output_scale.float().reshape(()))
-        output.view(torch.uint8).copy_(e4m3_encode(merged * inv))
+        encode = e4m3fnuz_encode if output.dtype == torch.float8_e4m3fnuz else e4m3_encode
+        output.view(torch.uint8).copy_(encode(merged * inv))
     else:
         output.copy_(merged.to(output.dtype))
     if output_lse is not None:

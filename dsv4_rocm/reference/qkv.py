@@ -11,6 +11,8 @@ dims 448..511 (fp32 inside); kv gets the same RoPE. What they store differs:
                     token's row (H the tensor's head count); ``padded_heads`` 0 writes no q at all
     full-cache op   q -> e4m3 (q * q_fp8_scale_inv) [T, H, 512]; kv -> e4m3 (kv * (1 / fp8_scale)) row
                     of 512 bytes at k_cache[slot // bs, slot % bs]   (per-tensor scales, no bf16 step)
+    bf16 full cache q -> bf16, in place [T, H, 512]; kv -> bf16 row of 512 values at k_cache[slot // bs,
+                    slot % bs] (vLLM's plain-row bf16 cache: no quantization, no record)
 
 Only the first len(slot_mapping) tokens are inserted; slots < 0 or past the cache are skipped. A
 position outside the cos/sin table makes the token invalid: its q rows are zero and its kv is not
@@ -109,3 +111,21 @@ def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, 
     rows = _encode_scaled(rope_fwd(kv[:n][valid], pos[:n][valid], cos_sin_cache), inv)
     s = slots[valid]
     k_cache.view(torch.uint8)[s // bs, s % bs] = rows
+
+
+def qnorm_rope_and_insert_full_bf16_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
+                                            cache_block_size: int, apply_q_norm: bool = True) -> None:
+    """The bf16 full-cache form: q [T, H, 512] bf16 rewritten in place as bf(RoPE(RMSNorm(q))) per head
+    (bf(RoPE(q)) without ``apply_q_norm``), zero rows at invalid positions; k_cache bf16 [nb, bs, 512] row at
+    slot_mapping[t] = bf(RoPE(kv_t)) for the first len(slot_mapping) tokens."""
+    T = q.shape[0]
+    ok, pos = _valid_positions(positions, cos_sin_cache)
+    qn = q_norm_rope(q, pos, cos_sin_cache, eps) if apply_q_norm else kv_rope(q, pos, cos_sin_cache)
+    n = slot_mapping.shape[0]
+    slots = _insert_slots(slot_mapping, ok).long()
+    nb, bs = k_cache.shape[0], cache_block_size
+    valid = (slots >= 0) & (slots < nb * bs)
+    rows = kv_rope(kv[:n][valid], pos[:n][valid], cos_sin_cache)
+    s = slots[valid]
+    q.copy_(torch.where(ok.view(T, 1, 1), qn, torch.zeros_like(qn)))
+    k_cache[s // bs, s % bs] = rows

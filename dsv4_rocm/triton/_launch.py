@@ -7,9 +7,10 @@ direct launch of compiled kernels.
 * ``device_facts(device)``: (arch, reads the cache as fnuz, SM / CU count, has fp8 matrix instructions)
   per device, queried once.
 * ``scratch(device, numel)``: an fp32 buffer of at least ``numel`` elements for split partials, one per
-  (device, stream). It only grows; a buffer it replaces is kept alive, because a captured CUDA/HIP graph
-  may still hold its address (a graph does not own the memory its kernels touch). Calls on one stream
-  run in order, so one buffer per stream is never used by two calls at once.
+  (device, stream) (``dsv4_rocm.workspace.buffer``). It only grows; a buffer it replaces is kept alive,
+  because a captured CUDA/HIP graph may still hold its address (a graph does not own the memory its
+  kernels touch). Calls on one stream run in order, so one buffer per stream is never used by two calls
+  at once.
 * ``counters(device, n)``: an int32 buffer of at least ``n`` zeros, kept the same way: kernels that count
   arrivals in it leave every entry at 0 when they finish.
 * ``launch(fn)``: the ``Kernel`` of a ``@triton.jit`` function, launched as ``launch(fn)[grid](*args,
@@ -68,6 +69,7 @@ import triton
 from typing import NamedTuple
 
 from ..platform import detect, target
+from ..workspace import _BUFFERS as _SCRATCH, buffer  # noqa: F401  (_SCRATCH: tests read the counters)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -169,34 +171,14 @@ def record_launches():
         _RECORD = prev
 
 
-_SCRATCH = {}     # (kind, device type, index, stream) -> tensor
-_RETIRED = []     # buffers replaced by larger ones: graphs captured earlier may still use them
-
-
-def _buffer(kind, device: torch.device, numel: int, dtype, zero: bool) -> torch.Tensor:
-    if device.type == "cpu":
-        key = (kind, "cpu", 0, 0)
-    else:
-        index = device_index(device)
-        key = (kind, device.type, index, torch.cuda.current_stream(index).cuda_stream)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < numel:
-        if buf is not None:
-            _RETIRED.append(buf)
-        n = max(numel, 2 * (buf.numel() if buf is not None else 0))
-        buf = torch.zeros(n, dtype=dtype, device=device) if zero else torch.empty(n, dtype=dtype, device=device)
-        _SCRATCH[key] = buf
-    return buf
-
-
 def scratch(device: torch.device, numel: int) -> torch.Tensor:
     """A 1-D fp32 buffer of at least ``numel`` elements, reused by every call on this device and stream."""
-    return _buffer("scratch", device, numel, torch.float32, False)
+    return buffer("scratch", device, numel, torch.float32)
 
 
 def counters(device: torch.device, numel: int) -> torch.Tensor:
     """A 1-D int32 buffer of at least ``numel`` entries, zeroed when allocated; its users leave it zeroed."""
-    return _buffer("counters", device, numel, torch.int32, True)
+    return buffer("counters", device, numel, torch.int32, zero=True)
 
 
 # ---- kernel cache ----------------------------------------------------------------------------------------

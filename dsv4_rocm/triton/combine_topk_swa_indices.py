@@ -3,11 +3,13 @@ the chunk's bf16 workspace.
 
 Math (dsv4_rocm/reference/metadata.py): request b < R owns workspace rows [b*M, (b+1)*M): [0, N) its
 compressed entries, N + g (g < gather_lens[b]) its raw tokens from position seq_len - gather_len on.
-Token t (query_start_loc is taken relative to its first entry) of request b at position p, with
-topk_len = min((p+1) // r, topk) and swa_len = min(p+1, W), gets
+Token t (query_start_loc is taken relative to its first entry) of request b at position p sees the window
+[start, p + right], start = max(p - max(left, W - 1), 0), with left / right = left_visible[t] /
+right_visible[t] clamped at 0 (vLLM's in-image visibility; 0 without them: the causal window). With
+topk_len = min((p+1) // r, topk) and swa_len = min(p + right + 1 - start, width - topk_len), it gets
 
     [ b*M + l_i  (i < topk_len, l_i = topk_indices[t, i], -1 unless 0 <= l_i < N)
-    | b*M + N + g_i  (i < swa_len, g_i = p - swa_len + 1 + i - (seq_len - gather_len), -1 unless
+    | b*M + N + g_i  (i < swa_len, g_i = start + i - (seq_len - gather_len), -1 unless
       0 <= g_i < gather_len and N + g_i < M)
     | -1 ... ]                                   lens = topk_len + swa_len
 
@@ -31,7 +33,8 @@ INT32_MAX = tl.constexpr(2 ** 31 - 1)
 
 @triton.jit
 def _combine_kernel(ci_ptr, ci_row, cl_ptr, topk_ptr, topk_row, topk_width, qsl_ptr, seq_lens_ptr, gather_lens_ptr,
-                    num_reqs, ws_rows, n_comp, topk, ratio, window, width, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
+                    left_ptr, right_ptr, num_reqs, ws_rows, n_comp, topk, ratio, window, width, BLOCK: tl.constexpr,
+                    BLOCK_R: tl.constexpr, VISIBLE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     base = tl.load(qsl_ptr).to(tl.int64)
     req = 0
@@ -46,8 +49,15 @@ def _combine_kernel(ci_ptr, ci_row, cl_ptr, topk_ptr, topk_row, topk_width, qsl_
     gl = tl.load(gather_lens_ptr + b, mask=ok, other=0).to(tl.int64)
     pos, ok = token_position(qsl_ptr, seq_lens_ptr, b, t, ok, base)
     tlen = tl.where(ok, tl.minimum((pos + 1) // ratio, topk), 0)
-    slen = tl.where(ok, tl.minimum(pos + 1, window), 0)
-    first = pos - slen + 1 - (sl - gl)
+    if VISIBLE:
+        left = tl.maximum(tl.load(left_ptr + t).to(tl.int64), 0)
+        right = tl.maximum(tl.load(right_ptr + t).to(tl.int64), 0)
+    else:
+        left = 0
+        right = 0
+    start = tl.maximum(pos - tl.maximum(left, window - 1), 0)
+    slen = tl.where(ok, tl.minimum(pos + right + 1 - start, width - tlen), 0)
+    first = start - (sl - gl)
     rows = b * ws_rows
     for c0 in range(0, width, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
@@ -63,22 +73,25 @@ def _combine_kernel(ci_ptr, ci_row, cl_ptr, topk_ptr, topk_row, topk_width, qsl_
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens, window_size: int,
                              compress_ratio: int, topk: int, M: int, N: int, *, combined_indices=None,
-                             combined_lens=None):
+                             combined_lens=None, left_visible=None, right_visible=None, max_image_tokens: int = 0):
     """Launcher (arguments checked by dsv4_rocm.ops.combine_topk_swa_indices)."""
     T, K = topk_indices.shape
-    ci, cl = combine_outputs(topk_indices, topk, window_size, combined_indices, combined_lens)
+    ci, cl = combine_outputs(topk_indices, topk, window_size, combined_indices, combined_lens, max_image_tokens)
+    visible = left_visible is not None
     if T:
         launch(_combine_kernel)[(T,)](
             ci, ci.stride(0), cl, topk_indices, topk_indices.stride(0), K, query_start_loc, seq_lens, gather_lens,
-            seq_lens.shape[0], M, N, topk, compress_ratio, window_size, ci.shape[1], BLOCK=BLOCK, BLOCK_R=BLOCK_R,
+            left_visible if visible else seq_lens, right_visible if visible else seq_lens, seq_lens.shape[0], M, N,
+            topk, compress_ratio, window_size, ci.shape[1], BLOCK=BLOCK, BLOCK_R=BLOCK_R, VISIBLE=visible,
             num_warps=4)
     return ci, cl
 
 
 COMPILE_SPECS = [
-    dict(name="combine_topk_swa_indices", fn=_combine_kernel,
+    dict(name=f"combine_topk_swa_indices{'[image visibility]' if visible else ''}", fn=_combine_kernel,
          pointers=dict(ci_ptr="*i32", cl_ptr="*i32", topk_ptr="*i32", qsl_ptr="*i32", seq_lens_ptr="*i32",
-                       gather_lens_ptr="*i32"), floats=(),
-         constexprs=lambda arch: dict(BLOCK=BLOCK, BLOCK_R=BLOCK_R),
-         options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False),
+                       gather_lens_ptr="*i32", left_ptr="*i32", right_ptr="*i32"), floats=(),
+         constexprs=lambda arch, visible=visible: dict(BLOCK=BLOCK, BLOCK_R=BLOCK_R, VISIBLE=visible),
+         options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False)
+    for visible in (False, True)
 ]

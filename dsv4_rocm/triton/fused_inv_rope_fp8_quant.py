@@ -15,6 +15,9 @@ Layout (G = n_groups groups of HPG heads, D = HPG * 512, T4 = T rounded up to 4)
            Rows t >= T are written 0 (vLLM's TMA padding).
 One program per (token row of T4, BH consecutive heads): a [BH * 4, 128] tile, one block a row. A
 token whose position is outside the cos/sin table is padding: its bytes and scales are written 0.
+
+Without QUANTIZE (vLLM's ``quantize=False``): data [G, T, D] bf16, x' rounded to nearest even (0 for a
+padding token), no scales; one program per (token of T, BH heads).
 """
 import torch
 import triton
@@ -31,7 +34,7 @@ O_EPS = tl.constexpr(1e-10)
 def _inv_rope_fp8_quant_kernel(o_ptr, o_stride_t, o_stride_h, pos_ptr, cs_ptr, cs_stride, cs_rows,
                                data_ptr, data_stride_g, data_stride_t, scale_ptr, scale_stride_g, scale_stride_k,
                                num_tokens, HPG: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr,
-                               FNUZ: tl.constexpr):
+                               FNUZ: tl.constexpr, QUANTIZE: tl.constexpr):
     R: tl.constexpr = BH * 4
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1).to(tl.int64) * BH                          # first head of this program (BH divides HPG)
@@ -44,7 +47,7 @@ def _inv_rope_fp8_quant_kernel(o_ptr, o_stride_t, o_stride_h, pos_ptr, cs_ptr, c
     else:
         sk = j0 * 4 + row
     scale_addr = scale_ptr + g * scale_stride_g + sk * scale_stride_k + t
-    if t >= num_tokens:                                 # TMA padding row of the scale storage
+    if QUANTIZE and t >= num_tokens:                    # TMA padding row of the scale storage
         tl.store(scale_addr, tl.zeros_like(sk))
         return
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -62,13 +65,16 @@ def _inv_rope_fp8_quant_kernel(o_ptr, o_stride_t, o_stride_h, pos_ptr, cs_ptr, c
     s = tl.load(cs_row + 32 + ci, mask=cmask, other=0.0).to(tl.float32)[None, :]
     rot = (chunk == 3)[:, None] & (i >= 0)[None, :]
     x = tl.interleave(tl.where(rot, even * c + odd * s, even), tl.where(rot, odd * c - even * s, odd))
+    dst = data_ptr + g * data_stride_g + t * data_stride_t + j0 * 512 + row[:, None] * 128 + col[None, :]
+    if not QUANTIZE:
+        tl.store(dst, tl.where(valid, x, 0.0).to(tl.bfloat16))
+        return
     bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
     amax = tl.where(bad, 0.0, tl.max(tl.abs(x), axis=1))
     e = _ceil_log2(tl.math.div_rn(tl.maximum(amax, O_EPS), 448.0))
     q = _e4m3(x * _pow2(-e)[:, None], FNUZ)
     q = tl.where(bad[:, None] & valid, 0x7F, tl.where(valid, q, 0))
-    tl.store(data_ptr + g * data_stride_g + t * data_stride_t + j0 * 512 + row[:, None] * 128 + col[None, :],
-             q.to(tl.uint8))
+    tl.store(dst, q.to(tl.uint8))
     if PACKED:
         byte = tl.where(bad, 255, e + 127)
         word = tl.sum(tl.reshape(byte << (chunk * 8), (BH, 4)), axis=1)
@@ -93,10 +99,12 @@ def _device_facts(device: torch.device):
 
 def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int, nope_dim: int = 448,
                              rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False,
-                             config: dict = None):
+                             quantize: bool = True, config: dict = None):
     """vLLM's call form; arguments checked by ``dsv4_rocm.ops.fused_inv_rope_fp8_quant``."""
     T, H, D = o.shape
     G, HPG = n_groups, heads_per_group
+    if not quantize:
+        return _rotated_rows(o, positions, cos_sin_cache, G, HPG, tma_aligned_scales, config)
     T4 = tma_aligned_tokens(T)
     K = HPG if tma_aligned_scales else HPG * 4
     data = torch.empty(G, T, HPG * D, dtype=torch.float8_e4m3fn, device=o.device)
@@ -111,11 +119,28 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
         launch(_inv_rope_fp8_quant_kernel)[(T4, H // bh)](
             o, o.stride(0), o.stride(1), positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
             data.view(torch.uint8), data.stride(0), data.stride(1), store, K * T4, T4, T,
-            HPG=HPG, BH=bh, PACKED=bool(tma_aligned_scales), FNUZ=fnuz, num_warps=cfg["num_warps"], num_stages=1,
-            enable_fp_fusion=False)
+            HPG=HPG, BH=bh, PACKED=bool(tma_aligned_scales), FNUZ=fnuz, QUANTIZE=True, num_warps=cfg["num_warps"],
+            num_stages=1, enable_fp_fusion=False)
     if not tma_aligned_scales:
         scales = scales.view(torch.float32)
     return data.transpose(0, 1), scales.transpose(0, 1)
+
+
+def _rotated_rows(o, positions, cos_sin_cache, G, HPG, tma_aligned_scales, config):
+    """``quantize=False``: the rotated rows as bf16 [T, G, D] over [G, T, D] storage and an empty scale tensor."""
+    T, H, D = o.shape
+    data = torch.empty(G, T, HPG * D, dtype=torch.bfloat16, device=o.device)
+    scales = torch.empty(0, dtype=torch.int32 if tma_aligned_scales else torch.float32, device=o.device)
+    if T:
+        arch, _ = _device_facts(o.device)
+        cfg = dict(default_config(arch), **(config or {}))
+        bh = cfg["BH"] if HPG % cfg["BH"] == 0 else 1
+        launch(_inv_rope_fp8_quant_kernel)[(T, H // bh)](
+            o, o.stride(0), o.stride(1), positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
+            data, data.stride(0), data.stride(1), scales, 0, 0, T,
+            HPG=HPG, BH=bh, PACKED=False, FNUZ=False, QUANTIZE=False, num_warps=cfg["num_warps"], num_stages=1,
+            enable_fp_fusion=False)
+    return data.transpose(0, 1), scales
 
 
 def _spec(packed: bool, cs_dtype: str):
@@ -124,9 +149,18 @@ def _spec(packed: bool, cs_dtype: str):
         fn=_inv_rope_fp8_quant_kernel,
         pointers=dict(o_ptr="*bf16", pos_ptr="*i64", cs_ptr=f"*{cs_dtype}", data_ptr="*u8", scale_ptr="*i32"),
         floats=(),
-        constexprs=lambda arch: dict(HPG=8, BH=default_config(arch)["BH"], PACKED=packed, FNUZ=arch == "gfx942"),
+        constexprs=lambda arch: dict(HPG=8, BH=default_config(arch)["BH"], PACKED=packed, FNUZ=arch == "gfx942",
+                                     QUANTIZE=True),
         options=lambda arch: dict(num_warps=default_config(arch)["num_warps"], num_stages=1, enable_fp_fusion=False),
         matrix=False, fp8_encode=True, exact_fp32=True)
 
 
-COMPILE_SPECS = [_spec(False, "fp32"), _spec(True, "bf16")]
+def _bf16_spec():
+    spec = dict(_spec(False, "fp32"), name="fused_inv_rope_fp8_quant[quantize=False: bf16 rows]", fp8_encode=False)
+    spec["pointers"] = dict(spec["pointers"], data_ptr="*bf16")
+    spec["constexprs"] = lambda arch: dict(HPG=8, BH=default_config(arch)["BH"], PACKED=False, FNUZ=False,
+                                           QUANTIZE=False)
+    return spec
+
+
+COMPILE_SPECS = [_spec(False, "fp32"), _spec(True, "bf16"), _bf16_spec()]

@@ -9,8 +9,11 @@ m = max(p, s), a = exp(p - m), b = exp(s - m):
 
 in fp32, rounded once to output's dtype. Both parts empty: 0 and -inf. Tokens t >= n_ctx
 (``prefill_tokens_with_context``) take the suffix's row and lse. With an fp8 output the value is
-multiplied by 1 / scale (scale read on the device) and written as an OCP e4m3fn byte, saturating at +-448,
--0 as 0x00 (gfx942 encodes x / 2 with its fnuz convert: the same byte).
+multiplied by 1 / scale (scale read on the device) and written as an e4m3 byte, round to nearest even:
+for a float8_e4m3fn output the OCP byte, saturating at +-448, -0 as 0x00, NaN 0x7F (gfx942 encodes x / 2
+with its fnuz convert: the same byte); for a float8_e4m3fnuz output (vLLM's fp8 dtype on gfx942) the fnuz byte of
+the value clamped to vLLM's +-224, every zero 0x00, NaN 0x80 (gfx942 converts it with its fnuz unit, the
+OCP targets encode 2x as OCP: the same byte but for -0 and NaN, mapped).
 
 Layout: output / prefix / suffix [T, H, D] with any token and head strides and unit last stride; the
 lse tensors [H, T] with any strides (vLLM's backends hand over transposed [T, H] views). One program per
@@ -21,8 +24,25 @@ import torch
 import triton
 import triton.language as tl
 
+from ._fp8 import encode
 from ._launch import cdiv, device_facts, launch, next_power_of_2
 from .compress_norm_rope_store import _e4m3
+
+FNUZ_MAX = tl.constexpr(224.0)       # vLLM's largest fnuz e4m3 value for quantized outputs (not 240)
+
+
+@triton.jit
+def _e4m3fnuz(v, FNUZ: tl.constexpr):
+    """e4m3fnuz bytes of fp32 v clamped to +-224, round to nearest even; zeros 0x00, NaN 0x80. FNUZ: the
+    target's fp8 unit is fnuz (gfx942); else 2v is encoded as OCP e4m3fn (a fnuz byte's value is half the
+    OCP value of that byte), whose -0 (0x80) and NaN (0x7F / 0xFF) become the fnuz 0x00 and 0x80."""
+    v = tl.where(v > FNUZ_MAX, FNUZ_MAX, tl.where(v < -FNUZ_MAX, -FNUZ_MAX, v))
+    if FNUZ:
+        b = encode(v, True)
+    else:
+        b = encode(v * 2.0, False)
+        b = tl.where(b == 0x80, 0, tl.where((b & 0x7F) == 0x7F, 0x80, b))
+    return b
 
 
 @triton.jit(do_not_specialize=["n_ctx", "num_heads"])
@@ -31,7 +51,7 @@ def _merge_attn_states_kernel(out_ptr, out_st, out_sh, olse_ptr, olse_sh, olse_s
                               s_ptr, s_st, s_sh, slse_ptr, slse_sh, slse_st,
                               scale_ptr, n_ctx, num_heads, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_H: tl.constexpr, OUTPUT_LSE: tl.constexpr, FP8_OUT: tl.constexpr,
-                              FNUZ: tl.constexpr):
+                              OUT_FNUZ: tl.constexpr, FNUZ: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < num_heads
@@ -60,9 +80,13 @@ def _merge_attn_states_kernel(out_ptr, out_st, out_sh, olse_ptr, olse_sh, olse_s
     if OUTPUT_LSE:
         tl.store(olse_ptr + h64 * olse_sh + t * olse_st, lse, mask=hm)
     dst = out_ptr + t * out_st + h64[:, None] * out_sh + d[None, :]
-    if FP8_OUT:
-        inv = 1.0 / tl.load(scale_ptr)
-        tl.store(dst, _e4m3(val * inv, FNUZ).to(tl.uint8), mask=m2)         # out_ptr: the output's bytes
+    if FP8_OUT:                                                           # out_ptr: the output's bytes
+        x = val * (1.0 / tl.load(scale_ptr))
+        if OUT_FNUZ:
+            b = _e4m3fnuz(x, FNUZ)
+        else:
+            b = tl.where(x != x, 0x7F, _e4m3(x, FNUZ))       # gfx942's route maps its NaN 0x80 to 0x00
+        tl.store(dst, b.to(tl.uint8), mask=m2)
     else:
         tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=m2)
 
@@ -90,18 +114,19 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
         prefix_lse.stride(1), suffix_output, suffix_output.stride(0), suffix_output.stride(1), suffix_lse,
         suffix_lse.stride(0), suffix_lse.stride(1), output_scale if fp8 else prefix_lse, n_ctx, H,
         HEAD_SIZE=D, BLOCK_D=next_power_of_2(D), BLOCK_H=bh, OUTPUT_LSE=output_lse is not None, FP8_OUT=fp8,
-        FNUZ=fnuz, num_warps=4)
+        OUT_FNUZ=output.dtype == torch.float8_e4m3fnuz, FNUZ=fnuz, num_warps=4)
 
 
 def _specs():
-    def spec(name, out, fp8):
+    def spec(name, out, fp8, out_fnuz=False):
         return dict(name=name, fn=_merge_attn_states_kernel,
                     pointers=dict(out_ptr=out, olse_ptr="*fp32", p_ptr="*bf16", plse_ptr="*fp32", s_ptr="*bf16",
                                   slse_ptr="*fp32", scale_ptr="*fp32"), floats=(),
                     constexprs=lambda arch: dict(HEAD_SIZE=512, BLOCK_D=512, BLOCK_H=4, OUTPUT_LSE=True,
-                                                 FP8_OUT=fp8, FNUZ=fp8 and arch == "gfx942"),
+                                                 FP8_OUT=fp8, OUT_FNUZ=out_fnuz, FNUZ=fp8 and arch == "gfx942"),
                     options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False, fp8_encode=fp8)
-    return [spec("merge_attn_states", "*bf16", False), spec("merge_attn_states_fp8_out", "*u8", True)]
+    return [spec("merge_attn_states", "*bf16", False), spec("merge_attn_states_fp8_out", "*u8", True),
+            spec("merge_attn_states_fp8_fnuz_out", "*u8", True, True)]
 
 
 COMPILE_SPECS = _specs()

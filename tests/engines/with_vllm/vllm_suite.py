@@ -50,13 +50,17 @@ PYTHON_OPS = {
 }
 # the GPU-form torch.ops._C ops dsv4_rocm registers under its own namespace with vLLM's schemas
 C_OPS = ("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out",
-         "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert")
+         "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert",
+         "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert")
 
 _MHC = "mHC (hyper-connection) kernel: not attention, dsv4_rocm has none"
 _HUB = "builds a ModelConfig of Qwen/Qwen3-0.6B from the Hugging Face Hub; the tier runs offline"
+_DISPATCH = ("checks that vLLM's fused_indexer_q_rope_quant routes CPU tensors to vLLM's CPU op; the tier swaps "
+             "that function for dsv4_rocm's, so vLLM's routing is not on the path (its CPU op's own tests run)")
 # test function name (per file) -> why it is not run
 SKIPS = {
-    "test_deepseek_v4_cpu_kernels.py": {"test_mhc_pre_cpu": _MHC, "test_mhc_post_cpu": _MHC, "test_hc_head_cpu": _MHC},
+    "test_deepseek_v4_cpu_kernels.py": {"test_mhc_pre_cpu": _MHC, "test_mhc_post_cpu": _MHC, "test_hc_head_cpu": _MHC,
+                                        "test_fused_indexer_q_rope_quant_dispatches_to_cpu_kernel": _DISPATCH},
     "test_indexer_deepseek_v4_slot_mapping.py": {"test_indexer_prefill_budget_matches_compressed_workspace": _HUB},
 }
 # node id (relative to the sdist) -> the deliberate difference of ours it shows (docs/numerics.md)
@@ -68,7 +72,7 @@ XFAILS = {f"tests/kernels/test_deepseek_v4_cpu_kernels.py::test_qnorm_rope_kv_in
 GPU_ONLY = "GPU-only: vLLM puts this test's tensors on a CUDA device"
 # cases each file must run on a CPU machine (passed or xfailed): fewer means a swap stopped working and
 # vLLM's tests went back to skipping
-MIN_RAN = {"tests/kernels/test_deepseek_v4_cpu_kernels.py": 46,
+MIN_RAN = {"tests/kernels/test_deepseek_v4_cpu_kernels.py": 45,
            "tests/v1/attention/test_deepseek_v4_rocm_adaptive.py": 8,
            "tests/v1/attention/test_indexer_deepseek_v4_slot_mapping.py": 7}
 
