@@ -33,15 +33,17 @@ FNUZ_MAX = tl.constexpr(224.0)       # vLLM's largest fnuz e4m3 value for quanti
 
 @triton.jit
 def _e4m3fnuz(v, FNUZ: tl.constexpr):
-    """e4m3fnuz bytes of fp32 v clamped to +-224, round to nearest even; zeros 0x00, NaN 0x80. FNUZ: the
-    target's fp8 unit is fnuz (gfx942); else 2v is encoded as OCP e4m3fn (a fnuz byte's value is half the
-    OCP value of that byte), whose -0 (0x80) and NaN (0x7F / 0xFF) become the fnuz 0x00 and 0x80."""
+    """e4m3fnuz bytes (int32) of fp32 v clamped to +-224, round to nearest even; zeros 0x00, NaN 0x80. FNUZ:
+    the target's fp8 unit is fnuz (gfx942); else 2v is encoded as OCP e4m3fn (a fnuz byte's value is half
+    the OCP value of that byte), its -0 (0x80) written 0x00 and a NaN v written 0x80. The byte fix-ups run
+    on int32, not on the 8-bit converts: Triton 3.6 lowers selects over a masked 8-bit tensor in packed
+    16-bit lanes, and on sm_90 with a strided output that wrote wrong bytes."""
     v = tl.where(v > FNUZ_MAX, FNUZ_MAX, tl.where(v < -FNUZ_MAX, -FNUZ_MAX, v))
     if FNUZ:
-        b = encode(v, True)
+        b = encode(v, True).to(tl.int32)
     else:
-        b = encode(v * 2.0, False)
-        b = tl.where(b == 0x80, 0, tl.where((b & 0x7F) == 0x7F, 0x80, b))
+        b = encode(v * 2.0, False).to(tl.int32)
+        b = tl.where(v != v, 0x80, tl.where(b == 0x80, 0, b))
     return b
 
 
