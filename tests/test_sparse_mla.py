@@ -308,16 +308,76 @@ def test_decode_kernel_choice(monkeypatch):
         D.default_config("sm_90", 64, "cuda")
     with pytest.raises(ValueError, match="sm_90"):
         D._plan(torch.device("cpu"), 64, 4, 128, 512, (("kernel", "ws"),))
-    # the Hopper kernel reads V40_584 only: V4.1 formats take the Triton kernel, and forcing it is refused
-    # (an H100's device facts, without one)
+    # formats the Hopper kernel does not read take the Triton kernel, and forcing it is refused (an H100's
+    # device facts, without one)
     from dsv4_rocm.triton import _launch
     monkeypatch.setattr(_launch, "_facts", lambda t, i: ("sm_90", False, 132, True))
     hopper = torch.device("cuda", 0)
     if D._ws is not None and D.DEFAULT_SM90_KERNEL == "ws":
         assert dict(D._plan.__wrapped__(hopper, 64, 4, 128, 512)[0])["kernel"] == "ws"
-    assert dict(D._plan.__wrapped__(hopper, 64, 4, 128, 512, v40=False)[0])["kernel"] == "triton"
-    with pytest.raises(ValueError, match="V40_584 records only"):
-        D._plan.__wrapped__(hopper, 64, 4, 128, 512, (("kernel", "ws"),), v40=False)
+    assert dict(D._plan.__wrapped__(hopper, 64, 4, 128, 512, ws_reads=False)[0])["kernel"] == "triton"
+    with pytest.raises(ValueError, match="V40_584 or V41_528 records only"):
+        D._plan.__wrapped__(hopper, 64, 4, 128, 512, (("kernel", "ws"),), ws_reads=False)
+
+
+# (main format, extra format or None) -> does the Hopper kernel take the call
+_WS_ROUTES = [
+    ((L.V40_584, None), True), ((L.V40_584, L.V40_584), True),
+    ((L.V41_528, None), True), ((L.V41_528, L.V41_528), True),
+    ((L.interleaved(L.V41_528), None), True), ((L.interleaved(L.V41_528), L.interleaved(L.V41_528)), True),
+    ((L.V41_528, L.V41_FP4_288), False), ((L.interleaved(L.V41_528), L.interleaved(L.V41_FP4_288)), False),
+    ((L.V41_528, L.interleaved(L.V41_528)), False),                       # two page layouts
+    ((L.with_fnuz(L.V40_584), L.V40_584), False), ((L.with_fnuz(L.V41_528), None), False),
+]
+
+
+class _NoLaunch:
+    """A bound kernel that compiles and launches nothing."""
+    def warmup(self, *a, **k):
+        pass
+
+
+@pytest.mark.parametrize("fmts,ws", _WS_ROUTES, ids=[f"{m.name}-{m.layout}+{e.name + '-' + e.layout if e else '-'}"
+                                                      for (m, e), _ in _WS_ROUTES])
+def test_decode_plan_routes_record_formats(fmts, ws, monkeypatch):
+    """On Hopper the warp-specialized kernel takes V40_584 and V41_528 caches (either page layout, no extra
+    cache or one of the same format and layout), bound with that format; a V41_FP4_288 extra cache, mixed
+    layouts and FNUZ-flavour records take the Triton kernel, and forcing the Hopper kernel on them is refused.
+    The route is the one ``sparse_mla_decode`` binds (compile_only) on an H100's device facts."""
+    from dsv4_rocm.triton import _launch, sparse_mla_decode as D
+    if D._ws is None:
+        pytest.skip("no Gluon in this Triton: the Hopper kernel is not built")
+    assert D._ws.reads(*fmts) == ws
+    bound, real = [], D._variant
+
+    def variant(cfg_items, *a):
+        var = real(cfg_items, *a)
+        bound.append((dict(cfg_items)["kernel"], var))
+        return D._Variant(None if var.main is None else _NoLaunch(), None, var.head_blocks, var.threads,
+                          None if var.ws is None else _NoLaunch())
+    monkeypatch.setattr(D, "_variant", variant)
+    main, extra = fmts
+    a = decode_case(2, 1, 64, 4, 16, 3 if extra else 0, 8 if extra else 0, "cpu", 3, formats=(main, extra or main))
+    with _launch.emulate_target("sm_90"):
+        if not ws:
+            with pytest.raises(ValueError, match="V40_584 or V41_528 records only"):
+                D.sparse_mla_decode(*decode_args(a), formats=(main, extra), config=dict(kernel="ws"), compile_only=True)
+        D.sparse_mla_decode(*decode_args(a), formats=(main, extra), compile_only=True)
+    kernel, var = bound[-1]
+    assert kernel == ("ws" if ws else "triton")
+    if ws:
+        assert var.ws.consts["FMT"] == main
+    else:
+        assert var.main.consts["MAIN_FMT"] == main
+
+
+def test_ws_constexprs_refuse_other_formats():
+    ws = pytest.importorskip("dsv4_rocm.triton.sparse_mla_decode_ws")
+    cfg = tuple(ws.default_config(64).items())
+    assert ws.constexprs(cfg, 64, 64, 2, True, True, True, True, True, L.interleaved(L.V41_528))["FMT"].interleaved
+    for f in (L.V41_FP4_288, L.with_fnuz(L.V41_528), L.interleaved(L.V41_FP4_288)):
+        with pytest.raises(ValueError, match="Hopper decode kernel reads"):
+            ws.constexprs(cfg, 64, 64, 2, True, True, True, True, True, f)
 
 
 def _run_ptx(ptx, regs):
@@ -493,6 +553,67 @@ def test_triton_decode_v41_formats_match_reference(case, splits, fmts, gpu):
               decode_key_amax(a, f))
     if sink != "+inf":
         check_lse(lse, ref_lse)
+
+
+# V41_528 on the Hopper kernel: s_q 1 to 3, 64 and 128 heads, page sizes 256 / 64 / 2 / 100 / 5, with and
+# without a V41_528 extra cache, [b] and [b, s_q] lengths
+WS_V41_CASES = [DECODE_CASES[i] for i in (0, 1, 2, 4, 5, 6, 7, 8)] + [(3, 1, 64, 5, 64, 0, 0, "none", "b"),
+                                                                       (9, 2, 128, 64, 256, 64, 128, "random", "bsq")]
+WS_V41_FORMATS = [L.V41_528, L.interleaved(L.V41_528)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", WS_V41_FORMATS, ids=["page_split", "interleaved"])
+@pytest.mark.parametrize("case", WS_V41_CASES, ids=[str(c) for c in WS_V41_CASES])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_ws_decode_v41_528_matches_reference(case, splits, fmt, gpu):
+    """The Hopper kernel over V41_528 caches (its default route for them), out poisoned first, with padding
+    (-1) and out-of-range indices in both sets: out and lse as the reference's, within the decode tolerances."""
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    cfg = decode_kernel_config("ws", gpu)
+    b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
+    a = decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 51 + b, sink, lshape, formats=(fmt, fmt))
+    cap = a["k_cache"].shape[0] * bs
+    a["indices"][..., ::7] = -1
+    a["indices"][..., 3::11] = cap + 5
+    if ebs:
+        a["extra_indices_in_kvcache"][..., 1::5] = -1
+    f = (fmt, fmt if ebs else None)
+    ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=f)
+    out = torch.full((b, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device=gpu)
+    got, lse = sparse_mla_decode(*decode_args(a), out, num_splits=splits, formats=f, config=cfg)
+    assert got is out
+    check_out(out, ref_out, f"ws decode {fmt.name} {fmt.layout} {case} splits={splits}", decode_key_amax(a, f))
+    if sink != "+inf":
+        check_lse(lse, ref_lse)
+    # the same bits as the default route (the Hopper kernel)
+    out2 = torch.full_like(out, float("nan"))
+    sparse_mla_decode(*decode_args(a), out2, num_splits=splits, formats=f)
+    assert torch.equal(out2, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", WS_V41_FORMATS, ids=["page_split", "interleaved"])
+def test_ws_decode_v41_528_lonely_queries_and_strided_q(fmt, gpu):
+    """V41_528 on the Hopper kernel: queries with no valid key get out 0 and lse +inf; a q whose rows are not
+    16-byte aligned (Q through registers) gives the same bits as a contiguous one."""
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    cfg = decode_kernel_config("ws", gpu)
+    a = decode_case(6, 1, 64, 64, 128, 64, 512, gpu, 2, "random", formats=(fmt, fmt))
+    a["indices"][:3] = -1
+    a["extra_topk_length"][:3] = 0
+    f = (fmt, fmt)
+    for ns in (1, 4):
+        out, lse = sparse_mla_decode(*decode_args(a), torch.full((6, 1, 64, 512), float("nan"), dtype=torch.bfloat16,
+                                                                 device=gpu), num_splits=ns, formats=f, config=cfg)
+        check_lonely(out, lse, [0, 1, 2])
+        ref_out, _ = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=f)
+        check_out(out, ref_out, f"ws lonely {fmt.layout} splits={ns}", decode_key_amax(a, f))
+    base, base_lse = sparse_mla_decode(*decode_args(a), num_splits=4, formats=f, config=cfg)
+    q = torch.empty(6, 1, 64, 513, dtype=torch.bfloat16, device=gpu)[..., 1:]
+    q.copy_(a["q"])
+    out, lse = sparse_mla_decode(*decode_args(dict(a, q=q)), num_splits=4, formats=f, config=cfg)
+    assert torch.equal(out, base) and torch.equal(lse, base_lse)
 
 
 @pytest.mark.gpu

@@ -33,8 +33,9 @@ valid key gets out = 0 and lse = +inf.
 On Hopper the launcher can run the warp-specialized Gluon kernel of ``sparse_mla_decode_ws.py`` instead
 (the same arguments but the counters, with its tiles per CTA where this kernel takes the split count;
 same outputs, its split partials merged by ``_combine_kernel``); ``DEFAULT_SM90_KERNEL`` /
-``config=dict(kernel=...)`` pick the kernel. That kernel reads V40_584 records only: calls over other
-formats run this file's kernel on Hopper too.
+``config=dict(kernel=...)`` pick the kernel. That kernel reads V40_584 caches and V41_528 caches (either page
+layout, both caches of one format and layout: ``sparse_mla_decode_ws.reads``); calls over other formats (a
+V41_FP4_288 extra cache, FNUZ-flavour records) run this file's kernel on Hopper too.
 """
 import functools
 import warnings
@@ -517,7 +518,7 @@ class _Variant(NamedTuple):
 
 @device_cache(maxsize=4096)
 def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int, config_items: tuple = (),
-          num_splits: int = None, v40: bool = True):
+          num_splits: int = None, ws_reads: bool = True):
     """Launch plan of a call shape: (config items, splits, partials per query, grid, tiles per unit), cached
     per device and shape so a launch pays no device query, no config dict and no split arithmetic.
     ``config_items`` override the default config (sweeps), ``num_splits`` the split count.
@@ -525,14 +526,16 @@ def _plan(device: torch.device, h: int, T: int, main_topk: int, extra_topk: int,
     Triton kernel: ``splits`` programs per (token, head block), as many partials. Hopper kernel: a
     persistent grid of CTAs (the SMs shared evenly by the head blocks) taking ``splits`` = W key tiles each
     (``sparse_mla_decode_ws.schedule``), up to ``partials`` of them per unit (1: no unit is split, no
-    combine). ``v40``: both caches hold V40_584 records (the Hopper kernel reads no other format)."""
+    combine). ``ws_reads``: the Hopper kernel reads the call's record formats (``sparse_mla_decode_ws.reads``);
+    otherwise this file's kernel runs by default, and forcing the Hopper kernel is refused."""
     arch, fnuz, sms, _ = device_facts(device)
     over = dict(config_items)
-    kernel = over.get("kernel") or (default_kernel(arch) if v40 else "triton")
+    kernel = over.get("kernel") or (default_kernel(arch) if ws_reads else "triton")
     if kernel == "ws" and arch != "sm_90":
         raise ValueError(f"config kernel='ws' runs on Hopper (sm_90) only, this device is {arch}")
-    if kernel == "ws" and not v40:
-        raise ValueError("config kernel='ws': the Hopper kernel reads V40_584 records only")
+    if kernel == "ws" and not ws_reads:
+        raise ValueError("config kernel='ws': the Hopper kernel reads V40_584 or V41_528 records only, one format "
+                         "and page layout in both caches")
     cfg = dict(default_config(arch, h, kernel), FNUZ=fnuz, warp_size=64 if arch.startswith("gfx") else 32, **over)
     if cfg["split_combine"] not in ("kernel", "launch") or (kernel == "ws" and cfg["split_combine"] != "launch"):
         raise ValueError(f"config split_combine must be 'kernel' or 'launch' ('launch' for kernel 'ws'), got "
@@ -559,7 +562,8 @@ def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: b
         comb = launch(_combine_kernel).bind(HEADS=h, HAS_SINK=has_sink, BLOCK_H=min(MERGE_H, h), PARTS=True,
                                             num_warps=4) if split else None
         ws = launch(_ws._sparse_mla_ws_kernel).bind(**_ws.constexprs(cfg_items, h, main_bs, extra_bs, has_extra,
-                                                                        has_len, has_extra_len, has_sink, q_async))
+                                                                        has_len, has_extra_len, has_sink, q_async,
+                                                                        main_fmt))
         return _Variant(None, comb, h // 64, 0, ws)
     in_kernel = split and cfg["split_combine"] == "kernel"
     main = launch(_sparse_mla_paged_kernel).bind(
@@ -609,7 +613,7 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
         efmt = (L.with_layout(L.format_for_token_bytes(extra_k_cache.shape[-1], "extra_k_cache")) if has_extra
                 else fmt)
     cfg, ns, parts, grid, m = _plan(dev, h, T, topk, etopk, tuple(sorted(config.items())) if config else (),
-                                    num_splits, fmt == L.V40_584 and efmt == L.V40_584)
+                                    num_splits, _ws is not None and _ws.reads(fmt, efmt))
     if out is None:
         out = torch.empty((b, s_q, h, 512), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=dev)
@@ -621,7 +625,8 @@ def sparse_mla_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache
     split = parts > 1
     var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, True, fmt, efmt)
     if var.ws is not None and not _ws.q_rows_aligned(q):      # the Hopper kernel loads such a Q by registers
-        var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, False)
+        var = _variant(cfg, h, kshape[1], ebs, has_extra, has_len, has_elen, attn_sink is not None, split, False,
+                       fmt, efmt)
     count = indices                     # an int32 placeholder (never read) when nothing is counted
     if split:
         ws = scratch(dev, parts * T * h * 513)

@@ -8,6 +8,16 @@ token t and head h, over the valid keys of the main and the extra index sets (K 
 with an online softmax in base 2, P rounded to bf16 for the P.V product, out 0 and lse +inf for a query
 with no valid key, and split partials (normalized o, base-2 lse) that ``_combine_kernel`` merges.
 
+Records read (``FMT``, a ``layout.RecordFormat`` constexpr; both caches of a call in the same one, FORMATS):
+key slot s is record o = s % bs of page s // bs (page stride from the cache), its data and scale bytes where
+``layout.data_offset`` / ``record_scale_offset`` put them: page-split pages hold every record's data, then
+every record's scales; interleaved pages each record's data then its scales.
+* V40_584 (page-split): 448 e4m3 NoPE bytes, 64 bf16 RoPE values, 8 scale bytes (7 UE8M0, one per 64 dims,
+  and a pad byte) at page + bs * 576 + o * 8.
+* V41_528 (page-split or interleaved): 512 e4m3 bytes (RoPE dims 448..511 included), 16 UE8M0 scale bytes,
+  one per 32 dims, at page + bs * 512 + o * 16 (page-split) or right after the record's data (interleaved).
+A dim's value is e4m3(byte) * 2^(scale - 127), exact in bf16.
+
 Work. A unit is one query token x 64 heads (128 heads: two units per token, one per head block). A unit
 has M = cdiv(main topk, BLOCK_N) + cdiv(extra topk, BLOCK_N) key tiles: tile t < Mm = cdiv(main topk,
 BLOCK_N) holds main keys [t BLOCK_N, +BLOCK_N), the others extra keys [(t - Mm) BLOCK_N, +BLOCK_N); a key
@@ -28,16 +38,18 @@ Three partitions, 12 warps:
   loads its unit's lengths (registers; first used a tile later, so nothing waits for the load); one tile
   ahead it turns the indices into record offsets (two int64 address rows per tile, two tiles' worth: data
   offset or -16 for an absent key, scale-word offset) and, with L2_AHEAD, asks L2 for every valid record
-  (``prefetch.global.L2``: the five or six lines of its data and its scale word). It gathers a chunk's
-  NoPE bytes and scale words straight into registers as 32-bit words (16-byte loads: a thread takes one
-  key and one 16-byte piece of each 64-byte column block), the second chunk of tile i at the top of
-  iteration i and the first of tile i + 1 before the second of tile i is dequantized; an absent key's
-  loads are masked off. It dequantizes a chunk with integer ops (e4m3 -> bf16 times 2^-120 by byte
-  shuffles, then two exact packed-bf16 multiplies by powers of two, as
+  (``prefetch.global.L2``: the lines of its data (five or six) and, page-split, its scale bytes). It
+  gathers a chunk's e4m3 bytes and scale words straight into registers as 32-bit words (16-byte loads: a
+  thread takes one key and one 16-byte piece of each 64-byte column block: seven blocks and one scale word
+  for V40_584, eight blocks and two scale words for V41_528, whose piece g = 0..3 of block b takes scale
+  2b + (g >= 2)), the second chunk of tile i at the top of iteration i (V41_528: after tile i + 1's address
+  rows, fewer registers held across them) and the first of tile i + 1 before the second of tile i is
+  dequantized; an absent key's loads are masked off. It dequantizes a chunk with integer ops (e4m3 -> bf16
+  times 2^-120 by byte shuffles, then two exact packed-bf16 multiplies by powers of two, as
   ``_decode_tiles.e4m3_to_scaled_bf16_ptx``) into its rows of the tile's K slot: bf16 [BLOCK_N, 512] in
-  the 128-byte-swizzled wgmma layout, in the natural order (NoPE 448, RoPE 64), written as bf16x2 words;
-  the RoPE columns are copied by cp.async straight into the slot; plus the slot's bias row (0, or -inf for
-  an absent key) and its liveness flag. A dead tile's slot is handed over without being written.
+  the 128-byte-swizzled wgmma layout, in the natural order, written as bf16x2 words; V40_584's RoPE
+  columns are copied by cp.async straight into the slot; plus the slot's bias row (0, or -inf for an
+  absent key) and its liveness flag. A dead tile's slot is handed over without being written.
   KV_BF16 (prefill over bf16 rows, ``sparse_mla_prefill``): rows of 512 bf16 are one-key pages, copied by
   cp.async straight into the K slot, two tiles in flight (``_loader_rows``).
 * consumer 0 (worker, one warpgroup): per live tile S = Q K^T (64 x BLOCK_N, K-dim 512, both operands in
@@ -55,7 +67,8 @@ Three partitions, 12 warps:
 
 Registers: the kernel cap is 65536 / 384 threads = 168; consumer 0 takes C0_REGS (a 64 x 256 fp32
 accumulator is 128 of them, S and P 48 more), consumer 1 C1_REGS, the loader what is left,
-3 * 168 - C0_REGS - C1_REGS.
+3 * 168 - C0_REGS - C1_REGS (144 by default: spill-free for V40_584; V41_528's two chunks in flight, 72
+registers against 60, make ptxas spill a few loader values, compile matrix).
 Shared memory (BLOCK_N 64): Q 64 KB + K ring 2 x 64 KB + P 8 KB + index and address rows 3 KB + biases,
 liveness flags, alpha, row factors and barriers 1.2 KB = 204 KB of the 227 KB.
 
@@ -93,6 +106,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .. import layout as L
 from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx
 
 MAX_PARTS = 16        # parts of one split unit: the combine kernel's MAX_SPLITS
@@ -191,15 +205,17 @@ def _copy_indices(ka, dst, t, bi, si, ok, Mm, BLOCK_N: gl.constexpr, LOAD_WARPS:
 
 @gluon.jit
 def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_AHEAD: gl.constexpr,
-                    BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, KV_BF16: gl.constexpr):
+                    BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, KV_BF16: gl.constexpr,
+                    FMT: gl.constexpr):
     """Tile t's records, once per tile: from its shared index row to two int64 rows [BLOCK_N] (``data_row``:
     byte offset of each record's data from its cache's base, -16 when the key is absent (negative, and a
     multiple of 16 like every offset, so the masked-off 16-byte copies keep aligned addresses);
-    ``scal_row``: element offset of its 8 scale bytes as an int64), so the chunk gathers do no index
-    arithmetic. With L2_AHEAD also asks L2 for every valid record: bytes 0, 128, ..., 512 and 575 of its
-    data (the five or six 128-byte lines it spans) and its scale word, one request per element of
-    [BLOCK_N keys, 8]. KV_BF16 (rows of 512 bf16, MAIN_BS 1): the data offset is the row's, and the
-    requests are its eight 128-byte lines."""
+    ``scal_row``: element offset of its first scale word (8 scale bytes) as an int64), so the chunk gathers
+    do no index arithmetic. Offsets as ``layout.data_offset`` / ``record_scale_offset`` for the record format
+    FMT. With L2_AHEAD also asks L2 for every valid record: bytes 0, 128, ..., 512 (at most its last byte) and
+    the last byte of its data (the 128-byte lines it spans: five or six for V40_584's 576 bytes) and, for a
+    page-split page, its first scale word, one request per element of [BLOCK_N keys, 8]. KV_BF16 (rows of
+    512 bf16, MAIN_BS 1): the data offset is the row's, and the requests are its eight 128-byte lines."""
     (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_topk,
      extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_topk) = ka
     # 2 warps along the keys, 2 along the 8 requests of a key (4 each)
@@ -212,9 +228,13 @@ def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_
     # a division by each constant block size, then a select: cheaper than one division by a run-time value
     page = gl.where(in_main, (idx // MAIN_BS).to(gl.int64) * main_stride, (idx // EXTRA_BS).to(gl.int64) * extra_stride)
     off = gl.where(in_main, idx % MAIN_BS, idx % EXTRA_BS).to(gl.int64)
-    data = page + off * 576
-    # the 8 scale bytes of a record: one aligned int64 at page + bs * 576 + off * 8 (bytes)
-    scal = page + gl.where(in_main, MAIN_BS * 576, EXTRA_BS * 576) + off * 8
+    data = page + off * _record_pitch(FMT)
+    if FMT.interleaved:
+        # a record's scale bytes right after its data bytes
+        scal = data + FMT.data_bytes
+    else:
+        # the scale bytes of a record: aligned int64 words at page + bs * data_bytes + off * scale_bytes
+        scal = page + gl.where(in_main, MAIN_BS * FMT.data_bytes, EXTRA_BS * FMT.data_bytes) + off * FMT.scale_bytes
     data_row.store(gl.where(valid, data, -16))
     scal_row.store(scal // 8)
     if L2_AHEAD:
@@ -224,9 +244,16 @@ def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_
             _prefetch_l2(base.to(gl.int64) + data[:, None] + (c * 128).to(gl.int64)[None, :],
                          valid[:, None] & (c < 8)[None, :])
         else:
-            off8 = gl.where(c[None, :] < 5, (c * 128).to(gl.int64)[None, :],
-                            gl.where(c[None, :] == 5, data[:, None] * 0 + 575, (scal - data)[:, None]))
-            _prefetch_l2(base.to(gl.int64) + data[:, None] + off8, valid[:, None] & (c < 7)[None, :])
+            # the bytes a record's lines are asked by: 0, 128, ..., 512 and its last (SPAN - 1), then the
+            # scale word where it lies apart from the data (page-split)
+            SPAN: gl.constexpr = FMT.token_bytes if FMT.interleaved else FMT.data_bytes
+            lines = (c * 128).to(gl.int64)
+            if SPAN <= 513:
+                lines = gl.minimum(lines, SPAN - 1)
+            off8 = gl.where(c[None, :] < 5, lines[None, :],
+                            gl.where(c[None, :] == 5, data[:, None] * 0 + (SPAN - 1), (scal - data)[:, None]))
+            REQS: gl.constexpr = 6 if FMT.interleaved else 7
+            _prefetch_l2(base.to(gl.int64) + data[:, None] + off8, valid[:, None] & (c < REQS)[None, :])
 
 
 _DEQUANT_WORD = gl.constexpr("{\n.reg .b32 t0, t1;\n" + e4m3_to_scaled_bf16_ptx("t0", "t1")
@@ -245,24 +272,57 @@ def _dequant_words(w, m1, m2):
 
 
 @gluon.constexpr_function
-def _pair_layout(LOAD_WARPS):
+def _record_pitch(FMT):
+    """Bytes from one record's data to the next one's in a page: the record (interleaved) or its data bytes
+    (page-split)."""
+    return FMT.token_bytes if FMT.interleaved else FMT.data_bytes
+
+
+@gluon.constexpr_function
+def _scale32(FMT):
+    """The format's 64-dim column blocks take two UE8M0 scales each (V41_528: all 512 dims e4m3, one scale
+    per 32) instead of one (V40_584: 448 e4m3 dims, one scale per 64, then 64 bf16 RoPE dims)."""
+    if not (FMT.elem_bits == 8 and FMT.scale == "ue8m0" and FMT.fp8 == "e4m3fn"
+            and (FMT.quant_dims, FMT.quant_block, FMT.data_bytes, FMT.scale_bytes) in ((448, 64, 576, 8),
+                                                                                       (512, 32, 512, 16))):
+        raise ValueError(f"the Hopper decode kernel reads V40_584 and V41_528 records, not {FMT.name}")
+    return FMT.quant_block == 32
+
+
+@gluon.constexpr_function
+def _pair_layout(LOAD_WARPS, SCALE32=False):
     """[keys, 2 column blocks, 16 words] of a 32-key chunk: a thread holds one key and one 16-byte piece
-    (four words) of each of two 64-wide column blocks."""
+    (four words) of each of two 64-wide column blocks. SCALE32: the same threads and words as [keys, 2
+    column blocks, 2 halves, 8 words], so that a piece's scale (one per half block) is one element per
+    thread and block."""
+    if SCALE32:
+        return gl.BlockedLayout([1, 2, 1, 4], [8, 1, 2, 2], [LOAD_WARPS, 1, 1, 1], [3, 2, 1, 0])
     return gl.BlockedLayout([1, 2, 4], [8, 1, 4], [LOAD_WARPS, 1, 1], [2, 1, 0])
 
 
 @gluon.jit
 def _gather_chunk(ka, addr_rows, a, t, key0, Mm, RAW_KEYS: gl.constexpr, PROBE: gl.constexpr,
-                  LOAD_WARPS: gl.constexpr):
+                  LOAD_WARPS: gl.constexpr, FMT: gl.constexpr):
     """Register loads of keys key0 .. key0 + RAW_KEYS of tile t (record offsets from address rows 2a and
-    2a + 1), as 32-bit words (bytes kept four to a register): NoPE column blocks 0-1, 2-3, 4-5 as
+    2a + 1), as 32-bit words (bytes kept four to a register): V40_584: NoPE column blocks 0-1, 2-3, 4-5 as
     [RAW_KEYS, 2, 16] and block 6 as [RAW_KEYS, 16] words of four e4m3 bytes, and the scale words
     [RAW_KEYS] i64 (an absent key's loads, data offset negative, are masked off). A thread takes one key
     and one 16-byte piece of each of its NoPE blocks (seven 16-byte loads) and the scale word; nothing
-    waits for them until they are used. RoPE needs no dequantization: ``_copy_rope`` copies it."""
-    main_ptr = ka[0]
-    extra_ptr = ka[7]
-    base = gl.where(t < Mm, main_ptr, extra_ptr)
+    waits for them until they are used. RoPE needs no dequantization: ``_copy_rope`` copies it. V41_528
+    (``_scale32``): column blocks 0-1, 2-3, 4-5, 6-7 as [RAW_KEYS, 2, 2, 8] words (eight 16-byte loads a
+    thread) and the two scale words [RAW_KEYS, 2] i64 (one 16-byte load)."""
+    base = gl.where(t < Mm, ka[0], ka[7])
+    if _scale32(FMT):
+        k01, k23, k45, k6, word = _gather_chunk32(base, addr_rows, a, key0, RAW_KEYS, PROBE, LOAD_WARPS)
+    else:
+        k01, k23, k45, k6, word = _gather_chunk64(base, addr_rows, a, key0, RAW_KEYS, PROBE, LOAD_WARPS)
+    return k01, k23, k45, k6, word
+
+
+@gluon.jit
+def _gather_chunk64(base, addr_rows, a, key0, RAW_KEYS: gl.constexpr, PROBE: gl.constexpr,
+                    LOAD_WARPS: gl.constexpr):
+    """``_gather_chunk`` of V40_584 records."""
     wbase = base.to(gl.pointer_type(gl.int32))
     LP: gl.constexpr = _pair_layout(LOAD_WARPS)
     L1: gl.constexpr = gl.SliceLayout(1, LP)
@@ -287,6 +347,35 @@ def _gather_chunk(ka, addr_rows, a, t, key0, Mm, RAW_KEYS: gl.constexpr, PROBE: 
 
 
 @gluon.jit
+def _gather_chunk32(base, addr_rows, a, key0, RAW_KEYS: gl.constexpr, PROBE: gl.constexpr,
+                    LOAD_WARPS: gl.constexpr):
+    """``_gather_chunk`` of V41_528 records: four pairs of column blocks [RAW_KEYS, 2, 2, 8] (a thread's
+    16-byte piece of a block is the four words of one half of it) and the 16 scale bytes [RAW_KEYS, 2]."""
+    wbase = base.to(gl.pointer_type(gl.int32))
+    LP: gl.constexpr = _pair_layout(LOAD_WARPS, True)
+    S2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LP))        # [keys, 2]: both in one thread
+    row = addr_rows.index(2 * a).slice(key0, RAW_KEYS)
+    data = row.load(gl.SliceLayout(1, S2))
+    ok = (data >= 0) & ((PROBE & 1) == 0)
+    wp = gl.multiple_of(data // 4, 4)
+    c2 = gl.arange(0, 2, layout=gl.SliceLayout(0, S2))
+    h2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LP))))
+    w8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LP))))
+    ptr = (wbase + wp[:, None, None, None] + (c2 * 16)[None, :, None, None] + (h2 * 8)[None, None, :, None]
+           + w8[None, None, None, :])
+    m = (ok[:, None, None, None] & (c2 < 2)[None, :, None, None] & (h2 < 2)[None, None, :, None]
+         & (w8 < 8)[None, None, None, :])
+    k01 = gl.load(ptr, mask=m, other=0)
+    k23 = gl.load(ptr + 32, mask=m, other=0)
+    k45 = gl.load(ptr + 64, mask=m, other=0)
+    k67 = gl.load(ptr + 96, mask=m, other=0)
+    scal = addr_rows.index(2 * a + 1).slice(key0, RAW_KEYS).load(gl.SliceLayout(1, S2))
+    words = gl.load(base.to(gl.pointer_type(gl.int64)) + gl.multiple_of(scal, 2)[:, None] + c2[None, :],
+                    mask=ok[:, None] & (c2 < 2)[None, :], other=0)
+    return k01, k23, k45, k67, words
+
+
+@gluon.jit
 def _scale_pairs(sb):
     """UE8M0 bytes -> the bf16x2 pairs of their two exact power-of-two factors: value * 2^-120 times
     2^(byte - 7) is two exact bf16 multiplies, 2^(min(byte, 134) - 7) and 2^(max(byte, 134) - 134), both
@@ -307,23 +396,53 @@ def _store_pair(rows, kw, word, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD_WA
 
 
 @gluon.jit
+def _store_pair32(rows, kw, words, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD_WARPS: gl.constexpr):
+    """V41_528: column blocks 2J, 2J + 1 of a chunk ([keys, 2, 2, 8] words), dequantized, -> words
+    [64 J, 64 J + 64) of the rows. Half h of block 2J + c takes scale byte 2 (2J + c) + h: byte
+    2c + h of the pair's 32-bit scale word J (bits 32 (J % 2) of int64 word J // 2)."""
+    LP: gl.constexpr = _pair_layout(LOAD_WARPS, True)
+    S3: gl.constexpr = gl.SliceLayout(3, LP)
+    lo_w, hi_w = gl.split(words)
+    if J < 2:
+        w = lo_w
+    else:
+        w = hi_w
+    # the pair's four scale bytes: 32-bit half J % 2 of the word
+    w = gl.convert_layout((w >> (32 * (J % 2))).to(gl.int32), gl.SliceLayout(1, gl.SliceLayout(2, S3)),
+                          assert_trivial=True)
+    c2 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(0, S3)))
+    h2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, S3)))
+    sh = 8 * (2 * c2[:, None] + h2[None, :])
+    m1, m2 = _scale_pairs((w[:, None, None] >> sh[None, :, :]) & 0xFF)
+    lo, hi = _dequant_words(kw, m1[:, :, :, None], m2[:, :, :, None])
+    rows.slice(64 * J, 64, dim=1).store(gl.reshape(gl.join(lo, hi), [RAW_KEYS, 64]))
+
+
+@gluon.jit
 def _store_chunk(k01, k23, k45, k6, word, addr_rows, a, k_slot, bias_slot, SUB: gl.constexpr,
-                 RAW_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr):
+                 RAW_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr, FMT: gl.constexpr):
     """A chunk gathered by ``_gather_chunk`` -> rows [SUB * RAW_KEYS, +RAW_KEYS) of a K slot (bf16 in the
-    natural 448 + 64 order, written as bf16x2 words through a 32-bit view of the same 128-byte-swizzled
-    bytes; the RoPE columns are ``_copy_rope``'s) and of its bias row, a few column blocks at a time (few registers live). A warp writes eight
-    keys x 128 bytes per two 16-byte stores: eight rows of the swizzle, no bank conflicts."""
+    natural 512-dim order, written as bf16x2 words through a 32-bit view of the same 128-byte-swizzled
+    bytes; V40_584's RoPE columns are ``_copy_rope``'s) and of its bias row, a few column blocks at a time
+    (few registers live). A warp writes eight keys x 128 bytes per two 16-byte stores: eight rows of the
+    swizzle, no bank conflicts. V41_528: k6 holds column blocks 6-7, word the two scale words."""
     LP: gl.constexpr = _pair_layout(LOAD_WARPS)
     L1: gl.constexpr = gl.SliceLayout(1, LP)
     WL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     rows = k_slot._reinterpret(gl.int32, [BLOCK_N, 256], WL).slice(SUB * RAW_KEYS, RAW_KEYS, dim=0)
-    _store_pair(rows, k01, word, 0, RAW_KEYS, LOAD_WARPS)
-    _store_pair(rows, k23, word, 1, RAW_KEYS, LOAD_WARPS)
-    _store_pair(rows, k45, word, 2, RAW_KEYS, LOAD_WARPS)
-    w6 = gl.convert_layout(word, gl.SliceLayout(1, L1))
-    m1, m2 = _scale_pairs(((w6 >> 48) & 0xFF).to(gl.int32))
-    lo, hi = _dequant_words(k6, m1[:, None], m2[:, None])
-    rows.slice(192, 32, dim=1).store(gl.reshape(gl.join(lo, hi), [RAW_KEYS, 32]))
+    if _scale32(FMT):
+        _store_pair32(rows, k01, word, 0, RAW_KEYS, LOAD_WARPS)
+        _store_pair32(rows, k23, word, 1, RAW_KEYS, LOAD_WARPS)
+        _store_pair32(rows, k45, word, 2, RAW_KEYS, LOAD_WARPS)
+        _store_pair32(rows, k6, word, 3, RAW_KEYS, LOAD_WARPS)
+    else:
+        _store_pair(rows, k01, word, 0, RAW_KEYS, LOAD_WARPS)
+        _store_pair(rows, k23, word, 1, RAW_KEYS, LOAD_WARPS)
+        _store_pair(rows, k45, word, 2, RAW_KEYS, LOAD_WARPS)
+        w6 = gl.convert_layout(word, gl.SliceLayout(1, L1))
+        m1, m2 = _scale_pairs(((w6 >> 48) & 0xFF).to(gl.int32))
+        lo, hi = _dequant_words(k6, m1[:, None], m2[:, None])
+        rows.slice(192, 32, dim=1).store(gl.reshape(gl.join(lo, hi), [RAW_KEYS, 32]))
     # the bias from the tile's address rows (still in place: they are rewritten a tile later)
     LS: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
     data = addr_rows.index(2 * a).slice(SUB * RAW_KEYS, RAW_KEYS).load(LS)
@@ -340,8 +459,8 @@ def _publish(k_live, ks, live, LOAD_WARPS: gl.constexpr):
 
 @gluon.jit
 def _copy_rope(ka, addr_rows, a, t, Mm, k_slot, LOAD_WARPS: gl.constexpr):
-    """cp.async of tile t's RoPE values (64 bf16 after the 448 NoPE bytes of each record; offsets from
-    address row 2a) straight into the K slot's last 64 columns, one commit group; an absent key's are
+    """cp.async of tile t's V40_584 RoPE values (64 bf16 after the 448 NoPE bytes of each record; offsets
+    from address row 2a) straight into the K slot's last 64 columns, one commit group; an absent key's are
     zero-filled."""
     base = gl.where(t < Mm, ka[0], ka[7]).to(gl.pointer_type(gl.bfloat16))
     LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])
@@ -357,7 +476,7 @@ def _copy_rope(ka, addr_rows, a, t, Mm, k_slot, LOAD_WARPS: gl.constexpr):
 def _loader_start(sa, la, ka, idx_rows, addr_rows, BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr,
                   EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
                   HAS_EXTRA_LEN: gl.constexpr, L2_AHEAD: gl.constexpr, KV_BF16: gl.constexpr,
-                  LOAD_WARPS: gl.constexpr):
+                  LOAD_WARPS: gl.constexpr, FMT: gl.constexpr):
     """Both loaders' start: the CTA's tiles, tiles 0 and 1 (tile of its unit, lengths as loaded), their
     index rows (tile j in row j % 3) and tile 0's address rows (tile j in rows 2 (j % 2), 2 (j % 2) + 1),
     published by a partition barrier. -> (Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1)."""
@@ -375,7 +494,7 @@ def _loader_start(sa, la, ka, idx_rows, addr_rows, BLOCK_N: gl.constexpr, MAIN_B
     gl.thread_barrier()
     cm0, ce0 = _clamp_lengths(la, nm0, ne0)
     _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, cm0, ce0, Mm, L2_AHEAD,
-                    BLOCK_N, MAIN_BS, EXTRA_BS, KV_BF16)
+                    BLOCK_N, MAIN_BS, EXTRA_BS, KV_BF16, FMT)
     gl.thread_barrier()
     return Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1
 
@@ -383,12 +502,13 @@ def _loader_start(sa, la, ka, idx_rows, addr_rows, BLOCK_N: gl.constexpr, MAIN_B
 @gluon.jit
 def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, MAIN_BS: gl.constexpr,
             EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
-            L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr):
+            L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr, FMT: gl.constexpr):
     """Tile i is two chunks of RAW_KEYS = 32 keys gathered into registers. Its second chunk is loaded at the
     top of iteration i, while its first (loaded during tile i - 1) is dequantized into the K slot; the
     first chunk of tile i + 1 is loaded before the second of tile i is dequantized. Tile i + 1's record
     offsets are made (and asked of L2) during tile i, from its index row, copied during tile i - 1; tile
-    i + 2's lengths are loaded during tile i and first used during tile i + 1."""
+    i + 2's lengths are loaded during tile i and first used during tile i + 1. FMT: the caches' record
+    format (both sets), V40_584 (RoPE copied by cp.async) or V41_528 (every column dequantized)."""
     q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
@@ -396,15 +516,17 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
     gl.static_assert(RAW_KEYS == 8 * LOAD_WARPS)
     Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1 = _loader_start(
         sa, la, ka, idx_rows, addr_rows, BLOCK_N, MAIN_BS, EXTRA_BS, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD,
-        False, LOAD_WARPS)
-    c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, 0, t0, 0, Mm, RAW_KEYS, PROBE, LOAD_WARPS)
+        False, LOAD_WARPS, FMT)
+    HAS_ROPE: gl.constexpr = not _scale32(FMT)      # V40_584's bf16 RoPE columns, copied as they are
+    c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, 0, t0, 0, Mm, RAW_KEYS, PROBE, LOAD_WARPS, FMT)
     for i in range(n_tiles):
         ks = i % K_STAGES
         k_slot = k_ring.index(ks)
         bias_slot = k_bias.index(ks)
         live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
-        c1a, c1b, c1c, c1d, word1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, PROBE,
-                                                  LOAD_WARPS)
+        if HAS_ROPE:
+            c1a, c1b, c1c, c1d, word1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, PROBE,
+                                                      LOAD_WARPS, FMT)
         u2, t2, b2, s2 = _unit_tile(A + i + 2, sa, M)
         ok2 = i + 2 < n_tiles
         nm2, ne2 = _load_lengths(la, b2, s2, ok2, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
@@ -417,21 +539,27 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
         cm1, ce1 = _clamp_lengths(la, nm1, ne1)
         _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
                         addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, MAIN_BS, EXTRA_BS,
-                        False)
+                        False, FMT)
+        if not HAS_ROPE:
+            # V41_528's larger chunks (eight 16-byte pieces and two scale words a thread) are not held across the
+            # address rows' arithmetic: the second chunk is loaded after it
+            c1a, c1b, c1c, c1d, word1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, PROBE,
+                                                      LOAD_WARPS, FMT)
         # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
         mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
         _publish(k_live, ks, live, LOAD_WARPS)
         if live:
-            _copy_rope(ka, addr_rows, i % 2, t0, Mm, k_slot, LOAD_WARPS)
+            if HAS_ROPE:
+                _copy_rope(ka, addr_rows, i % 2, t0, Mm, k_slot, LOAD_WARPS)
             _store_chunk(c0a, c0b, c0c, c0d, word0, addr_rows, i % 2, k_slot, bias_slot, 0, RAW_KEYS,
-                         BLOCK_N, LOAD_WARPS)
+                         BLOCK_N, LOAD_WARPS, FMT)
         # tile i + 1's address rows are written by every thread
         gl.thread_barrier()
         c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, (i + 1) % 2, t1, 0, Mm, RAW_KEYS, PROBE,
-                                                  LOAD_WARPS)
+                                                  LOAD_WARPS, FMT)
         if live:
             _store_chunk(c1a, c1b, c1c, c1d, word1, addr_rows, i % 2, k_slot, bias_slot, 1, RAW_KEYS,
-                         BLOCK_N, LOAD_WARPS)
+                         BLOCK_N, LOAD_WARPS, FMT)
         # the RoPE copies have landed; K rows written by the generic proxy are read by wgmma (async
         # proxy): fence, then one arrive once every loader thread has fenced its stores
         async_copy.wait_group(0)
@@ -462,7 +590,7 @@ def _copy_rows(ka, addr_rows, a, t, Mm, k_slot, bias_slot, BLOCK_N: gl.constexpr
 
 @gluon.jit
 def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
-                 L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr):
+                 L2_AHEAD: gl.constexpr, PROBE: gl.constexpr, LOAD_WARPS: gl.constexpr, FMT: gl.constexpr):
     """The loader for KV_BF16 (prefill over a bf16 kv, no extra set): tile i's rows are copied (cp.async)
     into its K slot as soon as the slot is free, and handed over once they have landed, which is after
     tile i + 1's copies are issued (two tiles in flight). Indices two tiles ahead, record offsets (and L2
@@ -471,7 +599,7 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
     Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1 = _loader_start(
-        sa, la, ka, idx_rows, addr_rows, BLOCK_N, 1, 1, False, HAS_MAIN_LEN, False, L2_AHEAD, True, LOAD_WARPS)
+        sa, la, ka, idx_rows, addr_rows, BLOCK_N, 1, 1, False, HAS_MAIN_LEN, False, L2_AHEAD, True, LOAD_WARPS, FMT)
     for i in range(n_tiles):
         ks = i % K_STAGES
         live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
@@ -493,7 +621,8 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
             mbarrier.arrive(k_ready.index((i - 1) % K_STAGES), count=1)
         cm1, ce1 = _clamp_lengths(la, nm1, ne1)
         _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
-                        addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, 1, 1, True)
+                        addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, 1, 1, True,
+                        FMT)
         # tile i + 1's address rows, read by its copies at the next iteration, are written by every thread
         gl.thread_barrier()
         t0, nm0, ne0 = t1, nm1, ne1
@@ -748,7 +877,7 @@ def _sparse_mla_ws_kernel(
         HAS_EXTRA_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_N: gl.constexpr, HEADS: gl.constexpr,
         K_STAGES: gl.constexpr, L2_AHEAD: gl.constexpr, C0_REGS: gl.constexpr, C1_REGS: gl.constexpr,
         KV_BF16: gl.constexpr, HAS_MAXL: gl.constexpr, Q_ASYNC: gl.constexpr, PROBE: gl.constexpr,
-        num_warps: gl.constexpr):
+        FMT: gl.constexpr, num_warps: gl.constexpr):
     LOAD_WARPS: gl.constexpr = num_warps      # the loader is the default partition
     gl.static_assert(BLOCK_N == 64 and LOAD_WARPS == 4)
     KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -787,9 +916,10 @@ def _sparse_mla_ws_kernel(
     # the loader gets what the consumers leave of the kernel's register cap (65536 / 384 threads -> 168):
     # 3 * 168 - C0_REGS - C1_REGS per thread
     if KV_BF16:
-        gl.static_assert(not HAS_EXTRA and MAIN_BS == 1)
+        gl.static_assert(not HAS_EXTRA and MAIN_BS == 1 and FMT.name == "V40_584")  # FMT unused: rows
         gl.warp_specialize([
-            (_loader_rows, (sa, la, ka, bufs, bars, BLOCK_N, K_STAGES, HAS_MAIN_LEN, L2_AHEAD, PROBE, LOAD_WARPS)),
+            (_loader_rows, (sa, la, ka, bufs, bars, BLOCK_N, K_STAGES, HAS_MAIN_LEN, L2_AHEAD, PROBE, LOAD_WARPS,
+                            FMT)),
             (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
                           HAS_SINK, HAS_MAXL, Q_ASYNC, PROBE)),
             (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
@@ -798,7 +928,7 @@ def _sparse_mla_ws_kernel(
     else:
         gl.warp_specialize([
             (_loader, (sa, la, ka, bufs, bars, BLOCK_N, K_STAGES, MAIN_BS, EXTRA_BS, HAS_EXTRA, HAS_MAIN_LEN,
-                       HAS_EXTRA_LEN, L2_AHEAD, PROBE, LOAD_WARPS)),
+                       HAS_EXTRA_LEN, L2_AHEAD, PROBE, LOAD_WARPS, FMT)),
             (_consumer0, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
                           HAS_SINK, HAS_MAXL, Q_ASYNC, PROBE)),
             (_consumer1, (sa, la, oa, bufs, bars, HEADS, BLOCK_N, K_STAGES, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
@@ -865,14 +995,30 @@ def q_rows_aligned(q) -> bool:
     return q.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in q.stride()[:-1])
 
 
+# the record formats the kernel reads (both caches of a call in one of them): V4.0's, and V4.1's fp8 record in
+# either page layout
+FORMATS = (L.V40_584, L.V41_528, L.interleaved(L.V41_528))
+
+
+def reads(fmt: L.RecordFormat, extra_fmt: L.RecordFormat = None) -> bool:
+    """The kernel reads a call over caches of these formats: ``fmt`` one of FORMATS, and the extra cache (if
+    any) of the same format and page layout. Everything else (a V41_FP4_288 extra cache, FNUZ-flavour
+    records) is ``sparse_mla_decode.py``'s kernel's."""
+    return fmt in FORMATS and (extra_fmt is None or extra_fmt == fmt)
+
+
 @functools.lru_cache(maxsize=1024)
 def constexprs(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: bool, has_len: bool,
-               has_extra_len: bool, has_sink: bool, q_async: bool = True) -> dict:
-    """The kernel's constexprs and launch options for a config (items of a ``sparse_mla_decode`` plan)."""
+               has_extra_len: bool, has_sink: bool, q_async: bool = True, fmt: L.RecordFormat = L.V40_584) -> dict:
+    """The kernel's constexprs and launch options for a config (items of a ``sparse_mla_decode`` plan) over
+    caches of the record format ``fmt`` (one of FORMATS)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"the Hopper decode kernel reads {', '.join(f.name + ' ' + f.layout for f in FORMATS)} "
+                         f"records, not {fmt.name} {fmt.layout}")
     cfg = dict(cfg_items)
     return dict(MAIN_BS=main_bs, EXTRA_BS=extra_bs, HAS_EXTRA=has_extra, HAS_MAIN_LEN=has_len,
                 HAS_EXTRA_LEN=has_extra_len, HAS_SINK=has_sink, HEADS=h, KV_BF16=False, HAS_MAXL=False,
-                Q_ASYNC=q_async, **{k: cfg[k] for k in CONFIG_KEYS})
+                Q_ASYNC=q_async, FMT=fmt, **{k: cfg[k] for k in CONFIG_KEYS})
 
 
 def prefill_constexprs(cfg_items: tuple, h: int, has_len: bool, has_sink: bool, q_async: bool = True) -> dict:
@@ -880,18 +1026,22 @@ def prefill_constexprs(cfg_items: tuple, h: int, has_len: bool, has_sink: bool, 
     one-key pages, max logits written)."""
     cfg = dict(cfg_items)
     return dict(MAIN_BS=1, EXTRA_BS=1, HAS_EXTRA=False, HAS_MAIN_LEN=has_len, HAS_EXTRA_LEN=False,
-                HAS_SINK=has_sink, HEADS=h, KV_BF16=True, HAS_MAXL=True, Q_ASYNC=q_async,
+                HAS_SINK=has_sink, HEADS=h, KV_BF16=True, HAS_MAXL=True, Q_ASYNC=q_async, FMT=L.V40_584,
                 **{k: cfg[k] for k in CONFIG_KEYS})
 
 
-def _matrix_constexprs(arch, small_pages=False):
+def _matrix_constexprs(arch, small_pages=False, fmt=L.V40_584):
     return dict(MAIN_BS=64 if small_pages else 256, EXTRA_BS=2 if small_pages else 64, HAS_EXTRA=True,
                 HAS_MAIN_LEN=True, HAS_EXTRA_LEN=True, HAS_SINK=True, HEADS=128 if small_pages else 64,
-                KV_BF16=False, HAS_MAXL=False, Q_ASYNC=True,
+                KV_BF16=False, HAS_MAXL=False, Q_ASYNC=True, FMT=fmt,
                 **{k: v for k, v in default_config(128 if small_pages else 64).items() if k != "num_warps"})
 
 
 _POINTERS = dict(DECODE_POINTERS, maxl_ptr="*fp32")
+
+# V41_528's chunk is 36 registers a thread (eight 16-byte pieces, two scale words) against V40_584's 30, and the
+# loader holds two chunks in flight within its 144 registers: ptxas spills a few loader values (to L1)
+_V41_SPILLS = "V41_528 loader: two 36-register chunks in flight within 144 registers (sparse_mla_decode_ws.py)"
 
 
 # entries of the CPU compile matrix (build_tools/compile_matrix.py): sm_90a only (wgmma, setmaxnreg)
@@ -903,10 +1053,19 @@ COMPILE_SPECS = [
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, small_pages=True),
          options=lambda arch: dict(num_warps=default_config()["num_warps"]), matrix=True, fp8_convert=True,
          targets=("sm_90a",), wgmma_pipelined=True),
+    # V4.1's fp8 records: interleaved (vLLM 0.33's layout) with 64 heads and L2 requests, page-split with 128
+    dict(name="sparse_mla_decode_ws[V41_528]", fn=_sparse_mla_ws_kernel, pointers=_POINTERS, floats=("sm_log2",),
+         constexprs=lambda arch: _matrix_constexprs(arch, fmt=L.interleaved(L.V41_528)),
+         options=lambda arch: dict(num_warps=default_config()["num_warps"]), matrix=True, fp8_convert=True,
+         targets=("sm_90a",), wgmma_pipelined=True, ptxas_spills=_V41_SPILLS),
+    dict(name="sparse_mla_decode_ws[V41_528 page-split,h128,bs2]", fn=_sparse_mla_ws_kernel, pointers=_POINTERS,
+         floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, small_pages=True, fmt=L.V41_528),
+         options=lambda arch: dict(num_warps=default_config()["num_warps"]), matrix=True, fp8_convert=True,
+         targets=("sm_90a",), wgmma_pipelined=True, ptxas_spills=_V41_SPILLS),
     dict(name="sparse_mla_prefill_ws", fn=_sparse_mla_ws_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: dict(
              MAIN_BS=1, EXTRA_BS=1, HAS_EXTRA=False, HAS_MAIN_LEN=True, HAS_EXTRA_LEN=False, HAS_SINK=True, HEADS=64,
-             KV_BF16=True, HAS_MAXL=True, Q_ASYNC=True,
+             KV_BF16=True, HAS_MAXL=True, Q_ASYNC=True, FMT=L.V40_584,
              **{k: v for k, v in prefill_config().items() if k != "num_warps"}),
          options=lambda arch: dict(num_warps=prefill_config()["num_warps"]), matrix=True, targets=("sm_90a",),
          wgmma_pipelined=True),
