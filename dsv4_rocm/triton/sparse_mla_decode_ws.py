@@ -37,14 +37,15 @@ Three partitions, 12 warps:
   Two tiles ahead it copies the tile's BLOCK_N indices into a ring of three index rows (cp.async) and
   loads its unit's lengths (registers; first used a tile later, so nothing waits for the load); one tile
   ahead it turns the indices into record offsets (two int64 address rows per tile, two tiles' worth: data
-  offset or -16 for an absent key, scale-word offset) and, with L2_AHEAD, asks L2 for every valid record
-  (``prefetch.global.L2``: the lines of its data (five or six) and, page-split, its scale bytes). It
-  gathers a chunk's e4m3 bytes and scale words straight into registers as 32-bit words (16-byte loads: a
-  thread takes one key and one 16-byte piece of each 64-byte column block: seven blocks and one scale word
-  for V40_584, eight blocks and two scale words for V41_528, whose piece g = 0..3 of block b takes scale
-  2b + (g >= 2)), the second chunk of tile i at the top of iteration i (V41_528: after tile i + 1's address
-  rows, fewer registers held across them) and the first of tile i + 1 before the second of tile i is
-  dequantized; an absent key's loads are masked off. It dequantizes a chunk with integer ops (e4m3 -> bf16
+  offset or -16 for an absent key, and V40_584's scale-word offset) and, with L2_AHEAD, asks L2 for every
+  valid record (``prefetch.global.L2``: the lines of its data (five or six) and, V40_584, its scale word);
+  V41_528's 16 scale bytes a key are copied then (cp.async) into the tile's scale slot (int32 [4, BLOCK_N],
+  two tiles' worth), not held in registers. It gathers a chunk's e4m3 bytes (and V40_584's scale words)
+  straight into registers as 32-bit words (16-byte loads: a thread takes one key and one 16-byte piece of
+  each 64-byte column block: seven blocks and one scale word for V40_584, eight blocks for V41_528, whose
+  piece g = 0..3 of block b takes scale 2b + (g >= 2), read from the scale slot at dequant time), the
+  second chunk of tile i at the top of iteration i and the first of tile i + 1 before the second of tile i
+  is dequantized; an absent key's loads are masked off. It dequantizes a chunk with integer ops (e4m3 -> bf16
   times 2^-120 by byte shuffles, then two exact packed-bf16 multiplies by powers of two, as
   ``_decode_tiles.e4m3_to_scaled_bf16_ptx``) into its rows of the tile's K slot: bf16 [BLOCK_N, 512] in
   the 128-byte-swizzled wgmma layout, in the natural order, written as bf16x2 words; V40_584's RoPE
@@ -67,10 +68,12 @@ Three partitions, 12 warps:
 
 Registers: the kernel cap is 65536 / 384 threads = 168; consumer 0 takes C0_REGS (a 64 x 256 fp32
 accumulator is 128 of them, S and P 48 more), consumer 1 C1_REGS, the loader what is left,
-3 * 168 - C0_REGS - C1_REGS (144 by default: spill-free for V40_584; V41_528's two chunks in flight, 72
-registers against 60, make ptxas spill a few loader values, compile matrix).
+3 * 168 - C0_REGS - C1_REGS (144 by default: spill-free, compile matrix; two chunks in flight are 60
+registers a thread for V40_584 (seven pieces and a scale word each) and 64 for V41_528 (eight pieces; its
+scale bytes wait in shared memory, which is what keeps it within the 144).
 Shared memory (BLOCK_N 64): Q 64 KB + K ring 2 x 64 KB + P 8 KB + index and address rows 3 KB + biases,
-liveness flags, alpha, row factors and barriers 1.2 KB = 204 KB of the 227 KB.
+liveness flags, alpha, row factors and barriers 1.2 KB = 204 KB of the 227 KB; V41_528 2 KB more, the two
+scale slots.
 
 Barriers. An mbarrier arrive is made by one thread of its partition, after a partition barrier
 (``gl.thread_barrier``, a named barrier of the partition's warps) that orders every thread's
@@ -90,12 +93,15 @@ fresh barrier at once.
 * ``o_ready`` / ``o_free`` (count 1): the same hand-over of the row factors at the end of the k-th unit
   part (consumer 0 stores them after waiting on o_free, parity (k & 1) ^ 1; consumer 1 waits on o_ready,
   parity k & 1, reads them and arrives on o_free).
-The index and address rows need no mbarrier: only the loader touches them. cp.async completion is per
-thread (wait_group), so the partition barrier after it makes an index row visible to every loader
-thread, and tells the loader that every thread is done reading the rows it refills next; a second
-partition barrier a tile publishes the address rows it wrote. Q is written and read by consumer 0 alone
-(its S of the previous unit has completed, and every thread has passed a partition barrier, before the
-next Q is copied; the copy is waited for, fenced and barriered before the next S).
+The index and address rows and the scale slots need no mbarrier: only the loader touches them. cp.async
+completion is per thread (wait_group), so the partition barrier after it makes an index row visible to
+every loader thread, and tells the loader that every thread is done reading the rows it refills next; a
+second partition barrier a tile publishes the address rows it wrote. Tile i + 1's scale bytes are copied
+with its address rows (in iteration i, after the barrier that follows every read of its slot by tile
+i - 1) and waited for by iteration i's last wait_group, before the barrier ahead of its k_ready arrive:
+they are visible to every loader thread when tile i + 1 is dequantized. Q is written and read by consumer
+0 alone (its S of the previous unit has completed, and every thread has passed a partition barrier, before
+the next Q is copied; the copy is waited for, fenced and barriered before the next S).
 """
 import functools
 
@@ -204,18 +210,39 @@ def _copy_indices(ka, dst, t, bi, si, ok, Mm, BLOCK_N: gl.constexpr, LOAD_WARPS:
 
 
 @gluon.jit
+def _copy_scales(base, scal, valid, dst):
+    """V41_528: cp.async of each valid key's 16 scale bytes (byte offset ``scal`` from ``base``) into the
+    scale slot ``dst`` (int32 [4 BLOCK_N]: word j of key n at j BLOCK_N + n, so that a dequant reads one
+    word of consecutive keys), one commit group; an absent key's are zero-filled, never read. The keys lie
+    on the threads as in ``_tile_addresses`` (no data movement), each thread two of a key's four words."""
+    BLOCK_N: gl.constexpr = dst.shape[0] // 4
+    LC: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [2, 2], [0, 1])
+    dst = dst._reinterpret(gl.int32, [4, BLOCK_N], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                                            order=[1, 0]))
+    keys = gl.convert_layout(scal // 4, gl.SliceLayout(0, LC), assert_trivial=True)
+    ok = gl.convert_layout(valid, gl.SliceLayout(0, LC), assert_trivial=True)
+    j = gl.arange(0, 4, layout=gl.SliceLayout(1, LC))
+    async_copy.async_copy_global_to_shared(dst, base.to(gl.pointer_type(gl.int32)) + keys[None, :] + j[:, None],
+                                           mask=ok[None, :] & (j < 4)[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_AHEAD: gl.constexpr,
                     BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr, EXTRA_BS: gl.constexpr, KV_BF16: gl.constexpr,
-                    FMT: gl.constexpr):
+                    FMT: gl.constexpr, PROBE: gl.constexpr):
     """Tile t's records, once per tile: from its shared index row to two int64 rows [BLOCK_N] (``data_row``:
     byte offset of each record's data from its cache's base, -16 when the key is absent (negative, and a
     multiple of 16 like every offset, so the masked-off 16-byte copies keep aligned addresses);
     ``scal_row``: element offset of its first scale word (8 scale bytes) as an int64), so the chunk gathers
-    do no index arithmetic. Offsets as ``layout.data_offset`` / ``record_scale_offset`` for the record format
-    FMT. With L2_AHEAD also asks L2 for every valid record: bytes 0, 128, ..., 512 (at most its last byte) and
-    the last byte of its data (the 128-byte lines it spans: five or six for V40_584's 576 bytes) and, for a
-    page-split page, its first scale word, one request per element of [BLOCK_N keys, 8]. KV_BF16 (rows of
-    512 bf16, MAIN_BS 1): the data offset is the row's, and the requests are its eight 128-byte lines."""
+    do no index arithmetic; V41_528: ``scal_row`` is the tile's scale slot, and the scale bytes themselves
+    are copied into it (``_copy_scales``, one commit group). Offsets as ``layout.data_offset`` /
+    ``record_scale_offset`` for the record format FMT. With L2_AHEAD also asks L2 for every valid record:
+    bytes 0, 128, ..., 512 (at most its last byte) and the last byte of its data (the 128-byte lines it
+    spans: five or six for V40_584's 576 bytes) and, for V40_584, its scale word (apart from the data on a
+    page-split page), one request per element of [BLOCK_N keys, 8]. PROBE & 1 masks the scale copies off
+    (measurement only, as the gathers). KV_BF16 (rows of 512 bf16, MAIN_BS 1): the data offset is the
+    row's, and the requests are its eight 128-byte lines."""
     (main_ptr, main_stride, main_cap, main_idx_ptr, stride_mib, stride_mis, main_topk,
      extra_ptr, extra_stride, extra_cap, extra_idx_ptr, stride_eib, stride_eis, extra_topk) = ka
     # 2 warps along the keys, 2 along the 8 requests of a key (4 each)
@@ -236,7 +263,10 @@ def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_
         # the scale bytes of a record: aligned int64 words at page + bs * data_bytes + off * scale_bytes
         scal = page + gl.where(in_main, MAIN_BS * FMT.data_bytes, EXTRA_BS * FMT.data_bytes) + off * FMT.scale_bytes
     data_row.store(gl.where(valid, data, -16))
-    scal_row.store(scal // 8)
+    if not _scale32(FMT):
+        scal_row.store(scal // 8)
+    else:
+        _copy_scales(gl.where(in_main, main_ptr, extra_ptr), scal, valid & ((PROBE & 1) == 0), scal_row)
     if L2_AHEAD:
         c = gl.arange(0, 8, layout=gl.SliceLayout(0, LP))
         base = gl.where(in_main, main_ptr, extra_ptr)
@@ -245,14 +275,14 @@ def _tile_addresses(ka, idx_row, data_row, scal_row, t, n_main, n_extra, Mm, L2_
                          valid[:, None] & (c < 8)[None, :])
         else:
             # the bytes a record's lines are asked by: 0, 128, ..., 512 and its last (SPAN - 1), then the
-            # scale word where it lies apart from the data (page-split)
+            # scale word where it lies apart from the data (V40_584; V41_528's are being copied already)
             SPAN: gl.constexpr = FMT.token_bytes if FMT.interleaved else FMT.data_bytes
             lines = (c * 128).to(gl.int64)
             if SPAN <= 513:
                 lines = gl.minimum(lines, SPAN - 1)
             off8 = gl.where(c[None, :] < 5, lines[None, :],
                             gl.where(c[None, :] == 5, data[:, None] * 0 + (SPAN - 1), (scal - data)[:, None]))
-            REQS: gl.constexpr = 6 if FMT.interleaved else 7
+            REQS: gl.constexpr = 6 if FMT.interleaved or _scale32(FMT) else 7
             _prefetch_l2(base.to(gl.int64) + data[:, None] + off8, valid[:, None] & (c < REQS)[None, :])
 
 
@@ -310,7 +340,8 @@ def _gather_chunk(ka, addr_rows, a, t, key0, Mm, RAW_KEYS: gl.constexpr, PROBE: 
     and one 16-byte piece of each of its NoPE blocks (seven 16-byte loads) and the scale word; nothing
     waits for them until they are used. RoPE needs no dequantization: ``_copy_rope`` copies it. V41_528
     (``_scale32``): column blocks 0-1, 2-3, 4-5, 6-7 as [RAW_KEYS, 2, 2, 8] words (eight 16-byte loads a
-    thread) and the two scale words [RAW_KEYS, 2] i64 (one 16-byte load)."""
+    thread) and a constant 0 for the scale words: the scale bytes are in the tile's scale slot
+    (``_copy_scales``), read at dequant time."""
     base = gl.where(t < Mm, ka[0], ka[7])
     if _scale32(FMT):
         k01, k23, k45, k6, word = _gather_chunk32(base, addr_rows, a, key0, RAW_KEYS, PROBE, LOAD_WARPS)
@@ -369,10 +400,8 @@ def _gather_chunk32(base, addr_rows, a, key0, RAW_KEYS: gl.constexpr, PROBE: gl.
     k23 = gl.load(ptr + 32, mask=m, other=0)
     k45 = gl.load(ptr + 64, mask=m, other=0)
     k67 = gl.load(ptr + 96, mask=m, other=0)
-    scal = addr_rows.index(2 * a + 1).slice(key0, RAW_KEYS).load(gl.SliceLayout(1, S2))
-    words = gl.load(base.to(gl.pointer_type(gl.int64)) + gl.multiple_of(scal, 2)[:, None] + c2[None, :],
-                    mask=ok[:, None] & (c2 < 2)[None, :], other=0)
-    return k01, k23, k45, k67, words
+    # the scale bytes are not held across the chunk: _copy_scales put them in the tile's scale slot
+    return k01, k23, k45, k67, gl.to_tensor(0)
 
 
 @gluon.jit
@@ -396,20 +425,14 @@ def _store_pair(rows, kw, word, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD_WA
 
 
 @gluon.jit
-def _store_pair32(rows, kw, words, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD_WARPS: gl.constexpr):
+def _store_pair32(rows, kw, scales, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD_WARPS: gl.constexpr):
     """V41_528: column blocks 2J, 2J + 1 of a chunk ([keys, 2, 2, 8] words), dequantized, -> words
     [64 J, 64 J + 64) of the rows. Half h of block 2J + c takes scale byte 2 (2J + c) + h: byte
-    2c + h of the pair's 32-bit scale word J (bits 32 (J % 2) of int64 word J // 2)."""
+    2c + h of the key's scale word J, read here from the chunk's keys' words J in the scale slot (``scales``,
+    [RAW_KEYS] int32; eight keys a warp, one word each, no bank conflict)."""
     LP: gl.constexpr = _pair_layout(LOAD_WARPS, True)
     S3: gl.constexpr = gl.SliceLayout(3, LP)
-    lo_w, hi_w = gl.split(words)
-    if J < 2:
-        w = lo_w
-    else:
-        w = hi_w
-    # the pair's four scale bytes: 32-bit half J % 2 of the word
-    w = gl.convert_layout((w >> (32 * (J % 2))).to(gl.int32), gl.SliceLayout(1, gl.SliceLayout(2, S3)),
-                          assert_trivial=True)
+    w = scales.load(gl.SliceLayout(1, gl.SliceLayout(2, S3)))
     c2 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(0, S3)))
     h2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, S3)))
     sh = 8 * (2 * c2[:, None] + h2[None, :])
@@ -419,22 +442,23 @@ def _store_pair32(rows, kw, words, J: gl.constexpr, RAW_KEYS: gl.constexpr, LOAD
 
 
 @gluon.jit
-def _store_chunk(k01, k23, k45, k6, word, addr_rows, a, k_slot, bias_slot, SUB: gl.constexpr,
+def _store_chunk(k01, k23, k45, k6, word, addr_rows, a, scal_slot, k_slot, bias_slot, SUB: gl.constexpr,
                  RAW_KEYS: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr, FMT: gl.constexpr):
     """A chunk gathered by ``_gather_chunk`` -> rows [SUB * RAW_KEYS, +RAW_KEYS) of a K slot (bf16 in the
     natural 512-dim order, written as bf16x2 words through a 32-bit view of the same 128-byte-swizzled
     bytes; V40_584's RoPE columns are ``_copy_rope``'s) and of its bias row, a few column blocks at a time
     (few registers live). A warp writes eight keys x 128 bytes per two 16-byte stores: eight rows of the
-    swizzle, no bank conflicts. V41_528: k6 holds column blocks 6-7, word the two scale words."""
+    swizzle, no bank conflicts. V41_528: k6 holds column blocks 6-7, and the scale bytes are read from the
+    tile's scale slot ``scal_slot`` (``_copy_scales``; word unused)."""
     LP: gl.constexpr = _pair_layout(LOAD_WARPS)
     L1: gl.constexpr = gl.SliceLayout(1, LP)
     WL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     rows = k_slot._reinterpret(gl.int32, [BLOCK_N, 256], WL).slice(SUB * RAW_KEYS, RAW_KEYS, dim=0)
     if _scale32(FMT):
-        _store_pair32(rows, k01, word, 0, RAW_KEYS, LOAD_WARPS)
-        _store_pair32(rows, k23, word, 1, RAW_KEYS, LOAD_WARPS)
-        _store_pair32(rows, k45, word, 2, RAW_KEYS, LOAD_WARPS)
-        _store_pair32(rows, k6, word, 3, RAW_KEYS, LOAD_WARPS)
+        _store_pair32(rows, k01, scal_slot.slice(SUB * RAW_KEYS, RAW_KEYS), 0, RAW_KEYS, LOAD_WARPS)
+        _store_pair32(rows, k23, scal_slot.slice(BLOCK_N + SUB * RAW_KEYS, RAW_KEYS), 1, RAW_KEYS, LOAD_WARPS)
+        _store_pair32(rows, k45, scal_slot.slice(2 * BLOCK_N + SUB * RAW_KEYS, RAW_KEYS), 2, RAW_KEYS, LOAD_WARPS)
+        _store_pair32(rows, k6, scal_slot.slice(3 * BLOCK_N + SUB * RAW_KEYS, RAW_KEYS), 3, RAW_KEYS, LOAD_WARPS)
     else:
         _store_pair(rows, k01, word, 0, RAW_KEYS, LOAD_WARPS)
         _store_pair(rows, k23, word, 1, RAW_KEYS, LOAD_WARPS)
@@ -473,13 +497,26 @@ def _copy_rope(ka, addr_rows, a, t, Mm, k_slot, LOAD_WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _loader_start(sa, la, ka, idx_rows, addr_rows, BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr,
+def _scale_dst(addr_rows, k_scal, j, KV_BF16: gl.constexpr, FMT: gl.constexpr):
+    """Where ``_tile_addresses`` puts tile j's scales: its scale-word address row (V40_584, KV_BF16) or,
+    V41_528, its scale slot (the bytes themselves, copied)."""
+    if KV_BF16 or not _scale32(FMT):
+        dst = addr_rows.index(2 * (j % 2) + 1)
+    else:
+        dst = k_scal.index(j % 2)
+    return dst
+
+
+@gluon.jit
+def _loader_start(sa, la, ka, idx_rows, addr_rows, k_scal, BLOCK_N: gl.constexpr, MAIN_BS: gl.constexpr,
                   EXTRA_BS: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr,
                   HAS_EXTRA_LEN: gl.constexpr, L2_AHEAD: gl.constexpr, KV_BF16: gl.constexpr,
-                  LOAD_WARPS: gl.constexpr, FMT: gl.constexpr):
+                  LOAD_WARPS: gl.constexpr, FMT: gl.constexpr, PROBE: gl.constexpr):
     """Both loaders' start: the CTA's tiles, tiles 0 and 1 (tile of its unit, lengths as loaded), their
     index rows (tile j in row j % 3) and tile 0's address rows (tile j in rows 2 (j % 2), 2 (j % 2) + 1),
-    published by a partition barrier. -> (Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1)."""
+    published by a partition barrier; V41_528: tile 0's scale bytes copied into scale slot 0 (landed and
+    published by the barrier at the top of the loop's first iteration).
+    -> (Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1)."""
     num_tokens, s_q, W = sa
     Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
     p, hb, A, n_tiles = _cta_tiles(num_tokens, W, M)
@@ -493,8 +530,8 @@ def _loader_start(sa, la, ka, idx_rows, addr_rows, BLOCK_N: gl.constexpr, MAIN_B
     async_copy.wait_group(0)
     gl.thread_barrier()
     cm0, ce0 = _clamp_lengths(la, nm0, ne0)
-    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), addr_rows.index(1), t0, cm0, ce0, Mm, L2_AHEAD,
-                    BLOCK_N, MAIN_BS, EXTRA_BS, KV_BF16, FMT)
+    _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), _scale_dst(addr_rows, k_scal, 0, KV_BF16, FMT), t0,
+                    cm0, ce0, Mm, L2_AHEAD, BLOCK_N, MAIN_BS, EXTRA_BS, KV_BF16, FMT, PROBE)
     gl.thread_barrier()
     return Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1
 
@@ -508,25 +545,26 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
     first chunk of tile i + 1 is loaded before the second of tile i is dequantized. Tile i + 1's record
     offsets are made (and asked of L2) during tile i, from its index row, copied during tile i - 1; tile
     i + 2's lengths are loaded during tile i and first used during tile i + 1. FMT: the caches' record
-    format (both sets), V40_584 (RoPE copied by cp.async) or V41_528 (every column dequantized)."""
-    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    format (both sets), V40_584 (RoPE copied by cp.async) or V41_528 (every column dequantized, the scale
+    bytes of tile i + 1 copied into its scale slot with its record offsets)."""
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, k_scal = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
     RAW_KEYS: gl.constexpr = BLOCK_N // 2
     gl.static_assert(RAW_KEYS == 8 * LOAD_WARPS)
     Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1 = _loader_start(
-        sa, la, ka, idx_rows, addr_rows, BLOCK_N, MAIN_BS, EXTRA_BS, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, L2_AHEAD,
-        False, LOAD_WARPS, FMT)
+        sa, la, ka, idx_rows, addr_rows, k_scal, BLOCK_N, MAIN_BS, EXTRA_BS, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN,
+        L2_AHEAD, False, LOAD_WARPS, FMT, PROBE)
     HAS_ROPE: gl.constexpr = not _scale32(FMT)      # V40_584's bf16 RoPE columns, copied as they are
     c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, 0, t0, 0, Mm, RAW_KEYS, PROBE, LOAD_WARPS, FMT)
     for i in range(n_tiles):
         ks = i % K_STAGES
         k_slot = k_ring.index(ks)
         bias_slot = k_bias.index(ks)
+        scal_slot = _scale_dst(addr_rows, k_scal, i, False, FMT)
         live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
-        if HAS_ROPE:
-            c1a, c1b, c1c, c1d, word1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, PROBE,
-                                                      LOAD_WARPS, FMT)
+        c1a, c1b, c1c, c1d, word1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, PROBE, LOAD_WARPS,
+                                                  FMT)
         u2, t2, b2, s2 = _unit_tile(A + i + 2, sa, M)
         ok2 = i + 2 < n_tiles
         nm2, ne2 = _load_lengths(la, b2, s2, ok2, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN)
@@ -538,27 +576,22 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
         async_copy.commit_group()
         cm1, ce1 = _clamp_lengths(la, nm1, ne1)
         _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
-                        addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, MAIN_BS, EXTRA_BS,
-                        False, FMT)
-        if not HAS_ROPE:
-            # V41_528's larger chunks (eight 16-byte pieces and two scale words a thread) are not held across the
-            # address rows' arithmetic: the second chunk is loaded after it
-            c1a, c1b, c1c, c1d, word1 = _gather_chunk(ka, addr_rows, i % 2, t0, RAW_KEYS, Mm, RAW_KEYS, PROBE,
-                                                      LOAD_WARPS, FMT)
+                        _scale_dst(addr_rows, k_scal, i + 1, False, FMT), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, MAIN_BS,
+                        EXTRA_BS, False, FMT, PROBE)
         # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
         mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
         _publish(k_live, ks, live, LOAD_WARPS)
         if live:
             if HAS_ROPE:
                 _copy_rope(ka, addr_rows, i % 2, t0, Mm, k_slot, LOAD_WARPS)
-            _store_chunk(c0a, c0b, c0c, c0d, word0, addr_rows, i % 2, k_slot, bias_slot, 0, RAW_KEYS,
+            _store_chunk(c0a, c0b, c0c, c0d, word0, addr_rows, i % 2, scal_slot, k_slot, bias_slot, 0, RAW_KEYS,
                          BLOCK_N, LOAD_WARPS, FMT)
         # tile i + 1's address rows are written by every thread
         gl.thread_barrier()
         c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, (i + 1) % 2, t1, 0, Mm, RAW_KEYS, PROBE,
                                                   LOAD_WARPS, FMT)
         if live:
-            _store_chunk(c1a, c1b, c1c, c1d, word1, addr_rows, i % 2, k_slot, bias_slot, 1, RAW_KEYS,
+            _store_chunk(c1a, c1b, c1c, c1d, word1, addr_rows, i % 2, scal_slot, k_slot, bias_slot, 1, RAW_KEYS,
                          BLOCK_N, LOAD_WARPS, FMT)
         # the RoPE copies have landed; K rows written by the generic proxy are read by wgmma (async
         # proxy): fence, then one arrive once every loader thread has fenced its stores
@@ -595,11 +628,12 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
     into its K slot as soon as the slot is free, and handed over once they have landed, which is after
     tile i + 1's copies are issued (two tiles in flight). Indices two tiles ahead, record offsets (and L2
     requests) one tile ahead, lengths loaded two tiles ahead, as ``_loader``."""
-    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, k_scal = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
     Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1 = _loader_start(
-        sa, la, ka, idx_rows, addr_rows, BLOCK_N, 1, 1, False, HAS_MAIN_LEN, False, L2_AHEAD, True, LOAD_WARPS, FMT)
+        sa, la, ka, idx_rows, addr_rows, k_scal, BLOCK_N, 1, 1, False, HAS_MAIN_LEN, False, L2_AHEAD, True, LOAD_WARPS,
+        FMT, PROBE)
     for i in range(n_tiles):
         ks = i % K_STAGES
         live = _tile_live(t0, nm0, ne0, Mm, BLOCK_N)
@@ -622,7 +656,7 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
         cm1, ce1 = _clamp_lengths(la, nm1, ne1)
         _tile_addresses(ka, idx_rows.index((i + 1) % 3), addr_rows.index(2 * ((i + 1) % 2)),
                         addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, 1, 1, True,
-                        FMT)
+                        FMT, PROBE)
         # tile i + 1's address rows, read by its copies at the next iteration, are written by every thread
         gl.thread_barrier()
         t0, nm0, ne0 = t1, nm1, ne1
@@ -693,7 +727,7 @@ def _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, factor, acc, O_L: gl.
 def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
                HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr, Q_ASYNC: gl.constexpr, PROBE: gl.constexpr):
-    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, k_scal = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     (q_ptr, stride_qb, stride_qs, stride_qh, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
      part_o_ptr, part_lse_ptr, sm_log2, maxl_ptr) = oa
@@ -823,7 +857,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
 def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                HAS_EXTRA: gl.constexpr, HAS_MAIN_LEN: gl.constexpr, HAS_EXTRA_LEN: gl.constexpr,
                PROBE: gl.constexpr):
-    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows = bufs
+    q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, k_scal = bufs
     k_ready, k_free, p_ready, p_free, o_ready, o_free = bars
     num_tokens, s_q, W = sa
     Mm, M = _tiles_per_unit(la[3], la[7], BLOCK_N, HAS_EXTRA)
@@ -905,7 +939,12 @@ def _sparse_mla_ws_kernel(
     mbarrier.init(o_ready, count=1)
     mbarrier.init(o_free, count=1)
 
-    bufs = (q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows)
+    if KV_BF16 or not _scale32(FMT):
+        k_scal = addr_rows          # unused: V40_584's scale words are gathered into registers
+    else:
+        # V41_528's scale bytes of the tiles whose address rows are made (tile j in slot j % 2), _copy_scales
+        k_scal = gl.allocate_shared_memory(gl.int32, [2, 4 * BLOCK_N], PLAIN1)
+    bufs = (q_smem, k_ring, k_bias, k_live, p_smem, alpha_smem, o_scale, idx_rows, addr_rows, k_scal)
     bars = (k_ready, k_free, p_ready, p_free, o_ready, o_free)
     sa = (num_tokens, s_q, tiles_per_cta)
     la = (main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk)
@@ -1039,10 +1078,6 @@ def _matrix_constexprs(arch, small_pages=False, fmt=L.V40_584):
 
 _POINTERS = dict(DECODE_POINTERS, maxl_ptr="*fp32")
 
-# V41_528's chunk is 36 registers a thread (eight 16-byte pieces, two scale words) against V40_584's 30, and the
-# loader holds two chunks in flight within its 144 registers: ptxas spills a few loader values (to L1)
-_V41_SPILLS = "V41_528 loader: two 36-register chunks in flight within 144 registers (sparse_mla_decode_ws.py)"
-
 
 # entries of the CPU compile matrix (build_tools/compile_matrix.py): sm_90a only (wgmma, setmaxnreg)
 COMPILE_SPECS = [
@@ -1057,11 +1092,11 @@ COMPILE_SPECS = [
     dict(name="sparse_mla_decode_ws[V41_528]", fn=_sparse_mla_ws_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, fmt=L.interleaved(L.V41_528)),
          options=lambda arch: dict(num_warps=default_config()["num_warps"]), matrix=True, fp8_convert=True,
-         targets=("sm_90a",), wgmma_pipelined=True, ptxas_spills=_V41_SPILLS),
+         targets=("sm_90a",), wgmma_pipelined=True),
     dict(name="sparse_mla_decode_ws[V41_528 page-split,h128,bs2]", fn=_sparse_mla_ws_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, small_pages=True, fmt=L.V41_528),
          options=lambda arch: dict(num_warps=default_config()["num_warps"]), matrix=True, fp8_convert=True,
-         targets=("sm_90a",), wgmma_pipelined=True, ptxas_spills=_V41_SPILLS),
+         targets=("sm_90a",), wgmma_pipelined=True),
     dict(name="sparse_mla_prefill_ws", fn=_sparse_mla_ws_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: dict(
              MAIN_BS=1, EXTRA_BS=1, HAS_EXTRA=False, HAS_MAIN_LEN=True, HAS_EXTRA_LEN=False, HAS_SINK=True, HEADS=64,
