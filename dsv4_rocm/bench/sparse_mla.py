@@ -9,8 +9,9 @@ matmul rate), both measured in the same run.
 The V4.1 decode rows time three of the V4.0 shapes over V41_528 caches and over a V41_528 main cache with
 a V41_FP4_288 extra cache (interleaved, as vLLM 0.33 writes them), against the targets in their peer column (ratio >= 1:
 met): a V41_528 decode within 528 / 584 of the V4.0 time of the same shape (re-timed in the same case),
-and the extra entries of a V41_FP4_288 cache (time with the extra set minus time without it) within 0.6 of
-a V41_528 extra cache's.
+and the extra entries of a V41_FP4_288 cache (time with the extra set minus time without it, both on the
+kernel that reads the fp4 set: the Triton kernel) within 0.6 of a V41_528 extra cache's (on the default
+kernel, which on Hopper is the warp-specialized one).
 
 Every call goes through the public API (``dsv4_rocm.flash_mla``), graph-timed for decode, eager for
 prefill and for small decode batches. When FlashMLA's ``flash_mla`` package is importable it is timed in
@@ -179,6 +180,18 @@ def first_call(warm: bool, kernel_cache: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _kernel_call(args, fmts, kernel: str):
+    """fn() running the decode of the bench tensors ``args`` on one named kernel ("triton" or "ws")."""
+    from ..triton.sparse_mla_decode import sparse_mla_decode
+    q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
+
+    def fn():
+        return sparse_mla_decode(q, kc, idx, lens, sink, ekc, eidx, elens, sm, formats=fmts,
+                                 config=dict(kernel=kernel))
+    fn()
+    return fn
+
+
 def _v41_rows(ctx, ours, time_graph_ms, pool_tokens=1 << 18):
     """The V4.1 decode rows of each ``v41_cases`` shape (module docstring): V41_528 against 528 / 584 of the
     V4.0 time, V41_528 + V41_FP4_288, and the fp4 extra entries' cost against 0.6 of V41_528's."""
@@ -188,17 +201,21 @@ def _v41_rows(ctx, ours, time_graph_ms, pool_tokens=1 << 18):
         if not ctx.wants(f"{name} V41", group=" | ".join(rows)):   # the three rows fall to one rank
             continue
         ms = {}
-        for key, fmts in (("v40", (L.V40_584, L.V40_584)), ("v41", (v41, v41)), ("main", (v41, None)),
-                          ("fp4", (v41, fp4))):
+        # "main_triton": the main set alone on the kernel that reads a V41_FP4_288 extra cache (the Triton
+        # kernel on every target), so the fp4 extra cost is a difference of two times of one kernel
+        for key, fmts, kernel in (("v40", (L.V40_584, L.V40_584), None), ("v41", (v41, v41), None),
+                                  ("main", (v41, None), None), ("main_triton", (v41, None), "triton"),
+                                  ("fp4", (v41, fp4), None)):
             args, _ = make_decode_inputs(c, ctx.device, pool_tokens, formats=fmts)
-            ms[key] = time_graph_ms(decode_call(ours, args))
+            ms[key] = time_graph_ms(decode_call(ours, args) if kernel is None else
+                                    _kernel_call(args, fmts, kernel))
             del args
         ctx.add(rows[0], "default", ms["v41"], *count_decode(c, (v41, v41)), peer="V40 x 528/584",
                 peer_ms=ms["v40"] * 528 / 584)
         ctx.add(rows[1], "default", ms["fp4"], *count_decode(c, (v41, fp4)))
         f_all, b_all = count_decode(c, (v41, fp4))
         f_main, b_main = count_decode(c, (v41, None))
-        ctx.add(rows[2], "extra set", ms["fp4"] - ms["main"], f_all - f_main, b_all - b_main,
+        ctx.add(rows[2], "extra set", ms["fp4"] - ms["main_triton"], f_all - f_main, b_all - b_main,
                 peer="0.6 x V41_528 extra", peer_ms=0.6 * (ms["v41"] - ms["main"]))
 
 
