@@ -129,10 +129,19 @@ def flashmla_peer():
     return None if flash_mla.__name__ != "flash_mla" else flash_mla
 
 
-def decode_call(mod, args):
+def decode_call(mod, args, kernel: str = None, formats=None):
     """fn() calling ``mod.flash_mla_with_kvcache`` (ours or FlashMLA's) on the bench tensors as vLLM's
-    backend does, with a scheduling object initialized by a first call (outside any graph capture)."""
+    backend does, with a scheduling object initialized by a first call (outside any graph capture); with
+    ``kernel`` ("triton" or "ws"), our decode of the caches of ``formats`` on that kernel instead."""
     q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
+    if kernel is not None:
+        from ..triton.sparse_mla_decode import sparse_mla_decode
+
+        def fn():
+            return sparse_mla_decode(q, kc, idx, lens, sink, ekc, eidx, elens, sm, formats=formats,
+                                     config=dict(kernel=kernel))
+        fn()
+        return fn
     meta, _ = mod.get_mla_metadata()
 
     def fn():
@@ -180,18 +189,6 @@ def first_call(warm: bool, kernel_cache: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _kernel_call(args, fmts, kernel: str):
-    """fn() running the decode of the bench tensors ``args`` on one named kernel ("triton" or "ws")."""
-    from ..triton.sparse_mla_decode import sparse_mla_decode
-    q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
-
-    def fn():
-        return sparse_mla_decode(q, kc, idx, lens, sink, ekc, eidx, elens, sm, formats=fmts,
-                                 config=dict(kernel=kernel))
-    fn()
-    return fn
-
-
 def _v41_rows(ctx, ours, time_graph_ms, pool_tokens=1 << 18):
     """The V4.1 decode rows of each ``v41_cases`` shape (module docstring): V41_528 against 528 / 584 of the
     V4.0 time, V41_528 + V41_FP4_288, and the fp4 extra entries' cost against 0.6 of V41_528's."""
@@ -208,7 +205,7 @@ def _v41_rows(ctx, ours, time_graph_ms, pool_tokens=1 << 18):
                                   ("fp4", (v41, fp4), None)):
             args, _ = make_decode_inputs(c, ctx.device, pool_tokens, formats=fmts)
             ms[key] = time_graph_ms(decode_call(ours, args) if kernel is None else
-                                    _kernel_call(args, fmts, kernel))
+                                    decode_call(ours, args, kernel, fmts))
             del args
         ctx.add(rows[0], "default", ms["v41"], *count_decode(c, (v41, v41)), peer="V40 x 528/584",
                 peer_ms=ms["v40"] * 528 / 584)
