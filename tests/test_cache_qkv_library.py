@@ -25,10 +25,11 @@ VLLM_SCHEMAS = {   # torch.ops._C schemas of vLLM (csrc torch_bindings), argumen
     "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out":   # its _out form, with the same trailing flags
         "(Tensor q_in, Tensor kv, Tensor(a!) q_out, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
         f"Tensor cos_sin_cache, int q_head_padded, float eps, int cache_block_size, {GROWN}) -> ()",
+    # vLLM 0.33.0's csrc/torch_bindings.cpp (its Tensor! written as this library's alias annotations)
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
         "(Tensor q, Tensor kv, Tensor(a!) q_fp8, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
-        "Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, float eps, int cache_block_size) -> ()",
-    # vLLM 0.33.0's csrc/torch_bindings.cpp (its Tensor! written as this library's alias annotations)
+        "Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, float eps, int cache_block_size, "
+        "bool apply_q_norm=True) -> ()",
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert":
         "(Tensor(a!) q, Tensor kv, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
         "Tensor cos_sin_cache, float eps, int cache_block_size, bool apply_q_norm=True) -> ()",

@@ -1,11 +1,11 @@
 """dequantize_and_gather_k_cache in vLLM's call form: (out, k_cache, seq_lens, gather_lens, block_table,
-block_size, offset) -> None.
+block_size, offset, use_fnuz=False, max_gather_len=None) -> None.
 
 CPU: the rows written against a hand loop over requests and positions (out poisoned with NaN, so rows the
-op must not write show up), every cache view, vLLM's forms (gather_lens None, keyword offset), vLLM's
-round-trip check, bad input rejected before any write, and a property test over random lengths and block
-tables; the V4.1 records (V41_528, V41_FP4_288, named by the cache's last dimension, page-split or
-interleaved) against the same loop. GPU: the HIP kernel writes exactly the reference's rows, garbage
+op must not write show up), every cache view, vLLM's forms (gather_lens None, keyword offset, V4.1's
+max_gather_len, which changes no written row), vLLM's round-trip check, bad input rejected before any
+write, and a property test over random lengths and block tables; the V4.1 records (V41_528, V41_FP4_288,
+named by the cache's last dimension, page-split or interleaved) against the same loop. GPU: the HIP kernel writes exactly the reference's rows, garbage
 lengths and tables included, for every record format and layout.
 """
 import pytest
@@ -113,6 +113,35 @@ def test_vllm_call_forms():
         assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("fmt, layout", FORMATS[:3], ids=[f"{f.name}-{lay}" for f, lay in FORMATS[:3]])
+def test_max_gather_len_changes_nothing_written(fmt, layout):
+    """vLLM 0.33's DeepSeek-V4.1 form passes ``max_gather_len`` (the host's longest gather, its kernel's grid
+    width): the rows written are the hand loop's whatever its value (exact, short, long, 0, None), through
+    the Python op (positional and keyword) and the torch op; random lengths, a padded block table."""
+    g = torch.Generator().manual_seed(21)
+    bs, R = 16, 3
+    f = L.with_layout(fmt, layout)
+    v, K = filled_cache(9, bs, seed=21, fmt=f)
+    seq = torch.randint(1, 3 * bs + 1, (R,), generator=g)
+    gl = torch.minimum(seq, torch.randint(0, 2 * bs, (R,), generator=g))
+    bt = torch.randperm(9, generator=g)[:R * 3].view(R, 3)
+    bt[seq <= 2 * bs, 2] = -1                                   # padding past each request's pages
+    offset = 2
+    M = offset + int(gl.max()) + 3
+    args = (seq, gl, bt, bs, offset)
+    want = hand_gather(nan_out(R, M), K, *args)
+    longest = int(gl.max())
+    calls = [lambda o, n: ops.dequantize_and_gather_k_cache(o, v, *args, False, n, kv_layout=layout),
+             lambda o, n: ops.dequantize_and_gather_k_cache(o, v, *args, max_gather_len=n, kv_layout=layout)]
+    if layout == L.default_layout(fmt):                         # the torch op reads vLLM's default layout
+        calls.append(lambda o, n: torch.ops.dsv4_rocm.dequantize_and_gather_k_cache(o, v, *args, False, n))
+    for call in calls:
+        for n in (longest, 1, longest * 50 + 7, 0, None):
+            out = nan_out(R, M)
+            assert call(out, n) is None
+            assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
 def test_vllm_round_trip_through_a_block_table():
     """vLLM's native-vs-fallback check: insert through a block table, gather the window back with offset 1;
     the bf16 RoPE part comes back exactly, the NoPE part as its UE8M0 dequantization."""
@@ -163,6 +192,13 @@ BAD = [
     (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 64, -1), "offset"),
     (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 0, 0), "block_size"),
     (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 32, 0), "k_cache"),
+    (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 64, 0, False, -1), "max_gather_len"),
+    (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 64, 0, max_gather_len=66.0), "max_gather_len"),
+    (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 64, 0, max_gather_len=True), "max_gather_len"),
+    (lambda o: ops.dequantize_and_gather_k_cache(o, V0, S, G, BT, 64, 0, max_gather_len=torch.tensor(66)),
+     "max_gather_len"),
+    (lambda o: torch.ops.dsv4_rocm.dequantize_and_gather_k_cache(o, V0, S, G, BT, 64, 0, False, -3),
+     "max_gather_len"),
 ]
 
 

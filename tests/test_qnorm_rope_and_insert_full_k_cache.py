@@ -1,11 +1,14 @@
 """qnorm_rope_and_insert_full_k_cache: vLLM's full-cache form for FlashInfer's sparse MLA,
 ``(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps, cache_block_size, fp8_scale, q_fp8=None,
-q_fp8_scale_inv=None) -> None`` (torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert).
+q_fp8_scale_inv=None, apply_q_norm=True) -> None``
+(torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert).
 
 KV rows: RoPE (fp32) times fp32(1 / fp8_scale), e4m3 RNE saturating at 448: checked byte for byte against
 torch's own fp8 cast. q_fp8: RMSNorm + RoPE times q_fp8_scale_inv, within one e4m3 step of a float64
-oracle (the RMSNorm sum order is free). Non-finite values are stored as 0x7F. GPU: the HIP kernel writes
-the reference's cache bytes exactly and q bytes within one e4m3 step.
+oracle (the RMSNorm sum order is free); with apply_q_norm=False (vLLM 0.33's V4.1 call), RoPE times
+q_fp8_scale_inv byte for byte, in every call form and through the HIP wrapper's route (its kernel stood in
+for). Non-finite values are stored as 0x7F. GPU: the HIP kernel writes the reference's cache bytes exactly
+and q bytes within one e4m3 step; with apply_q_norm=False every byte exactly.
 """
 import pytest
 import torch
@@ -95,6 +98,57 @@ def test_non_finite_values_are_nan_bytes_and_large_ones_saturate():
     assert bool((b[1, 1] == 0x7F).all()) and not bool((b[1, 0] == 0x7F).any())
 
 
+@pytest.mark.parametrize("q_inv", [1.0, 24.0])
+def test_apply_q_norm_false_leaves_q_unnormed(q_inv):
+    """vLLM 0.33's DeepSeek-V4.1 call passes apply_q_norm=False: q_fp8 = e4m3(RoPE(q) * q_fp8_scale_inv), byte
+    for byte against torch's cast (no norm, so nothing is free); a position outside the table gives zero
+    bytes; the kv rows are those of apply_q_norm=True; every call form (the flag positional, keyword, the
+    torch op's twelfth argument) writes the same bytes."""
+    q, kv, pos, cache, q8 = setup(T=7, H=3, seed=4)
+    q = (q.float() * torch.exp2(torch.randint(-4, 5, (7, 3, 1), generator=torch.Generator().manual_seed(4)))).bfloat16()
+    slots = torch.tensor([9, -1, 30, 2, 44, 7])
+    scale, inv = torch.tensor([0.25]), torch.tensor([q_inv])
+    normed_c, normed_q = cache.clone(), q8.clone()
+    OP(q, kv, normed_c, slots, pos, CS, 1e-6, 16, scale, normed_q, inv)
+    want = torch_fp8(rope_fwd(q.float(), pos, CS) * q_inv)
+    runs = [lambda c, b: OP(q, kv, c, slots, pos, CS, 1e-6, 16, scale, b, inv, False),
+            lambda c, b: OP(q, kv, c, slots, pos, CS, 1e-6, 16, scale, q_fp8=b, q_fp8_scale_inv=inv,
+                            apply_q_norm=False),
+            lambda c, b: torch.ops.dsv4_rocm.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(
+                q, kv, b, c, slots.int(), pos.int(), CS, scale, inv, 1e-6, 16, False),
+            lambda c, b: rq.qnorm_rope_and_insert_full_k_cache(q, kv, c, slots, pos, CS, 1e-6, 16, scale, b, inv,
+                                                                False)]
+    for run in runs:
+        c, b = cache.clone(), q8.clone()
+        assert run(c, b) is None
+        assert torch.equal(b.view(torch.uint8), want)
+        assert torch.equal(c.view(torch.uint8), normed_c.view(torch.uint8))
+    assert not torch.equal(normed_q.view(torch.uint8), want)             # the flag did switch the norm off
+
+
+def test_hip_route_rewrites_q_without_the_norm(monkeypatch):
+    """The HIP wrapper's apply_q_norm=False route (its kernel always norms q): the kernel is stood in for by
+    the reference of what it computes (apply_q_norm=True), and the route's bytes must be the reference's for
+    apply_q_norm=False: kv rows kept, q_fp8 rewritten."""
+    from dsv4_rocm import hip_ops
+
+    class Kernel:
+        @staticmethod
+        def qnorm_rope_and_insert_full_k_cache(q, kv, o, cache, slots, pos, cs, scale, inv, eps, bs):
+            rq.qnorm_rope_and_insert_full_k_cache(q, kv, cache, slots, pos, cs, eps, bs, scale, o, inv)
+
+    monkeypatch.setattr(hip_ops, "load", lambda: Kernel)
+    q, kv, pos, cache, q8 = setup(T=5, H=2, seed=8)
+    pos[1] = 2048 + 9                           # outside the table: zero q bytes, no row (the kernels' rule)
+    slots, scale, inv = torch.tensor([3, 17, -1, 40]), torch.tensor([2.0]), torch.tensor([4.0])
+    for norm in (True, False):
+        c, b, wc, wb = cache.clone(), q8.clone(), cache.clone(), q8.clone()
+        hip_ops.qnorm_rope_and_insert_full_k_cache(q, kv, c, slots, pos, CS, 1e-6, 16, scale, b, inv, norm)
+        rq.qnorm_rope_and_insert_full_k_cache(q, kv, wc, slots, pos, CS, 1e-6, 16, scale, wb, inv, norm)
+        assert torch.equal(c.view(torch.uint8), wc.view(torch.uint8))
+        assert torch.equal(b.view(torch.uint8), wb.view(torch.uint8))
+
+
 def test_bad_input_is_rejected_before_any_write():
     q, kv, pos, cache, q8 = setup()
     s = torch.arange(6)
@@ -109,7 +163,10 @@ def test_bad_input_is_rejected_before_any_write():
            (lambda: OP(q, kv, cache, s + 43, pos, CS, 1e-6, 16, one, q8, one), "slot_mapping: slot 48 is outside"),
            (lambda: OP(q, kv, cache, s, pos + 2048, CS, 1e-6, 16, one, q8, one), "positions must lie"),
            (lambda: OP(q, kv, cache, s, pos, CS, 1e-6, 16, one, q8[:, :2], one), "q_fp8 must have shape"),
-           (lambda: OP(q, kv, cache, torch.arange(7), pos, CS, 1e-6, 16, one, q8, one), "slot_mapping has 7")]
+           (lambda: OP(q, kv, cache, torch.arange(7), pos, CS, 1e-6, 16, one, q8, one), "slot_mapping has 7"),
+           (lambda: OP(q, kv, cache, s, pos, CS, 1e-6, 16, one, q8, one, 0), "apply_q_norm must be a bool"),
+           (lambda: torch.ops.dsv4_rocm.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(
+               q, kv, q8, cache, s, pos + 2048, CS, one, one, 1e-6, 16, False), "positions must lie")]
     before, qbefore = cache.view(torch.uint8).clone(), q8.view(torch.uint8).clone()
     for call, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -140,3 +197,9 @@ def test_gpu_kernel_against_the_reference(T, H, bs, table, index_dtype, gpu):
     rq.qnorm_rope_and_insert_full_k_cache(q, kv, ref, slots, pos, cs, 1e-6, bs, kv_scale, ref_q8, q_inv)
     assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
     within_one_e4m3_step(q8, ref_q8.float())
+    # apply_q_norm=False (vLLM's V4.1 call): the kernel's kv rows, q_fp8 by the reference's q half, exact
+    ops.implementation("qnorm_rope_and_insert_full_k_cache", "cuda")(q, kv, cache, slots, pos, cs, 1e-6, bs,
+                                                                     kv_scale, q8, q_inv, False)
+    rq.qnorm_rope_and_insert_full_k_cache(q, kv, ref, slots, pos, cs, 1e-6, bs, kv_scale, ref_q8, q_inv, False)
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(q8.view(torch.uint8), ref_q8.view(torch.uint8))

@@ -103,14 +103,20 @@ def _check_gather_lengths(out, pages, seq_lens, gather_lens, block_table, block_
 
 
 def dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size: int, offset: int,
-                                  use_fnuz: bool = False, *, kv_layout: str = None) -> None:
+                                  use_fnuz: bool = False, max_gather_len: int = None, *,
+                                  kv_layout: str = None) -> None:
     """vLLM's op: for request b and i < gather_lens[b] (seq_lens[b] when gather_lens is None),
     ``out[b, offset + i]`` = bf16 K of request b's token at position ``seq_lens[b] - gather_lens[b] + i``,
     read through ``block_table[b]`` (exact: the dequantized values are bf16). Other rows of out are not
     written. out bf16 [R, M, 512]; seq_lens, gather_lens [R]; block_table [R, max_blocks]. ``use_fnuz``
     must say which flavour the cache holds (as in vLLM: its sliding-window cache is FNUZ on gfx942, its
-    compressed cache OCP)."""
+    compressed cache OCP). ``max_gather_len`` (None or an int >= 0; vLLM 0.33's DeepSeek-V4.1 form) is
+    vLLM's host-side estimate of the longest gather, which sizes its kernel's grid and nothing else: what is
+    written does not depend on it, here as there (the grids here follow the tensors' shapes)."""
     encoding_flags(True, use_fnuz)
+    if max_gather_len is not None and (not isinstance(max_gather_len, int) or isinstance(max_gather_len, bool)
+                                       or max_gather_len < 0):
+        raise ValueError(f"max_gather_len must be None or an int >= 0, got {max_gather_len!r}")
     C.tensor("seq_lens", seq_lens, dtype=C.INDEX, dim=1)
     R = seq_lens.shape[0]
     C.no_overlap("out", C.tensor("out", out, dtype=torch.bfloat16, shape=(R, None, L.HEAD_DIM)))

@@ -31,9 +31,10 @@ def _quantize_and_insert(k, k_cache, slot_mapping, block_size=64, is_ue8m0=True,
     _cache.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size, is_ue8m0, use_fnuz, bytes_per_token)
 
 
-def _gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, use_fnuz=False):
+def _gather(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, use_fnuz=False,
+            max_gather_len=None):
     _cache.dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset,
-                                         use_fnuz)
+                                         use_fnuz, max_gather_len)
 
 
 def _global_slots(out, k_cache, slot_ids, block_size):
@@ -69,9 +70,9 @@ def _qnorm_insert_out(q_in, kv, q_out, k_cache, slot_mapping, position_ids, cos_
 
 
 def _full_cache(q, kv, q_fp8, k_cache, slot_mapping, position_ids, cos_sin_cache, fp8_scale, q_fp8_scale_inv, eps,
-                cache_block_size):
+                cache_block_size, apply_q_norm=True):
     _qkv.qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, eps,
-                                            cache_block_size, fp8_scale, q_fp8, q_fp8_scale_inv)
+                                            cache_block_size, fp8_scale, q_fp8, q_fp8_scale_inv, apply_q_norm)
 
 
 def _full_bf16(q, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, eps, cache_block_size, apply_q_norm=True):
@@ -85,7 +86,8 @@ SCHEMAS = {
          "bool is_ue8m0=True, bool use_fnuz=False, int bytes_per_token=584) -> ()", _quantize_and_insert, _none),
     "dequantize_and_gather_k_cache":
         ("dequantize_and_gather_k_cache(Tensor(a!) out, Tensor k_cache, Tensor seq_lens, Tensor? gather_lens, "
-         "Tensor block_table, int block_size, int offset, bool use_fnuz=False) -> ()", _gather, _none),
+         "Tensor block_table, int block_size, int offset, bool use_fnuz=False, int? max_gather_len=None) -> ()",
+         _gather, _none),
     "dequantize_global_slots_k_cache":
         ("dequantize_global_slots_k_cache(Tensor(a!) out, Tensor k_cache, Tensor slot_ids, int block_size) -> ()",
          _global_slots, _none),
@@ -105,7 +107,7 @@ SCHEMAS = {
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
         ("fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert(Tensor q, Tensor kv, Tensor(a!) q_fp8, "
          "Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, Tensor fp8_scale, "
-         "Tensor q_fp8_scale_inv, float eps, int cache_block_size) -> ()", _full_cache, _none),
+         "Tensor q_fp8_scale_inv, float eps, int cache_block_size, bool apply_q_norm=True) -> ()", _full_cache, _none),
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert":
         ("fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert(Tensor(a!) q, Tensor kv, Tensor(b!) k_cache, "
          "Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, float eps, int cache_block_size, "

@@ -166,13 +166,16 @@ def qnorm_rope_and_insert_full_bf16_k_cache(q, kv, k_cache, slot_mapping, positi
 
 
 def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
-                                       cache_block_size: int, fp8_scale, q_fp8=None, q_fp8_scale_inv=None) -> None:
+                                       cache_block_size: int, fp8_scale, q_fp8=None, q_fp8_scale_inv=None,
+                                       apply_q_norm: bool = True) -> None:
     """vLLM's full-cache form (FlashInfer's sparse MLA, torch.ops._C's
     fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert): q_fp8 e4m3 [T, H, 512] = RoPE(RMSNorm(q)) *
-    q_fp8_scale_inv; k_cache e4m3 [nb, bs, 512] row at slot_mapping[t] = RoPE(kv_t) / fp8_scale (as
-    kv * fp32(1 / fp8_scale)), for the first len(slot_mapping) tokens. Per-tensor scales, saturating at
-    +-448; a non-finite value is stored as NaN (0x7F)."""
+    q_fp8_scale_inv (RoPE(q) * q_fp8_scale_inv without ``apply_q_norm``: vLLM's DeepSeek-V4.1 layer passes
+    False, its q was normed before wq_b); k_cache e4m3 [nb, bs, 512] row at slot_mapping[t] = RoPE(kv_t) /
+    fp8_scale (as kv * fp32(1 / fp8_scale)), for the first len(slot_mapping) tokens. Per-tensor scales,
+    saturating at +-448; a non-finite value is stored as NaN (0x7F)."""
     _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps)
+    _flag("apply_q_norm", apply_q_norm)
     _full_cache_rows(k_cache, cache_block_size, (torch.float8_e4m3fn, torch.uint8))
     if q_fp8 is None or q_fp8_scale_inv is None:
         raise ValueError("q_fp8 and q_fp8_scale_inv are required (the fp8 q output and its inverse scale)")
@@ -184,4 +187,4 @@ def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, 
     C.slots_inside("slot_mapping", slot_mapping, k_cache.shape[0] * cache_block_size,
                    f"({k_cache.shape[0]} pages x {cache_block_size})")
     _run("qnorm_rope_and_insert_full_k_cache", q.device, q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps,
-         cache_block_size, fp8_scale, q_fp8, q_fp8_scale_inv)
+         cache_block_size, fp8_scale, q_fp8, q_fp8_scale_inv, apply_q_norm)
