@@ -42,12 +42,14 @@ CASES = {
     "indexer_k_norm_rope_store": ("gfx942", "gfx950"),
     "rope_quant_insert": ("gfx942", "gfx950"),
     "fused_indexer_q_rope_quant": ("gfx942", "gfx950"),
+    "fused_indexer_q_rope_quant_fnuz": ("gfx942", "gfx950"),
     "fused_inv_rope_fp8_quant": ("gfx942", "gfx950"),
     "merge_attn_states": ("gfx942", "gfx950"),
     "fp8_einsum": ("gfx942", "gfx950"),
     "fp8_linear": ("gfx942", "gfx950"),
     "fp8_mqa_logits": ("gfx942", "gfx950"),
     "fp8_paged_mqa_logits": ("gfx942", "gfx950"),
+    "indexer_logits_fnuz_query": ("gfx942", "gfx950"),
     "merge_attn_states_fp8_flavours": ("gfx942", "gfx950"),
     "sparse_mla_decode": ("gfx942", "gfx950", "sm_100"),
     "sparse_mla_decode_v41": ("gfx942", "gfx950", "sm_100"),
@@ -248,6 +250,26 @@ def case_fused_indexer_q_rope_quant(target):
         "_fused_indexer_q_rope_quant_kernel": dict(FNUZ=target == "gfx942", FP4=False)}
 
 
+def case_fused_indexer_q_rope_quant_fnuz(target):
+    """vLLM's gfx942 query (use_fnuz: e4m3fnuz, maximum 224): the oracle's bytes and weights bit for bit, a
+    poisoned head (0x80, NaN weight) and a tiny head included."""
+    from dsv4_rocm.reference import indexer as ri
+    from dsv4_rocm.reference.rope import build_cos_sin_cache
+    from dsv4_rocm.triton import fused_indexer_q_rope_quant as K
+    from indexer_inputs import query
+    g = torch.Generator().manual_seed(12)
+    pos, qi, w = query(5, 20, g, pos_max=60)
+    qi[3, 7, 100] = float("-inf")
+    qi[0, 2] *= 2.0 ** -14
+    cs = build_cos_sin_cache(160000.0, 64)
+    q8, wk = K.fused_indexer_q_rope_quant(pos, qi, cs, w, 0.125, 0.1, use_fnuz=True)
+    r8, wr = ri.fused_indexer_q_rope_quant(pos, qi, cs, w, 0.125, 0.1, use_fnuz=True)
+    assert q8.dtype == r8.dtype == torch.float8_e4m3fnuz, (q8.dtype, r8.dtype)
+    assert (r8.view(torch.uint8)[3, 7] == 0x80).all() and torch.isnan(wr[3, 7])
+    return [_bytes_equal(q8, r8, "fnuz q bytes"), _bytes_equal(wk, wr, "fnuz folded weights")], {
+        "_fused_indexer_q_rope_quant_kernel": dict(FNUZ=target == "gfx942", FP4=False, Q_FNUZ=True)}
+
+
 def case_fused_inv_rope_fp8_quant(target):
     from dsv4_rocm.reference import output as O
     from dsv4_rocm.reference.rope import build_cos_sin_cache
@@ -413,6 +435,62 @@ def case_fp8_paged_mqa_logits(target):
     assert L.INDEXER_DIM == 128
     return [f"fp8_paged_mqa_logits: {B * nn} x {max_len} logits within 2^-6 mag, -inf and NaN exact"], {
         "_fp8_paged_mqa_logits_kernel": dict(FNUZ=target == "gfx942", BN=P.default_config(target)["BN"])}
+
+
+def _equal_logits(a, b, name):
+    """Bit for bit, NaN and -inf included."""
+    bad = int((a.view(torch.int32) != b.view(torch.int32)).sum())
+    assert bad == 0, f"{name}: {bad} logits differ"
+    return f"{name}: {a.numel()} logits equal bit for bit"
+
+
+def case_indexer_logits_fnuz_query(target):
+    """vLLM's gfx942 query (float8_e4m3fnuz bytes, weights folded with the 224-maximum scale) through both
+    logits kernels, with OCP keys and (prefill) float8_e4m3fnuz keys with their doubled scales: within the
+    tolerance of the oracle, which reads the bytes as fnuz, and bit for bit the logits of the OCP query and
+    keys of the same values (halving s_k per fnuz operand is exact)."""
+    from dsv4_rocm.reference import indexer as ri
+    from dsv4_rocm.reference.quant import quantize_blocks
+    from dsv4_rocm.reference.rope import build_cos_sin_cache
+    from dsv4_rocm.triton import fp8_mqa_logits as Q, fp8_paged_mqa_logits as P
+    from indexer_inputs import abs_bytes, assert_logits_close, filled_cache, paged_magnitude, query
+    g = torch.Generator().manual_seed(13)
+    M, H, N = 5, 16, 150
+    pos, qi, wi = query(M, H, g, pos_max=60)
+    qi[4, 9, 3] = float("nan")
+    cs = build_cos_sin_cache(160000.0, 64)
+    q8, w = ri.fused_indexer_q_rope_quant(pos, qi, cs, wi, 0.125, 0.5)
+    z8, wz = ri.fused_indexer_q_rope_quant(pos, qi, cs, wi, 0.125, 0.5, use_fnuz=True)
+    keys = torch.randn(N, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (N, 1), generator=g).float())
+    keys[11, 5] = float("inf")
+    kq, e = quantize_blocks(keys, 128, 1e-4)
+    kz, ez = quantize_blocks(keys, 128, 1e-4, fnuz=True)
+    k8, ks = kq.view(torch.float8_e4m3fn), ri.pow2_or_nan(e[:, 0])
+    k8z, ksz = kz.view(torch.float8_e4m3fnuz), ri.pow2_or_nan(ez[:, 0])
+    starts = torch.tensor([0, 10, 70, 0, 149], dtype=torch.int32)
+    ends = torch.tensor([150, 100, 71, 0, 150], dtype=torch.int32)
+    ocp = Q.fp8_mqa_logits(q8, (k8, ks), w, starts, ends)
+    lines = []
+    for kv, name in (((k8, ks), "fnuz q, OCP k"), ((k8z, ksz), "fnuz q and k")):
+        out = Q.fp8_mqa_logits(z8, kv, wz, starts, ends)
+        ref = ri.fp8_mqa_logits(z8, kv, wz, starts, ends)
+        mag = ri.fp8_mqa_logits(abs_bytes(z8).view(torch.float8_e4m3fnuz),
+                                (abs_bytes(kv[0]).view(kv[0].dtype), kv[1].abs()), wz.abs(), starts, ends)
+        assert_logits_close(out, ref, mag, f"fp8_mqa_logits {name}")
+        lines.append(_equal_logits(out, ocp, f"fp8_mqa_logits {name} vs the OCP query"))
+    B, nn, bs, max_len = 2, 2, 32, 160
+    pages, kv, bt, _ = filled_cache([150, 70], bs, g)
+    lens = torch.tensor([150, 70], dtype=torch.int32)
+    meta = torch.zeros(2, 2, dtype=torch.int32)
+    zq = z8[:B * nn].reshape(B, nn, H, 128)
+    out = P.fp8_paged_mqa_logits(zq, kv, wz[:B * nn], lens, bt, meta, max_len)
+    ref = ri.fp8_paged_mqa_logits(zq, kv, wz[:B * nn], lens, bt, meta, max_len)
+    assert_logits_close(out, ref, paged_magnitude(zq, pages, bs, wz[:B * nn], lens, bt, max_len),
+                        "fp8_paged_mqa_logits fnuz q")
+    ocp = P.fp8_paged_mqa_logits(q8[:B * nn].reshape(B, nn, H, 128), kv, w[:B * nn], lens, bt, meta, max_len)
+    lines.append(_equal_logits(out, ocp, "fp8_paged_mqa_logits fnuz q vs the OCP query"))
+    return lines, {"_fp8_mqa_logits_kernel": dict(FNUZ=target == "gfx942", Q_FNUZ=True, K_FNUZ=True),
+                   "_fp8_paged_mqa_logits_kernel": dict(FNUZ=target == "gfx942", Q_FNUZ=True)}
 
 
 def case_sparse_mla_decode(target):

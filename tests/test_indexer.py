@@ -4,7 +4,8 @@ fused_indexer_q_rope_quant, fp8_mqa_logits, fp8_paged_mqa_logits, get_paged_mqa_
 CPU: the oracle against brute force (one value at a time, in fp32 0-dim tensors) and against DeepGEMM's own
 test semantics (its tests/test_attention.py checks, rewritten), each op called exactly as vLLM calls it, the
 NaN policy, bad input rejected before any work, the q kernel's integer and exact-fp32 paths under the Triton
-interpreter. GPU: the Triton kernels against the oracle (q bytes and weights bit for bit, logits within
+interpreter, vLLM's gfx942 query (``use_fnuz``: e4m3fnuz, maximum 224) against its rule and through the
+logits. GPU: the Triton kernels against the oracle (q bytes and weights bit for bit, logits within
 LOGIT_TOL: indexer_inputs.py says why), outputs allocated over poisoned memory, next_n 1 to 4, 1-D and 2-D
 context lengths, -1 block-table entries, varlen prefill ranges, and a decode step captured in a CUDA graph.
 """
@@ -251,6 +252,63 @@ def test_weights_out_dtype_of_vllm_033():
         ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, True, torch.float16)
 
 
+def test_fnuz_query_is_vllms_gfx942_query():
+    """use_fnuz: vLLM 0.33's gfx942 FP8 query, checked against its rule written out per head with torch's own
+    e4m3fnuz cast (scale 2^ceil(log2(max(amax, 1e-4) / 224)), bytes of x / scale, w' = w * scale * softmax
+    scale * head scale in fp32); a poisoned head gets 0x80 (fnuz NaN) and a NaN weight. Its bytes are the OCP
+    query's and its weights exactly twice the OCP ones."""
+    g = torch.Generator().manual_seed(31)
+    pos, qi, w = query(6, 8, g)
+    qi[1, 2] *= 2.0 ** -30                                # below the 1e-4 floor of amax
+    qi[4, 6, 77] = float("nan")
+    q8, wq = ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS)
+    z8, wz = ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, use_fnuz=True)
+    assert z8.dtype == torch.float8_e4m3fnuz and z8.shape == q8.shape and wz.dtype == torch.float32
+    for t in range(6):
+        for h in range(8):
+            x = brute_rope_head(qi[t, h], int(pos[t]), CS)
+            if t == 4 and h == 6:
+                assert (z8[t, h].view(torch.uint8) == 0x80).all() and torch.isnan(wz[t, h])
+                continue
+            scale = f32(2.0 ** ceil_log2_of(f32(max(float(x.abs().max()), 1e-4)) / f32(224.0)))
+            want = (x / scale).to(torch.float8_e4m3fnuz).view(torch.uint8)
+            assert torch.equal(z8[t, h].view(torch.uint8), want), (t, h)
+            assert wz[t, h] == w[t, h].float() * scale * f32(SM) * f32(HS), (t, h)
+    poisoned = torch.isnan(wq)
+    assert torch.equal(z8.view(torch.uint8)[~poisoned], q8.view(torch.uint8)[~poisoned])
+    assert torch.equal(wz[~poisoned], 2 * wq[~poisoned]) and torch.equal(torch.isnan(wz), poisoned)
+
+
+def test_logits_read_the_fnuz_query_as_fnuz():
+    """A float8_e4m3fnuz query (and, in prefill, float8_e4m3fnuz keys with their doubled scales) gives the
+    logits of the OCP query of the same inputs bit for bit: its bytes read as fnuz are half the OCP values and
+    its weights twice the OCP ones, both exact."""
+    g = torch.Generator().manual_seed(32)
+    pos, qi, w = query(6, 16, g)
+    qi[5, 1, 3] = float("inf")
+    q8, wq = ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS)
+    z8, wz = ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, use_fnuz=True)
+    keys = torch.randn(90, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (90, 1), generator=g).float())
+    kq, e = quantize_blocks(keys, 128, 1e-4)
+    kz, ez = quantize_blocks(keys, 128, 1e-4, fnuz=True)
+    ocp_kv = (kq.view(torch.float8_e4m3fn), ri.pow2_or_nan(e[:, 0]))
+    fnuz_kv = (kz.view(torch.float8_e4m3fnuz), ri.pow2_or_nan(ez[:, 0]))
+    ks, ke = torch.tensor([0, 5, 60, 0, 89, 0], dtype=torch.int32), torch.tensor([90, 40, 61, 0, 90, 90],
+                                                                                 dtype=torch.int32)
+    same = lambda a, b: torch.equal(a.view(torch.int32), b.view(torch.int32))        # noqa: E731
+    ocp = ops.fp8_mqa_logits(q8, ocp_kv, wq, ks, ke)
+    assert torch.isnan(ocp[5]).all() and torch.isfinite(ocp[0]).all()
+    assert same(ops.fp8_mqa_logits(z8, ocp_kv, wz, ks, ke), ocp)
+    assert same(ops.fp8_mqa_logits(z8, fnuz_kv, wz, ks, ke), ocp)
+    assert same(ops.fp8_fp4_mqa_logits((z8, None), fnuz_kv, wz, ks, ke, True), ocp)
+    _, kv, bt, _ = filled_cache([70, 20, 50], 32, g)
+    cl, meta = torch.tensor([[69, 70], [19, 20], [49, 50]], dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int32)
+    paged = ops.fp8_paged_mqa_logits(q8.view(3, 2, 16, 128), kv, wq, cl, bt, meta, 80)
+    assert same(ops.fp8_paged_mqa_logits(z8.view(3, 2, 16, 128), kv, wz, cl, bt, meta, 80), paged)
+    assert same(ops.fp8_fp4_paged_mqa_logits((z8.view(3, 2, 16, 128), None), kv.unsqueeze(-2), wz, cl, bt, meta, 80,
+                                             True), paged)
+
+
 # ---- call forms -----------------------------------------------------------------------------------------
 def test_call_forms_are_vllms_and_deepgemms():
     g = torch.Generator().manual_seed(7)
@@ -358,6 +416,17 @@ def _bad_calls(pos, qi, w, q8, wq, kv, bt):
         ("cos_sin_cache must have dtype", lambda: ops.fused_indexer_q_rope_quant(pos, qi, CS.double(), w, SM, HS)),
         ("index_weights_head_scale", lambda: ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, float("nan"))),
         ("use_fp4", lambda: ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, use_fp4=1)),
+        ("use_fnuz must be a bool", lambda: ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, use_fnuz=1)),
+        ("use_fnuz=True names the FP8 query", lambda: ops.fused_indexer_q_rope_quant(pos, qi, CS, w, SM, HS, True,
+                                                                                     use_fnuz=True)),
+        ("weights_out_dtype=torch.bfloat16 is for the MXFP4", lambda: ops.fused_indexer_q_rope_quant(
+            pos, qi, CS, w, SM, HS, False, torch.bfloat16, use_fnuz=True)),
+        ("q must have dtype", lambda: ops.fp8_mqa_logits(q8.view(torch.float8_e5m2), (k8, ksc), wq, i32(0, 0, 0, 0),
+                                                         i32(1, 1, 1, 1))),
+        ("kv\\[0\\] must have dtype", lambda: ops.fp8_mqa_logits(q8, (k8.view(torch.float8_e5m2), ksc), wq,
+                                                                 i32(0, 0, 0, 0), i32(1, 1, 1, 1))),
+        ("q must have dtype", lambda: ops.fp8_paged_mqa_logits(q4.view(torch.float8_e5m2fnuz), kv, wq[:2], cl, bt,
+                                                               meta, 64)),
         ("q must have dtype", lambda: ops.fp8_mqa_logits(qi, (k8, ksc), wq, i32(0, 0, 0, 0), i32(1, 1, 1, 1))),
         ("kv must be the pair", lambda: ops.fp8_mqa_logits(q8, k8, wq, i32(0, 0, 0, 0), i32(1, 1, 1, 1))),
         ("kv\\[1\\] must have shape", lambda: ops.fp8_mqa_logits(q8, (k8, ksc[:5]), wq, i32(0, 0, 0, 0),
@@ -513,7 +582,7 @@ _INTERPRETED_LOGITS = textwrap.dedent("""
         P._fp8_paged_mqa_logits_kernel[(B, 3)](
             q8, q8.stride(0), q8.stride(1), q8.stride(2), pg, pg.stride(0), pg.shape[0], w, w.stride(0),
             cl, cl.stride(0), bt, bt.stride(0), bt.shape[1], out, out.stride(0), max_len,
-            NEXT_N=nn, H=H, BS=bs, BN=32, SPLITS=3, CTX_2D=lens_2d, CLEAN=clean, FNUZ=False, TAIL_N=64)
+            NEXT_N=nn, H=H, BS=bs, BN=32, SPLITS=3, CTX_2D=lens_2d, CLEAN=clean, FNUZ=False, TAIL_N=64, Q_FNUZ=False)
         q = q8.view(torch.float8_e4m3fn)
         ref = ri.fp8_paged_mqa_logits(q, kv, w, cl, bt, torch.zeros(2, 2, dtype=torch.int32), max_len)
         vis = ri.visible_keys(cl, nn).reshape(-1).clamp(0, max_len)
@@ -530,7 +599,7 @@ _INTERPRETED_LOGITS = textwrap.dedent("""
         out = torch.full((M, N), float("nan"))
         Q._fp8_mqa_logits_kernel[(triton.cdiv(M, 2), triton.cdiv(N, 128))](
             q8, q8.stride(0), q8.stride(1), k8, k8.stride(0), ks, w, w.stride(0), starts, ends, out, out.stride(0),
-            M, N, H=H, BQ=2, BN=32, SPAN=128, CLEAN=clean, FNUZ=False)
+            M, N, H=H, BQ=2, BN=32, SPAN=128, CLEAN=clean, FNUZ=False, Q_FNUZ=False, K_FNUZ=False)
         ref = ri.fp8_mqa_logits(q8.view(torch.float8_e4m3fn), (k8.view(torch.float8_e4m3fn), ks), w, starts, ends)
         mag = ri.fp8_mqa_logits(abs_bytes(q8), (abs_bytes(k8), ks), w.abs(), starts, ends)
         j = torch.arange(N)
@@ -573,8 +642,8 @@ def _both(op, *args, **kw):
 @pytest.mark.parametrize("H, q_dtype, cs_dtype", [(64, torch.bfloat16, torch.float32),
                                                   (64, torch.float32, torch.bfloat16),
                                                   (4, torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("fp4", [False, True])
-def test_triton_query_is_bit_exact(H, q_dtype, cs_dtype, fp4):
+@pytest.mark.parametrize("fp4, fnuz", [(False, False), (True, False), (False, True)])
+def test_triton_query_is_bit_exact(H, q_dtype, cs_dtype, fp4, fnuz):
     g = torch.Generator().manual_seed(20)
     pos, qi, w = query(300, H, g, dtype=q_dtype)
     qi[5, 0, 3] = float("nan")
@@ -582,12 +651,13 @@ def test_triton_query_is_bit_exact(H, q_dtype, cs_dtype, fp4):
     w[9, 1 % H] = float("nan")
     _poison_allocator(300 * H * 128 * 4)
     got, ref = _both("fused_indexer_q_rope_quant", pos.cuda(), qi.cuda(), CS.to(cs_dtype).cuda(), w.cuda(), SM, HS,
-                     use_fp4=fp4)
+                     use_fp4=fp4, use_fnuz=fnuz)
     (gq, gw), (rq, rw) = got, ref
     if fp4:
         assert torch.equal(gq[0].cpu(), rq[0]) and torch.equal(gq[1].cpu(), rq[1])
     else:
-        assert gq.dtype == torch.float8_e4m3fn and torch.equal(gq.view(torch.uint8).cpu(), rq.view(torch.uint8))
+        assert gq.dtype == rq.dtype == (torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn)
+        assert torch.equal(gq.view(torch.uint8).cpu(), rq.view(torch.uint8))
     gw = gw.cpu()
     nan = torch.isnan(rw)                                 # NaN payloads differ by vendor: compare NaN positions
     assert torch.equal(torch.isnan(gw), nan) and torch.equal(gw[~nan].view(torch.int32), rw[~nan].view(torch.int32))
@@ -663,6 +733,45 @@ def test_triton_paged_logits_match_the_oracle(next_n, lens_2d, bs, clean):
     tiles_end = torch.arange(max_len)[None, :] < vis[:, None]
     assert_logits_close(got, ref, mag, f"paged next_n={next_n} 2d={lens_2d} bs={bs} clean={clean}",
                         where=None if clean else tiles_end)
+
+
+@pytest.mark.gpu
+def test_triton_logits_read_the_fnuz_query():
+    """vLLM's gfx942 query (float8_e4m3fnuz) and gathered fnuz keys through the Triton logits kernels: the
+    logits of the OCP query and keys of the same inputs from the same kernels, bit for bit, and the oracle's
+    within LOGIT_TOL."""
+    g = torch.Generator().manual_seed(27)
+    pos, qi, w = query(64, 64, g)
+    keys = torch.randn(3000, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (3000, 1), generator=g).float())
+    starts = torch.randint(0, 1500, (64,), generator=g).to(torch.int32)
+    ends = (starts + torch.randint(0, 1500, (64,), generator=g)).to(torch.int32)
+    with ops.use_backend("triton"):
+        d = lambda t: t.cuda()                                              # noqa: E731
+        q8, wq = ops.fused_indexer_q_rope_quant(d(pos), d(qi), d(CS), d(w), SM, HS)
+        z8, wz = ops.fused_indexer_q_rope_quant(d(pos), d(qi), d(CS), d(w), SM, HS, use_fnuz=True)
+        kq, e = quantize_blocks(keys, 128, 1e-4)
+        kz, ez = quantize_blocks(keys, 128, 1e-4, fnuz=True)
+        ocp_kv = (d(kq).view(torch.float8_e4m3fn), d(ri.pow2_or_nan(e[:, 0])))
+        fnuz_kv = (d(kz).view(torch.float8_e4m3fnuz), d(ri.pow2_or_nan(ez[:, 0])))
+        ocp = ops.fp8_mqa_logits(q8, ocp_kv, wq, d(starts), d(ends))
+        for kv in (ocp_kv, fnuz_kv):
+            _poison_allocator(64 * 3000 * 4)
+            got = ops.fp8_mqa_logits(z8, kv, wz, d(starts), d(ends))
+            assert torch.equal(got.view(torch.int32), ocp.view(torch.int32))
+        ref = ri.fp8_mqa_logits(z8.cpu(), tuple(t.cpu() for t in fnuz_kv), wz.cpu(), starts, ends)
+        mag = ri.fp8_mqa_logits(abs_bytes(z8.cpu()).view(torch.float8_e4m3fnuz),
+                                (abs_bytes(kz).view(torch.float8_e4m3fnuz), fnuz_kv[1].cpu()), wz.cpu().abs(),
+                                starts, ends)
+        assert_logits_close(got, ref, mag, "fnuz q and k")
+        lens = [2000, 77, 1500, 64] * 8
+        pages, kv, bt, _ = filled_cache(lens, 64, g)
+        cl = torch.tensor(lens, dtype=torch.int32)
+        meta = ops.get_paged_mqa_logits_metadata(d(cl), 64, 132)
+        gkv = kv_cache_view(d(pages), 64, 132)
+        ocp = ops.fp8_paged_mqa_logits(q8.view(32, 2, 64, 128), gkv, wq, d(cl), d(bt), meta, 2100)
+        _poison_allocator(64 * 2100 * 4)
+        got = ops.fp8_paged_mqa_logits(z8.view(32, 2, 64, 128), gkv, wz, d(cl), d(bt), meta, 2100)
+        assert torch.equal(got.view(torch.int32), ocp.view(torch.int32))
 
 
 @pytest.mark.gpu

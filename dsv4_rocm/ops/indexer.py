@@ -5,7 +5,10 @@ Call forms are vLLM's (``fused_indexer_q_rope_quant``, ``indexer_k_quant_and_cac
 (``fp8_mqa_logits``, ``fp8_paged_mqa_logits``, ``get_paged_mqa_logits_metadata``). The math is in
 ``dsv4_rocm.reference.indexer``. The indexer-K cache is accepted as ``[num_blocks, block_size, 132]`` (vLLM's
 allocation) or ``[num_blocks, block_size, 1, 132]`` (DeepGEMM's view), uint8 or float8_e4m3fn; its page
-stride is ``stride(0)``. Bad input is a ValueError naming the argument before anything is written; checks
+stride is ``stride(0)``. The FP8 query is float8_e4m3fn by default; ``use_fnuz=True`` gives vLLM's gfx942 query
+(float8_e4m3fnuz, maximum 224, the scale folded into the weights doubled), and the logits ops read a
+float8_e4m3fnuz query (and the prefill op a float8_e4m3fnuz k) as fnuz (docs/numerics.md#fnuz-query).
+Bad input is a ValueError naming the argument before anything is written; checks
 that read tensor values follow ``value_checks`` (docs/conventions.md).
 """
 import torch
@@ -34,6 +37,7 @@ register("cp_gather_indexer_k_quant_cache", _ri.cp_gather_indexer_k_quant_cache,
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 FP8 = (torch.float8_e4m3fn, torch.uint8)
+FP8_OR_FNUZ = FP8 + (torch.float8_e4m3fnuz,)      # query and gathered k of the logits: bytes read as the dtype says
 MAX_NEXT_N = 4
 MAX_HEADS = 128
 
@@ -75,12 +79,16 @@ def _needed_pages_valid(name, block_table, lengths, bs, num_pages, allow_padding
 # ---- query ----------------------------------------------------------------------------------------
 def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
                                index_weights_softmax_scale: float, index_weights_head_scale: float,
-                               use_fp4: bool = False, weights_out_dtype: torch.dtype = torch.float32):
+                               use_fp4: bool = False, weights_out_dtype: torch.dtype = torch.float32, *,
+                               use_fnuz: bool = False):
     """index_q [T, H, 128] (bf16, fp16 or fp32), positions int [T], cos/sin table fp32 or bf16 [P, 64],
     index_weights [T, H] -> (q float8_e4m3fn [T, H, 128], w' fp32 [T, H]) with the q scale folded into w',
     or with use_fp4 ((packed uint8 [T, H, 64], UE8M0 scales int32 [T, H]), w') (reference.indexer).
     ``weights_out_dtype`` (vLLM 0.33): w''s dtype, float32, or with use_fp4 bfloat16 (the fp32 w' rounded
-    to nearest even, what DeepGEMM's MXFP4 logits take); vLLM's FP8 path takes float32 only."""
+    to nearest even, what DeepGEMM's MXFP4 logits take); vLLM's FP8 path takes float32 only.
+    ``use_fnuz`` (a keyword of dsv4_rocm's; vLLM 0.33 picks the flavour from its platform, e4m3fnuz on gfx942,
+    and passes its kernel ``use_fnuz``): q is vLLM's gfx942 query, float8_e4m3fnuz with maximum 224, the same
+    bytes as the default query and w' exactly twice its w' (docs/numerics.md#fnuz-query). FP8 query only."""
     C.tensor("index_q", index_q, dtype=FLOATS, shape=(None, None, L.INDEXER_DIM))
     _unit_inner("index_q", index_q)
     T, H = index_q.shape[:2]
@@ -89,6 +97,10 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
     C.finite_float("index_weights_softmax_scale", index_weights_softmax_scale)
     C.finite_float("index_weights_head_scale", index_weights_head_scale)
     _flag("use_fp4", use_fp4)
+    _flag("use_fnuz", use_fnuz)
+    if use_fnuz and use_fp4:
+        raise ValueError("use_fnuz=True names the FP8 query's e4m3fnuz flavour; the MXFP4 query (use_fp4=True) "
+                         "has none")
     if weights_out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"weights_out_dtype must be torch.float32 or torch.bfloat16, got {weights_out_dtype!r}")
     if weights_out_dtype == torch.bfloat16 and not use_fp4:
@@ -97,14 +109,15 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
     C.same_device(positions=positions, index_q=index_q, index_q_cos_sin_cache=index_q_cos_sin_cache,
                   index_weights=index_weights)
     q, w = _run("fused_indexer_q_rope_quant", index_q.device, positions, index_q, index_q_cos_sin_cache,
-                index_weights, float(index_weights_softmax_scale), float(index_weights_head_scale), use_fp4)
+                index_weights, float(index_weights_softmax_scale), float(index_weights_head_scale), use_fp4, use_fnuz)
     return q, w if weights_out_dtype == torch.float32 else w.to(weights_out_dtype)
 
 
 # ---- logits ---------------------------------------------------------------------------------------
 def _q_and_weights(q, weights, dims):
-    """q fp8 [..., H, 128] of ``dims`` dimensions; weights fp32 [rows, H] with a unit inner stride."""
-    C.tensor("q", q, dtype=FP8)
+    """q fp8 [..., H, 128] of ``dims`` dimensions (OCP, or float8_e4m3fnuz: vLLM's gfx942 query); weights fp32
+    [rows, H] with a unit inner stride."""
+    C.tensor("q", q, dtype=FP8_OR_FNUZ)
     if q.dim() != dims or q.shape[-1] != L.INDEXER_DIM:
         want = ", ".join(["*"] * (dims - 1) + [str(L.INDEXER_DIM)])
         raise ValueError(f"q must have shape [{want}], got {tuple(q.shape)}")
@@ -119,13 +132,15 @@ def _q_and_weights(q, weights, dims):
 def fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits: bool = True):
     """DeepGEMM's prefill logits: q fp8 [M, H, 128], kv = (k fp8 [N, 128], k_scale fp32 [N]), weights fp32
     [M, H], cu_seqlen_ks / cu_seqlen_ke int32 [M] -> fp32 [M, N]; row m sees keys [ks[m], ke[m]) and is -inf
-    elsewhere (with clean_logits=False the entries outside are unspecified)."""
+    elsewhere (with clean_logits=False the entries outside are unspecified). q and k are float8_e4m3fn (or
+    uint8 bytes), read as OCP, or float8_e4m3fnuz, read as fnuz: vLLM's gfx942 query and gathered keys, whose
+    scales (w', k_scale) are those of maximum 224."""
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise ValueError(f"kv must be the pair (k_fp8, k_scale), got {type(kv).__name__}")
     k8, k_scale = kv
     _q_and_weights(q, weights, 3)
     M = q.shape[0]
-    C.tensor("kv[0]", k8, dtype=FP8, shape=(None, L.INDEXER_DIM))
+    C.tensor("kv[0]", k8, dtype=FP8_OR_FNUZ, shape=(None, L.INDEXER_DIM))
     _unit_inner("kv[0]", k8)
     N = k8.shape[0]
     C.tensor("kv[1]", k_scale, dtype=torch.float32, shape=(N,), contiguous=True)
@@ -142,7 +157,8 @@ def fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits: boo
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len: int,
                          clean_logits: bool = True):
-    """DeepGEMM's decode logits over the paged indexer-K cache: q fp8 [B, next_n, H, 128] (next_n <= 4),
+    """DeepGEMM's decode logits over the paged indexer-K cache: q fp8 [B, next_n, H, 128] (next_n <= 4;
+    float8_e4m3fnuz is read as fnuz, vLLM's gfx942 query; the cache holds OCP bytes),
     weights fp32 [B * next_n, H], context_lens int32 [B] or [B, next_n], block_tables int32 [B, max_blocks],
     schedule_metadata from ``get_paged_mqa_logits_metadata`` -> fp32 [B * next_n, max_model_len]. Draft row i
     of request b sees keys [0, L - next_n + i + 1) with 1-D lens L = context_lens[b], or [0, context_lens[b, i])

@@ -5,10 +5,15 @@ Query (``fused_indexer_q_rope_quant``), per token t and head h of qi (bf16 [T, H
     FP8:   e = ceil(log2(max(max|x|, 1e-4) / 448)),  q = e4m3(x * 2^-e),  w' = ((w * 2^e) * softmax_scale) * head_scale
     MXFP4: four blocks of 32 (reference.quant.mxfp4_quantize),            w' = (w * softmax_scale) * head_scale
 A head holding NaN or +-inf is poisoned (docs/conventions.md): FP8 bytes 0x7F and w' NaN; an MXFP4 block
-gets scale 0xFF and nibbles 0x7.
+gets scale 0xFF and nibbles 0x7. ``use_fnuz`` gives vLLM's gfx942 FP8 query (docs/numerics.md#fnuz-query):
+the same rule with e4m3fnuz bytes and maximum 224 (e = ceil(log2(max(max|x|, 1e-4) / 224)), poisoned bytes
+0x80), returned as float8_e4m3fnuz; its bytes are the OCP query's and its w' is exactly twice the OCP one.
 
 Logits (DeepGEMM's ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits``), for a query row m and key n:
     logit[m, n] = sum_h w'[m, h] * ReLU((q[m, h] . k[n]) * s_k[n])           (fp32)
+with q's bytes read as its dtype says: e4m3fn (or uint8 bytes) as OCP, float8_e4m3fnuz as fnuz (vLLM's gfx942
+query, whose w' carries the doubled scale); likewise the contiguous k of ``fp8_mqa_logits``. The paged
+indexer-K cache holds OCP bytes.
 and -inf outside the keys the row sees: [ks, ke) in prefill; in decode, draft row i of request b sees
 keys [0, L - next_n + i + 1) for DeepGEMM's 1-D context_lens L = context_lens[b], or [0, context_lens[b, i])
 for 2-D ones. A key whose block-table entry is negative or past the cache is -inf too (it is never read).
@@ -23,7 +28,7 @@ import torch
 from .. import cache_views as V
 from .. import layout as L
 from .cache import _read_records, _write_records
-from .quant import e4m3_decode, mxfp4_quantize, quantize_blocks
+from .quant import e4m3_decode, e4m3fnuz_decode, mxfp4_quantize, quantize_blocks
 from .rope import rope_fwd
 
 INDEX_EPS = 1e-4
@@ -44,9 +49,9 @@ def pow2_or_nan(e: torch.Tensor) -> torch.Tensor:
 
 def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
                                index_weights_softmax_scale: float, index_weights_head_scale: float,
-                               use_fp4: bool = False):
+                               use_fp4: bool = False, use_fnuz: bool = False):
     """vLLM's op: -> (q float8_e4m3fn [T, H, 128], w' fp32 [T, H]) or, with use_fp4, ((packed uint8
-    [T, H, 64], ue8m0 scales as int32 [T, H]), w')."""
+    [T, H, 64], ue8m0 scales as int32 [T, H]), w'); with use_fnuz q is float8_e4m3fnuz (maximum 224)."""
     D = index_q.shape[-1]
     roped = rope_fwd(index_q, positions, index_q_cos_sin_cache)[..., D - ROPE_DIM:]
     x = torch.cat([index_q[..., :D - ROPE_DIM].float(), roped.to(torch.bfloat16).float()], dim=-1)
@@ -55,17 +60,22 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
         packed, scales = mxfp4_quantize(x)
         w = (w * _f32(index_weights_softmax_scale)) * _f32(index_weights_head_scale)
         return (packed, scales.contiguous().view(torch.int32).squeeze(-1)), w
-    q, e = quantize_blocks(x, D, INDEX_EPS)
+    q, e = quantize_blocks(x, D, INDEX_EPS, fnuz=use_fnuz)
     w = ((w * pow2_or_nan(e[..., 0])) * _f32(index_weights_softmax_scale)) * _f32(index_weights_head_scale)
-    return q.view(torch.float8_e4m3fn), w
+    return q.view(torch.float8_e4m3fnuz if use_fnuz else torch.float8_e4m3fn), w
+
+
+def fp8_values(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values of e4m3 tensor t: float8_e4m3fnuz read as fnuz, float8_e4m3fn and uint8 bytes as OCP."""
+    return (e4m3fnuz_decode if t.dtype == torch.float8_e4m3fnuz else e4m3_decode)(t.view(torch.uint8))
 
 
 def _logits(q8, k8, k_scale, weights):
-    """fp32 [M, N] = sum_h w[m, h] * relu((q[m, h] . k[n]) * s[n]) (q8 [M, H, D], k8 [N, D] bytes)."""
-    kf = e4m3_decode(k8.view(torch.uint8))
+    """fp32 [M, N] = sum_h w[m, h] * relu((q[m, h] . k[n]) * s[n]) (q8 [M, H, D], k8 [N, D] e4m3)."""
+    kf = fp8_values(k8)
     rows = []
     for m0 in range(0, q8.shape[0], 64):        # row chunks keep the [m, h, n] scores small
-        s = torch.einsum("mhd,nd->mhn", e4m3_decode(q8[m0:m0 + 64].view(torch.uint8)), kf) * k_scale.float()
+        s = torch.einsum("mhd,nd->mhn", fp8_values(q8[m0:m0 + 64]), kf) * k_scale.float()
         rows.append(torch.einsum("mhn,mh->mn", torch.relu(s), weights[m0:m0 + 64].float()))
     return torch.cat(rows) if rows else torch.zeros(0, k8.shape[0], device=k8.device)
 

@@ -7,7 +7,8 @@ For query row m (q [M, H, 128] e4m3, weights w [M, H]) and key n (k [N, 128] e4m
 
 (s_k is a power of two or NaN: applied after the head sum it equals ReLU((q . k) * s_k) summed; only the order
 of the fp32 sums differs from the oracle). The products run on the fp8 matrix units, as in
-``fp8_paged_mqa_logits`` (gfx942's fnuz reading included).
+``fp8_paged_mqa_logits`` (gfx942's fnuz reading included). A float8_e4m3fnuz q (Q_FNUZ) or k (K_FNUZ), vLLM's
+gfx942 flavour, halves s_k once for each, as there.
 
 Grid: (query blocks of BQ rows, key spans of SPAN keys). A program holds the BQ query tiles [H, 128] and
 streams the BN-key tiles of its span that meet the union of its rows' ranges [min ks, max ke): each key
@@ -19,14 +20,14 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, launch
-from .fp8_paged_mqa_logits import _as_fp8, _head_sum, facts_of, pad_heads
+from .fp8_paged_mqa_logits import _as_fp8, _head_sum, _key_scale, facts_of, pad_heads
 
 
 @triton.jit
 def _fp8_mqa_logits_kernel(q_ptr, stride_qm, stride_qh, k_ptr, stride_kn, sk_ptr, w_ptr, stride_wm, ks_ptr, ke_ptr,
                            out_ptr, stride_om, num_rows, num_keys,
                            H: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, SPAN: tl.constexpr,
-                           CLEAN: tl.constexpr, FNUZ: tl.constexpr):
+                           CLEAN: tl.constexpr, FNUZ: tl.constexpr, Q_FNUZ: tl.constexpr, K_FNUZ: tl.constexpr):
     m0 = tl.program_id(0) * BQ
     n_lo = tl.program_id(1) * SPAN
     d = tl.arange(0, 128)
@@ -58,8 +59,7 @@ def _fp8_mqa_logits_kernel(q_ptr, stride_qm, stride_qh, k_ptr, stride_kn, sk_ptr
         inb = n < n_hi
         kb = tl.load(k_ptr + n.to(tl.int64)[:, None] * stride_kn + d[None, :], mask=inb[:, None], other=0)
         sk = tl.load(sk_ptr + n, mask=inb, other=0.0)
-        if FNUZ:
-            sk = sk * 4.0
+        sk = _key_scale(sk, FNUZ, Q_FNUZ, K_FNUZ)
         k = _as_fp8(kb, FNUZ)
         for i in tl.static_range(BQ):
             v = tl.where((n >= starts[i]) & (n < ends[i]), _head_sum(k, qts[i], ws[i]) * sk, float("-inf"))
@@ -101,19 +101,25 @@ def fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits: boo
         qb, qb.stride(0), qb.stride(1), kb, kb.stride(0), k_scale, w, w.stride(0), cu_seqlen_ks, cu_seqlen_ke,
         out, out.stride(0), M, N,
         H=qb.shape[1], BQ=cfg["BQ"], BN=cfg["BN"], SPAN=cfg["SPAN"], CLEAN=clean_logits, FNUZ=fnuz,
+        Q_FNUZ=q.dtype == torch.float8_e4m3fnuz, K_FNUZ=k8.dtype == torch.float8_e4m3fnuz,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
-def _constexprs(arch):
-    c = default_config(arch)
-    return dict(H=64, BQ=c["BQ"], BN=c["BN"], SPAN=c["SPAN"], CLEAN=True, FNUZ=arch == "gfx942")
+def _spec(name, fnuz_operands):
+    def constexprs(arch):
+        c = default_config(arch)
+        return dict(H=64, BQ=c["BQ"], BN=c["BN"], SPAN=c["SPAN"], CLEAN=True, FNUZ=arch == "gfx942",
+                    Q_FNUZ=fnuz_operands, K_FNUZ=fnuz_operands)
+    return dict(name=name, fn=_fp8_mqa_logits_kernel,
+                pointers=dict(q_ptr="*u8", k_ptr="*u8", sk_ptr="*fp32", w_ptr="*fp32", ks_ptr="*i32", ke_ptr="*i32",
+                              out_ptr="*fp32"),
+                floats=(), constexprs=constexprs,
+                options=lambda arch: {k: v for k, v in default_config(arch).items() if k.startswith("num_")},
+                matrix=True)
 
 
 COMPILE_SPECS = [
-    dict(name="fp8_mqa_logits", fn=_fp8_mqa_logits_kernel,
-         pointers=dict(q_ptr="*u8", k_ptr="*u8", sk_ptr="*fp32", w_ptr="*fp32", ks_ptr="*i32", ke_ptr="*i32",
-                       out_ptr="*fp32"),
-         floats=(), constexprs=_constexprs,
-         options=lambda arch: {k: v for k, v in default_config(arch).items() if k.startswith("num_")}, matrix=True),
+    _spec("fp8_mqa_logits", False),
+    _spec("fp8_mqa_logits[fnuz q and k]", True),
 ]

@@ -17,6 +17,12 @@ fnuz e4m3, whose value is half the OCP one for every byte the cache holds (0x80,
 first): its products are a quarter of the OCP ones and s_k is multiplied by 4 (exact). The OCP NaN bytes
 read as +-240 there; a poisoned key or query still gives NaN, through its NaN scale or weight.
 
+A float8_e4m3fnuz query (Q_FNUZ; vLLM's gfx942 query, docs/numerics.md#fnuz-query) holds the bytes the OCP
+query would and weights folded with twice its scale: the kernel reads its bytes as it reads OCP ones and
+halves s_k (exact, s_k being a power of two), which is reading them as fnuz. Its writers never emit 0x7F or
+0xFF (their maximum is 224) and emit 0x80 (fnuz NaN) only for a poisoned head, whose weight is NaN: read as 0
+here, that head still makes the logits NaN.
+
 Grid: (B, SPLITS). Program (b, s) reads the NEXT_N query tiles [H, 128] and weights of request b once, then
 streams its share of b's key tiles (BN keys a tile, a contiguous range of the tiles covering max_i n_i): every
 key tile is read once for all draft rows. SPLITS is picked from B, the SM count and max_model_len (host
@@ -48,6 +54,20 @@ def _as_fp8(b, FNUZ: tl.constexpr):
 
 
 @triton.jit
+def _key_scale(sk, FNUZ: tl.constexpr, Q_FNUZ: tl.constexpr, K_FNUZ: tl.constexpr):
+    """s_k times the factor that makes up how the bytes are read: x 4 when the matrix unit reads OCP bytes
+    of both operands as fnuz (gfx942), x 1/2 for each operand whose bytes are fnuz (module docstring). All
+    exact: s_k is a power of two or NaN."""
+    if FNUZ:
+        sk = sk * 4.0
+    if Q_FNUZ:
+        sk = sk * 0.5
+    if K_FNUZ:
+        sk = sk * 0.5
+    return sk
+
+
+@triton.jit
 def _head_sum(k, qt, w):
     """[BN] sum_h w[h] * ReLU(k[n] . q_h) for a key tile k [BN, 128] and one query's heads qt [128, H] (fp8);
     ReLU keeps NaN (a poisoned q row carries NaN weights, a poisoned key a NaN scale, either way NaN)."""
@@ -67,7 +87,8 @@ def _fp8_paged_mqa_logits_kernel(
         q_ptr, stride_qb, stride_qn, stride_qh, cache_ptr, page_stride, num_pages, w_ptr, stride_wr,
         cl_ptr, stride_clb, bt_ptr, stride_bt, bt_cols, out_ptr, stride_or, max_len,
         NEXT_N: tl.constexpr, H: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
-        CTX_2D: tl.constexpr, CLEAN: tl.constexpr, FNUZ: tl.constexpr, TAIL_N: tl.constexpr):
+        CTX_2D: tl.constexpr, CLEAN: tl.constexpr, FNUZ: tl.constexpr, TAIL_N: tl.constexpr,
+        Q_FNUZ: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     d = tl.arange(0, 128)
@@ -104,8 +125,7 @@ def _fp8_paged_mqa_logits_kernel(
         base = cache_ptr + tl.where(ok, page, 0) * page_stride
         kb = tl.load(base[:, None] + (j % BS)[:, None] * 128 + d[None, :], mask=ok[:, None], other=0)
         sk = tl.load((base + BS * 128 + (j % BS) * 4).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
-        if FNUZ:
-            sk = sk * 4.0
+        sk = _key_scale(sk, FNUZ, Q_FNUZ, False)
         k = _as_fp8(kb, FNUZ)
         for i in tl.static_range(NEXT_N):
             v = tl.where(ok & (j < seen[i]), _head_sum(k, qts[i], ws[i]) * sk, float("-inf"))
@@ -180,7 +200,8 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, sched
         context_lens, context_lens.stride(0), block_tables, bst[0], block_tables.shape[1], out,
         out.stride(0), max_model_len,
         NEXT_N=nn, H=qb.shape[2], BS=bs, BN=cfg["BN"], SPLITS=splits, CTX_2D=context_lens.dim() == 2,
-        CLEAN=clean_logits, FNUZ=fnuz, TAIL_N=TAIL, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        CLEAN=clean_logits, FNUZ=fnuz, TAIL_N=TAIL, Q_FNUZ=q.dtype == torch.float8_e4m3fnuz,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -189,11 +210,11 @@ def _config(arch: str, config_items: tuple) -> dict:
     return dict(default_config(arch), **dict(config_items))
 
 
-def _spec(name, arch_next_n, ctx_2d):
+def _spec(name, arch_next_n, ctx_2d, q_fnuz=False):
     def constexprs(arch):
         c = default_config(arch)
         return dict(NEXT_N=arch_next_n, H=64, BS=64, BN=c["BN"], SPLITS=8, CTX_2D=ctx_2d, CLEAN=True,
-                    FNUZ=arch == "gfx942", TAIL_N=TAIL)
+                    FNUZ=arch == "gfx942", TAIL_N=TAIL, Q_FNUZ=q_fnuz)
 
     def options(arch):
         c = default_config(arch)
@@ -207,4 +228,5 @@ def _spec(name, arch_next_n, ctx_2d):
 COMPILE_SPECS = [
     _spec("fp8_paged_mqa_logits[next_n 1]", 1, False),
     _spec("fp8_paged_mqa_logits[next_n 2, 2-D lens]", 2, True),
+    _spec("fp8_paged_mqa_logits[next_n 1, fnuz query]", 1, False, q_fnuz=True),
 ]

@@ -10,7 +10,10 @@ writes
 The arithmetic is the oracle's, operation for operation: the kernel is compiled with fp fusion off (RoPE is
 e*c - o*s with separate roundings), the exponent comes from the bits of a correctly rounded division and
 every multiply by a power of two is exact, so q bytes and w' equal the oracle's bit for bit. fp8 bytes are
-OCP e4m3fn on every vendor (-0 written 0x00); gfx942 encodes x / 2 with its fnuz convert. A head (FP8) or
+OCP e4m3fn on every vendor (-0 written 0x00); gfx942 encodes x / 2 with its fnuz convert. With Q_FNUZ the
+query is vLLM's gfx942 flavour (maximum 224, docs/numerics.md#fnuz-query): its exponent is e + 1 and its
+e4m3fnuz bytes of x * 2^-(e + 1) are the OCP bytes of x * 2^-e, so the kernel writes the same bytes, folds
+2^(e + 1) into w' and writes a poisoned head's bytes as 0x80 (fnuz NaN). A head (FP8) or
 a block of 32 (MXFP4) holding NaN or +-inf is poisoned as docs/conventions.md says; so is every head of a
 token whose position lies outside the table (reachable only with value checks off).
 """
@@ -42,7 +45,7 @@ def _fused_indexer_q_rope_quant_kernel(
         pos_ptr, q_ptr, stride_qt, stride_qh, cs_ptr, stride_cs, cs_rows, w_ptr, stride_wt, stride_wh,
         out_ptr, stride_ot, stride_oh, scale_ptr, stride_st, stride_sh, wout_ptr, stride_wot,
         softmax_scale, head_scale, num_heads,
-        HB: tl.constexpr, FP4: tl.constexpr, FNUZ: tl.constexpr):
+        HB: tl.constexpr, FP4: tl.constexpr, FNUZ: tl.constexpr, Q_FNUZ: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     live = heads < num_heads
@@ -77,6 +80,9 @@ def _fused_indexer_q_rope_quant_kernel(
         w = (w * softmax_scale) * head_scale
     else:
         q, e, bad = _ue8m0_fp8(xr, FNUZ)
+        if Q_FNUZ:
+            q = tl.where(bad[:, None], 0x80, q).to(tl.uint8)
+            e = e + 1
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], q, mask=live[:, None])
         w = tl.where(bad, float("nan"), ((w * _pow2(e)) * softmax_scale) * head_scale)
     tl.store(wout_ptr + t * stride_wot + heads, w, mask=live)
@@ -89,7 +95,7 @@ def _fnuz(device) -> bool:
 
 def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
                                index_weights_softmax_scale: float, index_weights_head_scale: float,
-                               use_fp4: bool = False):
+                               use_fp4: bool = False, use_fnuz: bool = False):
     """vLLM's call form; arguments checked by ``dsv4_rocm.ops.fused_indexer_q_rope_quant``."""
     T, H, D = index_q.shape
     dev = index_q.device
@@ -98,7 +104,7 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
         out = torch.empty(T, H, D // 2, dtype=torch.uint8, device=dev)
         scales = torch.empty(T, H, D // 32, dtype=torch.uint8, device=dev)
     else:
-        out = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=dev)
+        out = torch.empty(T, H, D, dtype=torch.float8_e4m3fnuz if use_fnuz else torch.float8_e4m3fn, device=dev)
         scales = out
     if T:
         o = out.view(torch.uint8)
@@ -107,19 +113,20 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
             index_q_cos_sin_cache.stride(0), index_q_cos_sin_cache.shape[0], index_weights, index_weights.stride(0),
             index_weights.stride(1), o, o.stride(0), o.stride(1), scales.view(torch.uint8), scales.stride(0),
             scales.stride(1), w_out, w_out.stride(0), index_weights_softmax_scale, index_weights_head_scale, H,
-            HB=HEAD_BLOCK, FP4=use_fp4, FNUZ=_fnuz(dev), num_warps=4, num_stages=1, enable_fp_fusion=False)
+            HB=HEAD_BLOCK, FP4=use_fp4, FNUZ=_fnuz(dev), Q_FNUZ=use_fnuz, num_warps=4, num_stages=1,
+            enable_fp_fusion=False)
     if use_fp4:
         return (out, scales.view(torch.int32).squeeze(-1)), w_out
     return out, w_out
 
 
-def _spec(name, fp4, q_dtype):
+def _spec(name, fp4, q_dtype, q_fnuz=False):
     return dict(
         name=name, fn=_fused_indexer_q_rope_quant_kernel,
         pointers=dict(pos_ptr="*i64", q_ptr=q_dtype, cs_ptr="*fp32", w_ptr="*bf16", out_ptr="*u8", scale_ptr="*u8",
                       wout_ptr="*fp32"),
         floats=("softmax_scale", "head_scale"),
-        constexprs=lambda arch: dict(HB=HEAD_BLOCK, FP4=fp4, FNUZ=arch == "gfx942"),
+        constexprs=lambda arch: dict(HB=HEAD_BLOCK, FP4=fp4, FNUZ=arch == "gfx942", Q_FNUZ=q_fnuz),
         options=lambda arch: dict(num_warps=4, num_stages=1, enable_fp_fusion=False),
         matrix=False, fp8_encode=not fp4, exact_fp32=True)
 
@@ -127,4 +134,5 @@ def _spec(name, fp4, q_dtype):
 COMPILE_SPECS = [
     _spec("fused_indexer_q_rope_quant[fp8]", False, "*bf16"),
     _spec("fused_indexer_q_rope_quant[mxfp4]", True, "*bf16"),
+    _spec("fused_indexer_q_rope_quant[fp8, fnuz query]", False, "*bf16", q_fnuz=True),
 ]
