@@ -11,7 +11,6 @@ import torch
 from . import cache_views as V
 from . import layout as L
 from ._build import load
-from .reference import qkv as _rq
 
 # the record formats' codes in the launch arguments (hip_kernels/include/dsv4/record.h DSV4_FMT_*)
 FORMAT_CODES = {L.V40_584.name: 0, L.V41_528.name: 1, L.V41_FP4_288.name: 2}
@@ -83,17 +82,13 @@ def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mappi
 def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
                                        cache_block_size: int, fp8_scale, q_fp8, q_fp8_scale_inv,
                                        apply_q_norm: bool = True):
-    """The HIP kernel always norms q. Without ``apply_q_norm`` its kv rows stand (they do not depend on the
-    flag) and q_fp8 is written again by the reference's q half (device tensor operations, no host sync)."""
-    q_in, positions_in, cos_sin_in = q, positions, cos_sin_cache
     cache = k_cache.view(torch.uint8)
     q, kv, slot_mapping, positions, cos_sin_cache = (_rows(q), _rows(kv), _index(slot_mapping), _index(positions),
                                                      _cos_sin(cos_sin_cache))
     fp8_scale, q_fp8_scale_inv = fp8_scale.float().reshape(1), q_fp8_scale_inv.float().reshape(1)
     _into(q_fp8.view(torch.uint8), lambda o: load().qnorm_rope_and_insert_full_k_cache(
-        q, kv, o, cache, slot_mapping, positions, cos_sin_cache, fp8_scale, q_fp8_scale_inv, eps, cache_block_size))
-    if not apply_q_norm:
-        _rq.full_cache_q_fp8(q_in, q_fp8, positions_in, cos_sin_in, eps, q_fp8_scale_inv, False)
+        q, kv, o, cache, slot_mapping, positions, cos_sin_cache, fp8_scale, q_fp8_scale_inv, eps, cache_block_size,
+        apply_q_norm))
 
 
 def fused_q_kv_rmsnorm(qr, kv, q_weight, kv_weight, eps: float):

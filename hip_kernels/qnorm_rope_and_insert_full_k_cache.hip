@@ -1,6 +1,7 @@
 // qnorm_rope_and_insert_full_k_cache (vLLM's full-cache fp8 form, torch.ops._C's
 // fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert), one launch:
-//   q [T, H, 512] bf16 -> q_fp8 [T, H, 512] e4m3: weightless RMSNorm per head, RoPE on dims 448..511 (fp32),
+//   q [T, H, 512] bf16 -> q_fp8 [T, H, 512] e4m3: weightless RMSNorm per head (unless !apply_q_norm), RoPE on
+//   dims 448..511 (fp32),
 //   times q_scale_inv[0], one e4m3 rounding;
 //   kv [T, 512] bf16 -> RoPE (fp32) -> times 1 / fp8_scale[0] -> e4m3 row of 512 bytes at
 //   cache + (slot / bs) * block_stride + (slot % bs) * token_stride, for t < n_slots.
@@ -25,7 +26,7 @@ __global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_full_cache_kernel(dsv4_full_cache_a
       return;
     }
     dsv4_load_bf16x16((const uint16_t*)a.q + t * a.q_st + h * a.q_sh + lane * 16, v);
-    dsv4_rmsnorm512(v, a.eps);
+    if (a.apply_q_norm) dsv4_rmsnorm512(v, a.eps);
     dsv4_rope_lane(v, lane, a.cos_sin, pos, a.cs_bf16);
     *dst = dsv4_fp8_scaled_x16(v, a.q_scale_inv[0]);
     return;

@@ -96,25 +96,16 @@ def _encode_scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), b, torch.full_like(b, FP8_NAN))
 
 
-def full_cache_q_fp8(q, q_fp8, positions, cos_sin_cache, eps: float, q_fp8_scale_inv,
-                     apply_q_norm: bool = True) -> None:
-    """The q half of the fp8 full-cache form: q_fp8 [T, H, 512] e4m3 = RoPE(RMSNorm?(q)) * q_fp8_scale_inv,
-    zero bytes at invalid positions. Elementwise torch operations only (no host sync), so a GPU backend
-    can run it on the device."""
-    T = q.shape[0]
-    ok, pos = _valid_positions(positions, cos_sin_cache)
-    qf = rope_fwd(rmsnorm(q, None, eps) if apply_q_norm else q.float(), pos, cos_sin_cache)
-    qb = _encode_scaled(qf, q_fp8_scale_inv.reshape(()).float())
-    q_fp8.view(torch.uint8).copy_(torch.where(ok.view(T, 1, 1), qb, torch.zeros_like(qb)))
-
-
 def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
                                        cache_block_size: int, fp8_scale, q_fp8, q_fp8_scale_inv,
                                        apply_q_norm: bool = True) -> None:
     """The FlashInfer full-cache form: q_fp8 [T, H, 512] e4m3 (RMSNorm skipped without ``apply_q_norm``) and
     k_cache [nb, bs, 512] e4m3 rows."""
-    full_cache_q_fp8(q, q_fp8, positions, cos_sin_cache, eps, q_fp8_scale_inv, apply_q_norm)
+    T = q.shape[0]
     ok, pos = _valid_positions(positions, cos_sin_cache)
+    qf = rope_fwd(rmsnorm(q, None, eps) if apply_q_norm else q.float(), pos, cos_sin_cache)
+    qb = _encode_scaled(qf, q_fp8_scale_inv.reshape(()).float())
+    q_fp8.view(torch.uint8).copy_(torch.where(ok.view(T, 1, 1), qb, torch.zeros_like(qb)))
     n = slot_mapping.shape[0]
     slots = _insert_slots(slot_mapping, ok).long()
     nb, bs = k_cache.shape[0], cache_block_size

@@ -52,7 +52,8 @@ void fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(const at::Tensor& q, cons
 void qnorm_rope_and_insert_full_k_cache(const at::Tensor& q, const at::Tensor& kv, at::Tensor& q_fp8,
                                         at::Tensor& k_cache, const at::Tensor& slots, const at::Tensor& positions,
                                         const at::Tensor& cos_sin, const at::Tensor& fp8_scale,
-                                        const at::Tensor& q_scale_inv, double eps, int64_t block_size) {
+                                        const at::Tensor& q_scale_inv, double eps, int64_t block_size,
+                                        bool apply_q_norm) {
   const c10::cuda::OptionalCUDAGuard guard(q.device());
   dsv4_full_cache_args a = {q.data_ptr(), q.stride(0), q.stride(1), (int)q.size(1),
                             q_fp8.data_ptr(), q_fp8.stride(0), q_fp8.stride(1),
@@ -62,7 +63,7 @@ void qnorm_rope_and_insert_full_k_cache(const at::Tensor& q, const at::Tensor& k
                             slots.data_ptr(), is64(slots), (int)slots.size(0),
                             positions.data_ptr(), is64(positions),
                             cos_sin.data_ptr(), cs_bf16(cos_sin), cos_sin.size(0),
-                            (int)q.size(0), (float)eps};
+                            (int)q.size(0), (float)eps, apply_q_norm ? 1 : 0};
   check(dsv4_qnorm_rope_and_insert_full_k_cache(&a, current_stream()), "qnorm_rope_and_insert_full_k_cache");
 }
 
@@ -109,7 +110,7 @@ TORCH_LIBRARY(dsv4_rocm_hip, m) {
         "int fmt, bool fnuz, bool interleaved, bool apply_q_norm, bool apply_q_rope, bool q_interleaved) -> ()");
   m.def("qnorm_rope_and_insert_full_k_cache(Tensor q, Tensor kv, Tensor(a!) q_fp8, Tensor(b!) k_cache, "
         "Tensor slots, Tensor positions, Tensor cos_sin_cache, Tensor fp8_scale, Tensor q_fp8_scale_inv, "
-        "float eps, int block_size) -> ()");
+        "float eps, int block_size, bool apply_q_norm) -> ()");
   m.def("dequantize_and_gather_k_cache(Tensor(a!) out, Tensor pages, Tensor seq_lens, Tensor? gather_lens, "
         "Tensor block_table, int block_size, int offset, int fmt, bool fnuz, bool interleaved) -> ()");
   m.def("dequantize_global_slots_k_cache(Tensor(a!) out, Tensor pages, Tensor slot_ids, int block_size, int fmt, "

@@ -40,6 +40,7 @@ typedef struct {
   const void* positions; int pos64;
   const void* cos_sin; int cs_bf16; int64_t max_pos;
   int T; float eps;
+  int apply_q_norm;                                      // 0: q is not RMS-normed (vLLM's DeepSeek-V4.1 layer)
 } dsv4_full_cache_args;
 
 typedef struct {
