@@ -25,7 +25,7 @@ from .. import layout as L
 from .cache import quantize_and_insert_k_cache
 from .norm import rmsnorm
 from .quant import FP8_NAN, e4m3_encode
-from .rope import rope_fwd
+from .rope import rope_fwd, rope_fwd_fma
 
 
 def _valid_positions(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
@@ -62,9 +62,11 @@ def deinterleave_heads(q: torch.Tensor) -> torch.Tensor:
 
 
 def q_transform(q, positions, cos_sin_cache, eps, apply_q_norm=True, apply_q_rope=True):
-    """bf(RoPE?(RMSNorm?(q_h))) per head, fp32 inside, one rounding (an identity when both are off)."""
+    """bf(RoPE?(RMSNorm?(q_h))) per head, fp32 inside, one rounding (an identity when both are off). The q
+    RoPE rounds as vLLM's reference for this op does: each rotated value one fused multiply-add over the
+    other product (``rope_fwd_fma``); kv keeps three roundings (``kv_rope``)."""
     x = rmsnorm(q, None, eps) if apply_q_norm else q.float()
-    return (rope_fwd(x, positions, cos_sin_cache) if apply_q_rope else x).to(torch.bfloat16)
+    return (rope_fwd_fma(x, positions, cos_sin_cache) if apply_q_rope else x).to(torch.bfloat16)
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
