@@ -9,6 +9,8 @@ three roundings each, fp fusion off), stored by MODE (a constexpr):
        V41_528 (UE8M0 fp8 of all 512 dims of bf(y): the bf16 step of the fused insert's kv)
     1  bf16 row bf(y) at k_cache[slot // bs, slot % bs]
     2  e4m3 row of y * fp32(1 / fp8_scale), saturating at +-448, -0 as 0x00, a non-finite y as 0x7F
+The bytes are OCP e4m3 on every target; FNUZ (gfx942) only picks the encoder: its fnuz convert of x / 2
+gives the same byte (compress_norm_rope_store._e4m3).
 Grid: one program per ROWS tokens.
 """
 import torch
@@ -18,7 +20,7 @@ import triton.language as tl
 from .. import layout as L
 from ._launch import cdiv, launch
 from .compress_norm_rope_store import _e4m3, _rope_last64, _store_main, _store_v41_fp8
-from .rope_quant_insert import record_token
+from .rope_quant_insert import fnuz, record_token
 
 ROWS = 4
 MODES = {torch.uint8: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
@@ -48,7 +50,7 @@ def _kv_rope_insert_kernel(kv_ptr, kv_stride, pos_ptr, cs_ptr, cs_stride, cs_row
                         tl.store(row, y.to(tl.bfloat16))
                     else:
                         inv = tl.math.div_rn(1.0, tl.load(scale_ptr).to(tl.float32))
-                        b = _e4m3(y * inv, False)
+                        b = _e4m3(y * inv, FNUZ)
                         finite = (y == y) & (tl.abs(y) != float("inf"))
                         tl.store(row, tl.where(finite, b, 0x7F).to(tl.uint8))
 
@@ -72,16 +74,16 @@ def fused_deepseek_v4_kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_s
     launch(_kv_rope_insert_kernel)[(cdiv(n, ROWS),)](
         kv, kv.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0], cache,
         page_stride, row_stride, k_cache.shape[0] * bs, slot_mapping, n, fp8_scale if mode == 2 else slot_mapping,
-        BS=bs, R=ROWS, MODE=mode, FNUZ=fmt.fnuz, FMT=fmt, num_warps=4, num_stages=1, enable_fp_fusion=False)
+        BS=bs, R=ROWS, MODE=mode, FNUZ=fnuz(kv.device), FMT=fmt, num_warps=4, num_stages=1, enable_fp_fusion=False)
 
 
 def _spec(name, mode, fmt, cache_ptr):
     return dict(name=name, fn=_kv_rope_insert_kernel,
                 pointers=dict(kv_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", cache_ptr=cache_ptr, slot_ptr="*i64",
                               scale_ptr="*fp32"),
-                floats=(), constexprs=lambda arch: dict(BS=64, R=ROWS, MODE=mode, FNUZ=False, FMT=fmt),
+                floats=(), constexprs=lambda arch: dict(BS=64, R=ROWS, MODE=mode, FNUZ=arch == "gfx942", FMT=fmt),
                 options=lambda arch: dict(num_warps=4, num_stages=1, enable_fp_fusion=False), matrix=False,
-                fp8_encode=True, exact_fp32=True)
+                fp8_encode=mode != 1, exact_fp32=True)
 
 
 COMPILE_SPECS = [

@@ -168,4 +168,12 @@ def _bf16_spec():
     return spec
 
 
-COMPILE_SPECS = [_spec(False, "fp32"), _spec(True, "bf16"), _bf16_spec()]
+def _group32_spec():
+    """vLLM's 32-value blocks (16 a head, 4 packed words a head)."""
+    spec = dict(_spec(True, "fp32"), name="fused_inv_rope_fp8_quant[packed ue8m0 scales, blocks of 32]")
+    spec["constexprs"] = lambda arch: dict(HPG=8, BH=default_config(arch)["BH"], PACKED=True, FNUZ=arch == "gfx942",
+                                           QUANTIZE=True, QG=32)
+    return spec
+
+
+COMPILE_SPECS = [_spec(False, "fp32"), _spec(True, "bf16"), _bf16_spec(), _group32_spec()]
