@@ -143,7 +143,7 @@ def _rotated_rows(o, positions, cos_sin_cache, G, HPG, tma_aligned_scales, confi
         launch(_inv_rope_fp8_quant_kernel)[(T, H // bh)](
             o, o.stride(0), o.stride(1), positions, cos_sin_cache, cos_sin_cache.stride(0), cos_sin_cache.shape[0],
             data, data.stride(0), data.stride(1), scales, 0, 0, T,
-            HPG=HPG, BH=bh, PACKED=False, FNUZ=False, QUANTIZE=False, num_warps=cfg["num_warps"], num_stages=1,
+            HPG=HPG, BH=bh, PACKED=False, FNUZ=False, QUANTIZE=False, QG=128, num_warps=cfg["num_warps"], num_stages=1,
             enable_fp_fusion=False)
     return data.transpose(0, 1), scales
 
@@ -155,7 +155,7 @@ def _spec(packed: bool, cs_dtype: str):
         pointers=dict(o_ptr="*bf16", pos_ptr="*i64", cs_ptr=f"*{cs_dtype}", data_ptr="*u8", scale_ptr="*i32"),
         floats=(),
         constexprs=lambda arch: dict(HPG=8, BH=default_config(arch)["BH"], PACKED=packed, FNUZ=arch == "gfx942",
-                                     QUANTIZE=True),
+                                     QUANTIZE=True, QG=128),
         options=lambda arch: dict(num_warps=default_config(arch)["num_warps"], num_stages=1, enable_fp_fusion=False),
         matrix=False, fp8_encode=True, exact_fp32=True)
 
@@ -164,7 +164,7 @@ def _bf16_spec():
     spec = dict(_spec(False, "fp32"), name="fused_inv_rope_fp8_quant[quantize=False: bf16 rows]", fp8_encode=False)
     spec["pointers"] = dict(spec["pointers"], data_ptr="*bf16")
     spec["constexprs"] = lambda arch: dict(HPG=8, BH=default_config(arch)["BH"], PACKED=False, FNUZ=False,
-                                           QUANTIZE=False)
+                                           QUANTIZE=False, QG=128)
     return spec
 
 
