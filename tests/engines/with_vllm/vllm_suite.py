@@ -249,6 +249,9 @@ def pytest_terminal_summary(terminalreporter):
         c = _counts[path]
         tr.write_line(f"{path:62} {sum(c.values()):>5} {_ran(path):>4} " + " ".join(f"{c[k]:>8}" for k in cols))
     tr.write_line(f"torch.ops._C ops defined over dsv4_rocm: {', '.join(_state['c_ops'])}")
+    from dsv4_rocm.integrations.vllm import torch_ops      # the forms the plugin itself defined
+    tr.write_line(f"torch.ops forms the plugin defined (absent from this vLLM build): "
+                  f"{', '.join(torch_ops._state['defined']) or 'none'}")
     tr.write_line("vLLM Python ops swapped for dsv4_rocm's (register_kernels): "
                   + ", ".join(p.rsplit(".", 1)[-1] for p in _state["swapped"]))
     for line in _state["differs"]:
