@@ -1,6 +1,6 @@
 // fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert (vLLM's op, its 13-argument schema), one launch:
 //   q [T, H, 512] bf16 -> q_out [T, Hp, 512] bf16: per-head weightless RMSNorm (unless apply_q_norm is 0, as
-//   DeepSeek-V4.1 runs it), RoPE on dims 448..511 (unless apply_q_rope is 0), one bf16 rounding; heads
+//   DeepSeek-V4.1 runs it), RoPE on dims 448..511 (unless apply_q_rope is 0; vLLM's fma rounding), one bf16 rounding; heads
 //   H..Hp-1 are zeros; with q_interleaved both hold a token's heads in 16-dim chunks (value (h, d) at
 //   (d / 16) * H * 16 + h * 16 + d % 16 of the token's row), which puts lane l's 16 values at chunk l; Hp 0:
 //   no q work;
@@ -33,7 +33,7 @@ __global__ void DSV4_LAUNCH_BOUNDS(256) dsv4_qnorm_rope_kv_insert_kernel(dsv4_qn
     int64_t q_off = a.q_interleaved ? (int64_t)lane * a.H * 16 + h * 16 : h * a.q_sh + lane * 16;
     dsv4_load_bf16x16((const uint16_t*)a.q + t * a.q_st + q_off, v);
     if (a.apply_q_norm) dsv4_rmsnorm512(v, a.eps);
-    if (a.apply_q_rope) dsv4_rope_lane(v, lane, a.cos_sin, pos, a.cs_bf16);
+    if (a.apply_q_rope) dsv4_rope_lane_fma(v, lane, a.cos_sin, pos, a.cs_bf16);   // vLLM's q rounding
     dsv4_store_bf16x16(dst, v);
     return;
   }

@@ -41,6 +41,7 @@ CASES = {
     "indexer_k_quant_and_cache": ("gfx942", "gfx950"),
     "indexer_k_norm_rope_store": ("gfx942", "gfx950"),
     "rope_quant_insert": ("gfx942", "gfx950"),
+    "fused_deepseek_v4_kv_rope_insert": ("gfx942", "gfx950"),
     "fused_indexer_q_rope_quant": ("gfx942", "gfx950"),
     "fused_indexer_q_rope_quant_fnuz": ("gfx942", "gfx950"),
     "fused_inv_rope_fp8_quant": ("gfx942", "gfx950"),
@@ -69,6 +70,8 @@ CASE_FORMATS = {
     "sparse_mla_decode_v41": ("sparse_mla_decode", [dict(MAIN_FMT=_V41, EXTRA_FMT=_V41),
                                                     dict(MAIN_FMT=_V41, EXTRA_FMT=_FP4)]),
     "sparse_mla_decode_fnuz_window": ("sparse_mla_decode", [dict(MAIN_FMT=L.with_fnuz(_V40), EXTRA_FMT=_V40)]),
+    "fused_deepseek_v4_kv_rope_insert": ("fused_deepseek_v4_kv_rope_insert", [dict(FMT=_V40),
+                                                                              dict(FMT=L.with_layout(_V41))]),
     "rope_quant_insert": ("rope_quant_insert", [dict(FMT=_V40), dict(FMT=L.with_layout(_V41)),
                                                 dict(FMT=L.with_layout(_FP4))]),
 }
@@ -234,6 +237,35 @@ def case_rope_quant_insert(target):
     return lines, {"_rope_quant_insert_kernel": dict(FNUZ=target == "gfx942", RATIO=2, FMT=L.with_layout(_FP4))}
 
 
+def case_fused_deepseek_v4_kv_rope_insert(target):
+    """vLLM 0.33's kv-only insert on the three caches: V40_584 and V41_528 records (their e4m3 encode through
+    the target's convert), bf16 rows, and per-tensor e4m3 rows (the same convert)."""
+    from dsv4_rocm.reference import cache as rcache
+    from dsv4_rocm.reference import qkv as rq
+    from dsv4_rocm.reference.rope import build_cos_sin_cache
+    from dsv4_rocm.triton import fused_deepseek_v4_kv_rope_insert as K
+    g = torch.Generator().manual_seed(12)
+    cs = build_cos_sin_cache(160000.0, 300, factor=16.0, original_max=64)
+    lines = []
+    for form in (_V40, L.with_layout(_V41), torch.bfloat16, torch.float8_e4m3fn):
+        x, pos, slots = _v41_writes(g, 20, 3, 1, 512, cs.shape[0])
+        kv = (x if isinstance(form, L.RecordFormat) else x.nan_to_num(0.0)).bfloat16()   # rows: no NaN payloads
+        if isinstance(form, L.RecordFormat):
+            caches = [rcache.new_cache(3, 64, fmt=form).fill_(0xA5) for _ in range(2)]
+            backing, fmt, scale, name = caches, form, None, form.name
+        else:
+            backing = [torch.full((3, 64 * 512 * (2 if form == torch.bfloat16 else 1)), 0xA5, dtype=torch.uint8)
+                       for _ in range(2)]
+            caches = [b.view(form).view(3, 64, 512) for b in backing]
+            fmt, scale, name = None, torch.tensor([0.37]), f"{form} rows"
+        K.fused_deepseek_v4_kv_rope_insert(kv, caches[0], slots, pos, cs, 64, scale, False, fmt=fmt)
+        rq.fused_deepseek_v4_kv_rope_insert(kv, caches[1], slots, pos, cs, 64, scale, False, fmt=fmt)
+        written = int((backing[1] != 0xA5).sum())
+        assert written > 1000, written
+        lines.append(_bytes_equal(backing[0], backing[1], f"{name} ({written} bytes written)"))
+    return lines, {"_kv_rope_insert_kernel": dict(FNUZ=target == "gfx942", MODE=2, FMT=L.with_layout(_V41))}
+
+
 def case_fused_indexer_q_rope_quant(target):
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.rope import build_cos_sin_cache
@@ -283,13 +315,14 @@ def case_fused_inv_rope_fp8_quant(target):
     pos = torch.randint(0, 60, (T,), generator=g)
     cs = build_cos_sin_cache(10000.0, 64)
     lines = []
-    for packed in (False, True):
-        d, s = K.fused_inv_rope_fp8_quant(o, pos, cs, 2, 4, tma_aligned_scales=packed)
-        rd, rs = O.fused_inv_rope_fp8_quant(o, pos, cs, 2, 4, tma_aligned_scales=packed)
-        lines += [_bytes_equal(d, rd, f"fp8 data (packed={packed})"),
+    for packed, qg in ((False, 128), (True, 128), (True, 32)):          # vLLM also runs blocks of 32
+        d, s = K.fused_inv_rope_fp8_quant(o, pos, cs, 2, 4, quant_group_size=qg, tma_aligned_scales=packed)
+        rd, rs = O.fused_inv_rope_fp8_quant(o, pos, cs, 2, 4, quant_group_size=qg, tma_aligned_scales=packed)
+        lines += [_bytes_equal(d, rd, f"fp8 data (packed={packed}, blocks of {qg})"),
                   _bytes_equal(s.transpose(0, 1).contiguous(), rs.transpose(0, 1).contiguous(),
-                               f"scales (packed={packed})")]
-    return lines, {"_inv_rope_fp8_quant_kernel": dict(FNUZ=target == "gfx942", BH=K.default_config(target)["BH"])}
+                               f"scales (packed={packed}, blocks of {qg})")]
+    return lines, {"_inv_rope_fp8_quant_kernel": dict(FNUZ=target == "gfx942", BH=K.default_config(target)["BH"],
+                                                      QG=32)}
 
 
 def case_merge_attn_states(target):

@@ -33,6 +33,9 @@ VLLM_SCHEMAS = {   # torch.ops._C schemas of vLLM (csrc torch_bindings), argumen
     "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert":
         "(Tensor(a!) q, Tensor kv, Tensor(b!) k_cache, Tensor slot_mapping, Tensor position_ids, "
         "Tensor cos_sin_cache, float eps, int cache_block_size, bool apply_q_norm=True) -> ()",
+    "fused_deepseek_v4_kv_rope_insert":    # vLLM 0.33's kv-only insert
+        "(Tensor kv, Tensor(a!) k_cache, Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, "
+        "int cache_block_size, Tensor? fp8_scale=None, bool kv_mxfp8=False) -> ()",
 }
 
 
@@ -71,6 +74,10 @@ def cases(device):
         "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert":
             (q.clone(), k, torch.zeros(4, 16, 512, device=d).bfloat16(), torch.tensor([0, 17, -1, 63], device=d), pos,
              cs, 1e-6, 16, False),
+        "fused_deepseek_v4_kv_rope_insert": (k, cache.view(3, -1), slots, pos, cs, 64),
+        "fused_deepseek_v4_kv_rope_insert[528]": (k, v41, slots, pos, cs, 64, None, True),
+        "fused_deepseek_v4_kv_rope_insert[bf16 rows]": (k, torch.zeros(4, 16, 512, device=d).bfloat16(),
+                                                        torch.tensor([0, 17, -1, 63], device=d), pos, cs, 16),
     }
 
 

@@ -310,6 +310,59 @@ def test_without_the_q_norm_q_is_only_roped():
         OP(q, kv, caches[0], slots, pos, CS, 64, 1e-6, 64, 0)
 
 
+def plain_cos_sin(rows):
+    """A plain RoPE table (base 10000, no YaRN), fp32 [rows, 64]: cos | sin, as vLLM's q-path test builds it."""
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    f = torch.outer(torch.arange(rows, dtype=torch.float32), inv)
+    return torch.cat([f.cos(), f.sin()], -1)
+
+
+def fma_rope_bf16(q, pos, cs):
+    """bf16 of vLLM's q rotation, written out in float64: e' = fp32(e c - fp32(o s)), o' = fp32(e s + fp32(o c))
+    (one fused multiply-add each; the float64 products are exact)."""
+    x = q.double().clone()
+    c, s = cs[pos, :32].double()[:, None], cs[pos, 32:].double()[:, None]
+    e, o = x[..., 448::2].clone(), x[..., 449::2].clone()
+    x[..., 448::2] = (e * c - (o * s).float().double()).float().double()
+    x[..., 449::2] = (e * s + (o * c).float().double()).float().double()
+    return x.float().bfloat16()
+
+
+def test_q_rope_without_the_norm_rounds_as_vllms_reference():
+    """vLLM's q-path check at 2048 tokens (8 heads, positions 0..2047, a plain fp32 table), exactly: its
+    reference rotates with one fused multiply-add per value (fma(e, c, -(o s))), which rounds once where
+    e c - o s as three operations rounds three times; on this input the two differ by a bf16 step in some
+    elements, and the op's q must be the fused form's bits."""
+    g = torch.Generator().manual_seed(7)
+    T, H = 2048, 8
+    q = torch.randn(T, H, 512, generator=g).bfloat16()
+    pos, cs = torch.arange(T), plain_cos_sin(4096)
+    c = torch.zeros(2, 16, 584, dtype=torch.uint8)
+    out = OP(q, torch.zeros(T, 512).bfloat16(), c.view(2, -1), torch.full((T,), -1), pos, cs, 16, 1e-6, 16,
+             apply_q_norm=False)
+    want = fma_rope_bf16(q, pos, cs)
+    three = rq.kv_rope(q, pos, cs)                         # e c - o s with three roundings
+    assert torch.equal(out[:, :H, :448], q[..., :448]) and not bool(out[:, H:].any())
+    assert torch.equal(out[:, :H].view(torch.int16), want.view(torch.int16))
+    differ = int((three.view(torch.int16) != want.view(torch.int16)).sum())
+    print(f"elements where three roundings differ from the fused form: {differ} of {want.numel()}")
+    assert differ > 0
+
+
+@pytest.mark.gpu
+def test_gpu_q_rope_without_the_norm_is_vllms_bits(gpu):
+    """The HIP kernel's q without the norm: the reference's bits exactly (no reduction in the path)."""
+    g = torch.Generator().manual_seed(7)
+    T, H = 2048, 8
+    q = torch.randn(T, H, 512, generator=g).bfloat16()
+    pos, cs = torch.arange(T), plain_cos_sin(4096)
+    c = torch.zeros(2, 16 * 584, dtype=torch.uint8, device=gpu)
+    out = OP(q.to(gpu), torch.zeros(T, 512, device=gpu).bfloat16(), c, torch.full((T,), -1, device=gpu),
+             pos.to(gpu), cs.to(gpu), 16, 1e-6, 16, apply_q_norm=False)
+    assert torch.equal(out[:, :H].cpu().view(torch.int16), fma_rope_bf16(q, pos, cs).view(torch.int16))
+    assert not bool(out[:, H:].any())
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------
 def _hip():
     assert ops.backend_for("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", "cuda") == "hip"

@@ -1,4 +1,4 @@
-"""fused_inv_rope_fp8_quant (vLLM's call form): inverse RoPE in fp32, UE8M0 fp8 per 128 values, the [T, G, D]
+"""fused_inv_rope_fp8_quant (vLLM's call form): inverse RoPE in fp32, UE8M0 fp8 per 128 values (or 32, 64), the [T, G, D]
 view of [G, T, D] storage and MN-major scales (fp32, or UE8M0 packed 4 an int32).
 
 CPU: the oracle against the formula written out pair by pair and block by block; vLLM's call forms (keywords,
@@ -48,16 +48,18 @@ def _rotated(o, pos, cs):
     return x
 
 
-def _formula(o, pos, cs, G):
-    """Per token, head and block, in float64 where exact: the rotated fp32 values, the exponent, the bytes."""
+def _formula(o, pos, cs, G, qg=128):
+    """Per token, head and block of qg values, in float64 where exact: the rotated fp32 values, the exponent,
+    the bytes."""
     T, H, _ = o.shape
     x = _rotated(o, pos, cs)
-    blocks = x.reshape(T, H, 4, 128)
+    nb = 512 // qg
+    blocks = x.reshape(T, H, nb, qg)
     amax = blocks.abs().amax(-1).clamp(min=1e-10)
-    q = torch.zeros(T, H, 4, 128, dtype=torch.uint8)
-    ex = torch.zeros(T, H, 4, dtype=torch.int32)
-    for idx in range(T * H * 4):
-        t, h, b = idx // (H * 4), idx // 4 % H, idx % 4
+    q = torch.zeros(T, H, nb, qg, dtype=torch.uint8)
+    ex = torch.zeros(T, H, nb, dtype=torch.int32)
+    for idx in range(T * H * nb):
+        t, h, b = idx // (H * nb), idx // nb % H, idx % nb
         ratio = float(amax[t, h, b] / 448.0)                        # fp32 quotient, correctly rounded
         m, e2 = math.frexp(ratio)
         ex[t, h, b] = e2 - 1 if m == 0.5 else e2                    # exact ceil(log2)
@@ -67,21 +69,26 @@ def _formula(o, pos, cs, G):
     return q.reshape(T, G, -1), ex.reshape(T, G, -1)
 
 
+@pytest.mark.parametrize("qg", [128, 64, 32])
 @pytest.mark.parametrize("T, H, G", [(3, 16, 2), (6, 8, 1), (1, 64, 8)])
-def test_oracle_equals_the_formula(T, H, G):
+def test_oracle_equals_the_formula(T, H, G, qg):
+    """Blocks of 128 (DeepSeek-V4's) and of 64 and 32 (vLLM's op sweeps 32: the 64 rotary dims then span two
+    blocks, each scaled by its own amax)."""
     o, pos = _o(T, H, T + H), torch.tensor([0, 9, 700, 2047, 64, 5])[:T]
-    data, sa = O.fused_inv_rope_fp8_quant(o, pos, CS, G, H // G)
-    q, ex = _formula(o, pos, CS, G)
+    nb = 512 // qg
+    data, sa = O.fused_inv_rope_fp8_quant(o, pos, CS, G, H // G, quant_group_size=qg)
+    q, ex = _formula(o, pos, CS, G, qg)
     assert data.dtype == torch.float8_e4m3fn and data.shape == (T, G, H // G * 512)
     assert data.stride() == (H // G * 512, T * H // G * 512, 1)              # [T, G, D] over [G, T, D]
     assert torch.equal(data.view(torch.uint8), q)
     T4 = (T + 3) // 4 * 4
-    assert sa.dtype == torch.float32 and sa.shape == (T, G, H // G * 4) and sa.stride() == (1, H // G * 4 * T4, T4)
+    K = H // G * nb
+    assert sa.dtype == torch.float32 and sa.shape == (T, G, K) and sa.stride() == (1, K * T4, T4)
     assert torch.equal(sa, torch.ldexp(torch.ones(()), ex.float()))
     assert bool((_storage(sa)[:, :, T:] == 0).all())
-    _, packed = O.fused_inv_rope_fp8_quant(o, pos, CS, G, H // G, tma_aligned_scales=True)
-    assert packed.dtype == torch.int32 and packed.shape == (T, G, H // G) and packed.stride() == (1, H // G * T4, T4)
-    b = (ex + 127).reshape(T, G, H // G, 4).long()
+    _, packed = O.fused_inv_rope_fp8_quant(o, pos, CS, G, H // G, quant_group_size=qg, tma_aligned_scales=True)
+    assert packed.dtype == torch.int32 and packed.shape == (T, G, K // 4) and packed.stride() == (1, K // 4 * T4, T4)
+    b = (ex + 127).reshape(T, G, K // 4, 4).long()
     want = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
     assert torch.equal(packed.long() & 0xFFFFFFFF, want)
     assert bool((_storage(packed)[:, :, T:] == 0).all())
@@ -176,7 +183,9 @@ def _bad_calls():
     yield "n_groups", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 3, 8)
     yield "heads_per_group", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 0)
     yield "nope_dim", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, nope_dim=512)
-    yield "quant_group_size", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, quant_group_size=64)
+    yield "quant_group_size", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, quant_group_size=48)
+    yield "quant_group_size", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, quant_group_size=256,
+                                                                   tma_aligned_scales=True)
     yield "tma_aligned_scales", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, tma_aligned_scales=1)
     yield "quantize must be a bool", lambda: ops.fused_inv_rope_fp8_quant(o, pos, CS, 2, 8, quantize=None)
     yield "o must have dtype", lambda: ops.fused_inv_rope_fp8_quant(o.float(), pos, CS, 2, 8)
@@ -213,13 +222,13 @@ _INTERPRETED = textwrap.dedent("""
     o[4, 6, 460] = float("-inf")
     pos = torch.tensor([0, 3, 777, 2047, 1024])
     cs = build_cos_sin_cache(10000.0, 2048)
-    for packed in (False, True):
-        d, s = K.fused_inv_rope_fp8_quant(o, pos, cs, G, HPG, tma_aligned_scales=packed)
-        rd, rs = O.fused_inv_rope_fp8_quant(o, pos, cs, G, HPG, tma_aligned_scales=packed)
+    for packed, qg in ((False, 128), (True, 128), (False, 32), (True, 32), (True, 64), (False, 256)):
+        d, s = K.fused_inv_rope_fp8_quant(o, pos, cs, G, HPG, quant_group_size=qg, tma_aligned_scales=packed)
+        rd, rs = O.fused_inv_rope_fp8_quant(o, pos, cs, G, HPG, quant_group_size=qg, tma_aligned_scales=packed)
         T4 = s.stride(2)
         store = torch.as_strided(s, (G, s.shape[2], T4), (s.shape[2] * T4, T4, 1)).view(torch.int32)
         ref_store = torch.as_strided(rs, (G, s.shape[2], T4), (s.shape[2] * T4, T4, 1)).view(torch.int32)
-        poisoned = int((d.view(torch.uint8).reshape(T, G * HPG, 4, 128) == 0x7F).all(-1).sum())
+        poisoned = int((d.view(torch.uint8).reshape(T, G * HPG, 512 // qg, qg) == 0x7F).all(-1).sum())
         print(int(packed), tuple(d.stride()) == tuple(rd.stride()), tuple(s.stride()) == tuple(rs.stride()),
               int((store != ref_store).sum()), poisoned)
     bad = torch.tensor([5, -1, 2048, 7, 9])             # positions outside the table: padding tokens, written 0
@@ -245,16 +254,19 @@ def test_kernel_scales_padding_and_poison_under_the_interpreter(tmp_path):
     rows = [line.split() for line in r.stdout.strip().splitlines()]
     print("\n".join(" ".join(x) for x in rows))
     assert rows[0] == ["0", "True", "True", "0", "2"] and rows[1] == ["1", "True", "True", "0", "2"]
-    zeros_bytes, zeros_scales, valid_bytes = map(int, rows[2])
+    assert rows[2:6] == [["0", "True", "True", "0", "2"], ["1", "True", "True", "0", "2"],       # blocks of 32,
+                         ["1", "True", "True", "0", "2"], ["0", "True", "True", "0", "2"]]       # 64 and 256
+    zeros_bytes, zeros_scales, valid_bytes = map(int, rows[6])
     assert zeros_bytes == 0 and zeros_scales == 0 and valid_bytes > 0
-    assert rows[3] == ["1", "0", "0", "True"]            # quantize=False: the oracle's bf16 bits, padding 0
+    assert rows[7] == ["1", "0", "0", "True"]            # quantize=False: the oracle's bf16 bits, padding 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 7, 130, 4099])
 @pytest.mark.parametrize("H, G", [(64, 8), (128, 16)])
 @pytest.mark.parametrize("cs_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_kernel_equals_the_oracle(T, H, G, cs_dtype, gpu):
+@pytest.mark.parametrize("qg", [128, 32])
+def test_gpu_kernel_equals_the_oracle(T, H, G, cs_dtype, qg, gpu):
     o = _o(T, H, T + H, gpu)
     g = torch.Generator().manual_seed(T)
     pos = torch.randint(0, CS.shape[0], (T,), generator=g).to(gpu)
@@ -262,11 +274,11 @@ def test_gpu_kernel_equals_the_oracle(T, H, G, cs_dtype, gpu):
     o[0, 1, 3] = float("nan")
     for tma in (False, True):
         with ops.use_backend("triton"):
-            d, s = ops.fused_inv_rope_fp8_quant(o, pos, cs, G, H // G, tma_aligned_scales=tma)
-        rd, rs = O.fused_inv_rope_fp8_quant(o, pos, cs, G, H // G, tma_aligned_scales=tma)
+            d, s = ops.fused_inv_rope_fp8_quant(o, pos, cs, G, H // G, quant_group_size=qg, tma_aligned_scales=tma)
+        rd, rs = O.fused_inv_rope_fp8_quant(o, pos, cs, G, H // G, quant_group_size=qg, tma_aligned_scales=tma)
         nb = int((d.view(torch.uint8) != rd.view(torch.uint8)).sum())
         ns = int((_storage(s).view(torch.int32) != _storage(rs).view(torch.int32)).sum())
-        print(f"T={T} H={H} cos/sin {cs_dtype} packed={tma}: {nb} bytes, {ns} scale words differ")
+        print(f"T={T} H={H} cos/sin {cs_dtype} group {qg} packed={tma}: {nb} bytes, {ns} scale words differ")
         assert d.stride() == rd.stride() and s.stride() == rs.stride() and nb == 0 and ns == 0
 
 

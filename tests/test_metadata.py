@@ -110,7 +110,7 @@ def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width, left=None, right=
             tl_ = min((p + 1) // r, k)
             sw = min(p + rv + 1 - start, width - tl_)
             loc = [int(x) for x in topk[t, :tl_]]
-            rows[t][:tl_] = [b * Mrows + x if 0 <= x < N else -1 for x in loc]
+            rows[t][:tl_] = [b * Mrows + x if x >= 0 else -1 for x in loc]
             rows[t][tl_:tl_ + sw] = [b * Mrows + N + q - gstart if 0 <= q - gstart < int(gl[b])
                                      and N + q - gstart < Mrows else -1 for q in range(start, start + sw)]
             lens[t] = tl_ + sw
@@ -596,6 +596,66 @@ def test_combine_random_image_spans(seed):
     assert idx.tolist() == rows and lens.tolist() == want
 
 
+# vLLM 0.33's in-image visibility cases (its test_deepseek_v4_swa_visible.py): W 8, 6 image tokens, a chunk of
+# two whole prompts, one with image spans [4, 12] and [20, 24]; local top-k indices drawn from [0, 4096), far
+# past N (vLLM's combine writes them through). The rows are built here position by position.
+SPAN_W, SPAN_IMG = 8, 6
+
+
+def span_case(ratio, topk, with_image, seed=0):
+    seq_lens, spans = [30, 12], [[(4, 12), (20, 24)], []]
+    T = sum(seq_lens)
+    left, right = [0] * T, [0] * T
+    t = 0
+    for b, n in enumerate(seq_lens):
+        for p in range(n):
+            for s0, s1 in spans[b]:
+                if s0 <= p <= s1:
+                    left[t], right[t] = min(p - s0, SPAN_IMG - 1), min(s1 - p, SPAN_IMG)
+            t += 1
+    gl = seq_lens[:]                                             # whole prompts: everything gathered
+    N = (max(seq_lens) + ratio - 1) // ratio
+    Mrows = N + max(gl) + 8
+    loc = torch.randint(0, 4096, (T, max(topk, 1)), generator=torch.Generator().manual_seed(seed), dtype=I32)
+    width = (topk + SPAN_W + SPAN_IMG + 127) // 128 * 128
+    rows, lens, t = [], [], 0
+    for b, n in enumerate(seq_lens):
+        for p in range(n):
+            lv, rv = (left[t], right[t]) if with_image else (0, 0)
+            start = max(p - (SPAN_W - 1) - max(lv - (SPAN_W - 1), 0), 0)
+            tl_ = min((p + 1) // ratio, topk)
+            row = [b * Mrows + int(x) for x in loc[t, :tl_]] + [b * Mrows + N + q for q in range(start, p + rv + 1)]
+            lens.append(len(row))
+            rows.append(row + [-1] * (width - len(row)))
+            t += 1
+    args = (loc, i32([0, 30, 42]), i32(seq_lens), i32(gl), SPAN_W, ratio, topk, Mrows, N)
+    kw = dict(left_visible=i32(left) if with_image else None, right_visible=i32(right) if with_image else None,
+              max_image_tokens=SPAN_IMG)
+    return args, kw, rows, lens
+
+
+SPAN_CASES = [(r, k, img) for r, k in ((1, 0), (4, 16)) for img in (True, False)]
+
+
+@pytest.mark.parametrize("ratio,topk,with_image", SPAN_CASES)
+def test_combine_vllm_image_span_cases(ratio, topk, with_image):
+    """Inside an image span a token also sees up to 5 earlier and 6 later span positions (token 4 of span
+    [4, 12]: 11 rows, positions 0..10); top-k indices past N are written as b*M + index. The oracle and the
+    public op (the kernel on a GPU) both give the rows built above."""
+    args, kw, rows, lens = span_case(ratio, topk, with_image)
+    for fn in (M.combine_topk_swa_indices, ops.combine_topk_swa_indices):
+        idx, got_lens = fn(*args, **kw)
+        assert got_lens.tolist() == lens and idx.tolist() == rows, fn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,topk,with_image", SPAN_CASES)
+def test_combine_vllm_image_span_cases_on_gpu(ratio, topk, with_image):
+    args, kw, rows, lens = span_case(ratio, topk, with_image)
+    idx, got_lens = kernel_of("combine_topk_swa_indices")(*_to(args, "cuda"), **_to(kw, "cuda"))
+    assert got_lens.cpu().tolist() == lens and idx.cpu().tolist() == rows
+
+
 def test_combine_swa_only_layer():
     """SWA-only layers: topk 0, compress_ratio 1, N 0, a zero-width topk buffer."""
     idx, lens = ops.combine_topk_swa_indices(torch.empty(3, 0, dtype=I32), i32([0, 3]), i32([3]), i32([3]), 128, 1, 0,
@@ -632,8 +692,9 @@ def test_compressed_slot_mapping_padding_tokens_and_rows_past_the_table():
 
 def test_combine_minus_one_inside_topk_len_is_skipped():
     """A -1 among the first topk_len local indices of request 1's token used to become M*1 - 1, the last
-    workspace row of request 0 (199 with M = 200); it is -1 now, and so is an index >= N (in place: the
-    length stays, the attention skips it)."""
+    workspace row of request 0 (199 with M = 200); it is -1 now (in place: the length stays, the attention
+    skips it). An index >= N passes as b*M + index, as vLLM's combine writes it (its test draws indices
+    past N and expects them there)."""
     N, Mrows = 16, 200
     loc = i32([[0, 1, -1, -1], [2, -1, 3, -1]])
     qsl, seq, gl = i32([0, 1, 2]), i32([8, 12]), i32([1, 1])
@@ -643,7 +704,7 @@ def test_combine_minus_one_inside_topk_len_is_skipped():
     bad = i32([[0, 1, -1, -1], [2, 16, 3, -1]])
     want = M.combine_topk_swa_indices(bad, qsl, seq, gl, 1, 4, 4, Mrows, N)
     got = ops.combine_topk_swa_indices(bad, qsl, seq, gl, 1, 4, 4, Mrows, N)
-    assert want[0][1, 1] == -1 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert want[0][1, 1] == Mrows + 16 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_negative_positions_give_zero_lengths_not_negative():
@@ -1205,6 +1266,11 @@ def interpreter_main(seeds=range(40)):
     loc, qsl, seq, gl = i32([[1, 0, -1], [5, 2, 7], [0, -1, -1]]), i32([5, 7, 8]), i32([10, 3]), i32([5, 3])
     check_kernel_case("combine_topk_swa_indices", (loc, qsl, seq, gl, 4, 4, 3, 20, 8), {},
                       kernel_of("combine_topk_swa_indices"), "cpu")
+    for ratio, topk, with_image in SPAN_CASES:          # vLLM's image-span cases, through the kernel
+        args, kw, rows, lens = span_case(ratio, topk, with_image)
+        idx, got_lens = kernel_of("combine_topk_swa_indices")(*args, **kw)
+        assert got_lens.tolist() == lens and idx.tolist() == rows, (ratio, topk, with_image)
+        counts["image spans"] = counts.get("image spans", 0) + 1
     for case in GLOBAL_BOUNDS.values():
         check_kernel_case("compute_global_topk_indices_and_lens", (i32(case[0]), i32(case[1]), i32(case[2]), 64,
                                                                    torch.ones(len(case[0]), dtype=torch.bool)), {},

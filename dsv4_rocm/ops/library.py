@@ -1,7 +1,7 @@
 """The cache and Q/KV ops as torch custom ops, ``torch.ops.dsv4_rocm.<name>``, with vLLM's schemas.
 
 vLLM calls some of these as ``torch.ops._C.<name>`` (the fused q norm + insert, its ``_out`` variant, the
-full-cache fp8 and bf16 inserts): the same schema under the ``dsv4_rocm`` namespace makes the swap a changed
+full-cache fp8 and bf16 inserts, vLLM 0.33's kv-only insert): the same schema under the ``dsv4_rocm`` namespace makes the swap a changed
 namespace. The others are Python functions in vLLM; as custom ops they go through torch.compile and
 FakeTensor tracing unchanged. Each op has a fake (shape-only) implementation and one real implementation
 for CPU and CUDA (ROCm included): the public op in ``dsv4_rocm.ops`` (checks, then the reference on
@@ -80,6 +80,12 @@ def _full_bf16(q, kv, k_cache, slot_mapping, position_ids, cos_sin_cache, eps, c
                                                  cache_block_size, apply_q_norm)
 
 
+def _kv_rope_insert(kv, k_cache, slot_mapping, position_ids, cos_sin_cache, cache_block_size, fp8_scale=None,
+                    kv_mxfp8=False):
+    _qkv.fused_deepseek_v4_kv_rope_insert(kv, k_cache, slot_mapping, position_ids, cos_sin_cache, cache_block_size,
+                                          fp8_scale, kv_mxfp8)
+
+
 SCHEMAS = {
     "quantize_and_insert_k_cache":
         ("quantize_and_insert_k_cache(Tensor k, Tensor(a!) k_cache, Tensor slot_mapping, int block_size=64, "
@@ -112,6 +118,10 @@ SCHEMAS = {
         ("fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert(Tensor(a!) q, Tensor kv, Tensor(b!) k_cache, "
          "Tensor slot_mapping, Tensor position_ids, Tensor cos_sin_cache, float eps, int cache_block_size, "
          "bool apply_q_norm=True) -> ()", _full_bf16, _none),
+    "fused_deepseek_v4_kv_rope_insert":
+        ("fused_deepseek_v4_kv_rope_insert(Tensor kv, Tensor(a!) k_cache, Tensor slot_mapping, Tensor position_ids, "
+         "Tensor cos_sin_cache, int cache_block_size, Tensor? fp8_scale=None, bool kv_mxfp8=False) -> ()",
+         _kv_rope_insert, _none),
 }
 
 for _schema, _impl, _fake in SCHEMAS.values():

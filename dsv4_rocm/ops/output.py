@@ -27,17 +27,21 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
                              rope_dim: int = 64, quant_group_size: int = 128, tma_aligned_scales: bool = False,
                              quantize: bool = True):
     """vLLM's ``fused_inv_rope_fp8_quant``: (fp8 [T, G, D] over [G, T, D] storage, MN-major scales), D =
-    heads_per_group * 512; fp32 scales [T, G, D/128] (SM90 form) or, with ``tma_aligned_scales``, UE8M0
-    bytes packed 4 an int32 [T, G, heads_per_group] (SM100 form). With ``quantize=False`` (vLLM 0.33, for a
+    heads_per_group * 512; fp32 scales [T, G, D/quant_group_size] (SM90 form) or, with
+    ``tma_aligned_scales``, UE8M0 bytes packed 4 an int32 [T, G, D/(4 quant_group_size)] (SM100 form);
+    quant_group_size 128 (DeepSeek-V4's), or 32, 64 (256, 512 unpacked), as vLLM's op allows. With ``quantize=False`` (vLLM 0.33, for a
     bf16 output projection): the rotated rows as bf16 [T, G, D] over [G, T, D] storage and an empty scale
     tensor (int32 with ``tma_aligned_scales``, else fp32). dsv4_rocm.reference.output has the math."""
     C.tensor("o", o, dtype=torch.bfloat16, dim=3)
     C.positive_int("n_groups", n_groups)
     C.positive_int("heads_per_group", heads_per_group)
-    if (nope_dim, rope_dim, quant_group_size) != (448, 64, 128):
-        raise ValueError(f"nope_dim, rope_dim, quant_group_size must be DeepSeek-V4's 448, 64, 128; got "
-                         f"{nope_dim}, {rope_dim}, {quant_group_size}")
+    if (nope_dim, rope_dim) != (448, 64):
+        raise ValueError(f"nope_dim, rope_dim must be DeepSeek-V4's 448, 64; got {nope_dim}, {rope_dim}")
     _flag("tma_aligned_scales", tma_aligned_scales)
+    if isinstance(quant_group_size, bool) or quant_group_size not in _ro.QUANT_GROUPS or (
+            tma_aligned_scales and quantize and (512 // quant_group_size) % 4):
+        raise ValueError(f"quant_group_size must be one of {_ro.QUANT_GROUPS} (32, 64 or 128 with tma_aligned_scales: "
+                         f"4 UE8M0 bytes a word), got {quant_group_size!r}")
     _flag("quantize", quantize)
     T, H, D = o.shape
     if D != nope_dim + rope_dim or o.stride(2) != 1:

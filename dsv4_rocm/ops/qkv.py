@@ -16,7 +16,7 @@ from ._dispatch import register, run as _run, value_checks
 
 __all__ = ["fused_q_kv_rmsnorm", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert",
            "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out", "qnorm_rope_and_insert_full_k_cache",
-           "qnorm_rope_and_insert_full_bf16_k_cache"]
+           "qnorm_rope_and_insert_full_bf16_k_cache", "fused_deepseek_v4_kv_rope_insert"]
 
 register("fused_q_kv_rmsnorm", _rn.fused_q_kv_rmsnorm, hip="dsv4_rocm.hip_ops:fused_q_kv_rmsnorm")
 register("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", _rq.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
@@ -25,6 +25,9 @@ register("qnorm_rope_and_insert_full_k_cache", _rq.qnorm_rope_and_insert_full_k_
          hip="dsv4_rocm.hip_ops:qnorm_rope_and_insert_full_k_cache")
 register("qnorm_rope_and_insert_full_bf16_k_cache", _rq.qnorm_rope_and_insert_full_bf16_k_cache,
          triton="dsv4_rocm.triton.qnorm_rope_and_insert_full_bf16_k_cache:qnorm_rope_and_insert_full_bf16_k_cache")
+
+register("fused_deepseek_v4_kv_rope_insert", _rq.fused_deepseek_v4_kv_rope_insert,
+         triton="dsv4_rocm.triton.fused_deepseek_v4_kv_rope_insert:fused_deepseek_v4_kv_rope_insert")
 
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -188,3 +191,48 @@ def qnorm_rope_and_insert_full_k_cache(q, kv, k_cache, slot_mapping, positions, 
                    f"({k_cache.shape[0]} pages x {cache_block_size})")
     _run("qnorm_rope_and_insert_full_k_cache", q.device, q, kv, k_cache, slot_mapping, positions, cos_sin_cache, eps,
          cache_block_size, fp8_scale, q_fp8, q_fp8_scale_inv, apply_q_norm)
+
+
+def fused_deepseek_v4_kv_rope_insert(kv, k_cache, slot_mapping, position_ids, cos_sin_cache, cache_block_size: int,
+                                     fp8_scale=None, kv_mxfp8: bool = False, *, kv_layout: str = None) -> None:
+    """vLLM 0.33's torch.ops._C op (V4.1's DSpark context KV and PCP SWA writer): the kv half of the fused
+    inserts alone, the same cache bytes, no q. The cache picks the form, as in vLLM: uint8 records (V40_584,
+    or V41_528 with ``kv_mxfp8``; any view of ``cache_views``, their float8_e4m3fn views included),
+    float8_e4m3fn [nb, bs, 512] rows (per-tensor ``fp8_scale`` required), bfloat16 [nb, bs, 512] rows. kv bf16 [T, 512]; the first
+    len(slot_mapping) tokens are inserted, a slot < 0 is padding (dsv4_rocm.reference.qkv has the math)."""
+    C.tensor("kv", kv, dtype=torch.bfloat16, dim=2)
+    if kv.shape[1] != L.HEAD_DIM or kv.stride(1) != 1:
+        raise ValueError(f"kv must be [T, {L.HEAD_DIM}] with a unit last stride, got shape {tuple(kv.shape)} "
+                         f"strides {kv.stride()}")
+    C.cos_sin(cos_sin_cache, position_ids, COS_SIN_DTYPES, n_tokens=kv.shape[0])
+    C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1)
+    if slot_mapping.shape[0] > kv.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {kv.shape[0]} kv rows")
+    C.positive_int("cache_block_size", cache_block_size)
+    _flag("kv_mxfp8", kv_mxfp8)
+    if not isinstance(k_cache, torch.Tensor):
+        raise ValueError(f"k_cache must be a torch.Tensor, got {type(k_cache).__name__}")
+    fmt = None
+    rows = k_cache.dtype == torch.bfloat16 or (k_cache.dtype == torch.float8_e4m3fn and k_cache.dim() == 3
+                                               and k_cache.shape[-1] == L.HEAD_DIM)
+    if k_cache.dtype in (torch.uint8, torch.float8_e4m3fn) and not rows:     # records (or their fp8 view)
+        fmt = L.with_layout(L.V41_528 if kv_mxfp8 else L.V40_584, kv_layout)
+        cache = V.pages(k_cache, cache_block_size, "k_cache", fmt)
+        cap = V.capacity(cache, cache_block_size)
+    elif rows:
+        if kv_mxfp8:
+            raise ValueError(f"kv_mxfp8 needs the uint8 record cache, got a {k_cache.dtype} k_cache")
+        _full_cache_rows(k_cache, cache_block_size, k_cache.dtype)
+        cache, cap = k_cache, k_cache.shape[0] * cache_block_size
+        if k_cache.dtype == torch.float8_e4m3fn:
+            if fp8_scale is None:
+                raise ValueError("fp8_scale is required with a float8_e4m3fn k_cache (its per-tensor scale)")
+            _scalar("fp8_scale", fp8_scale)
+    else:
+        raise ValueError(f"k_cache must have dtype torch.uint8 (records), torch.float8_e4m3fn or torch.bfloat16 "
+                         f"(rows), got {k_cache.dtype}")
+    C.same_device(kv=kv, k_cache=k_cache, slot_mapping=slot_mapping, position_ids=position_ids,
+                  cos_sin_cache=cos_sin_cache, fp8_scale=fp8_scale if k_cache.dtype == torch.float8_e4m3fn else None)
+    C.slots_inside("slot_mapping", slot_mapping, cap, f"({k_cache.shape[0]} pages x {cache_block_size})")
+    _run("fused_deepseek_v4_kv_rope_insert", kv.device, kv, cache, slot_mapping, position_ids, cos_sin_cache,
+         cache_block_size, fp8_scale, kv_mxfp8, fmt=fmt)

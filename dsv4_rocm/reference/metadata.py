@@ -331,9 +331,11 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
         [ b*M + topk_indices[t, i] for i < topk_len | b*M + N + (swa_start + i - gather_start)
           for i < swa_len | -1 ... ]
     of ``combined_width(topk, W, max_image_tokens)`` columns, and lens = topk_len + swa_len (a window
-    longer than the row holds is cut to it; negative l, r count as 0). A local index outside [0, N) or a
-    window row outside the gathered rows (or past M) becomes -1 in place (the length stays: the attention
-    skips -1). Rows of tokens outside every request, or at a negative position, are all -1 with lens 0.
+    longer than the row holds is cut to it; negative l, r count as 0). A local index >= 0 is written as
+    b*M + index whatever its size (vLLM's form: its indexers emit only valid entries within topk_len, and
+    vLLM's tests pass indices past N through); a negative one (padding) and a window row outside the
+    gathered rows (or past M) become -1 in place (the length stays: the attention skips -1 and rows past
+    its workspace). Rows of tokens outside every request, or at a negative position, are all -1 with lens 0.
     Returns (indices, lens) = the first len(topk_indices) rows of ``combined_indices`` / ``combined_lens``
     when given, else new tensors."""
     T, K = topk_indices.shape
@@ -360,7 +362,7 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     kk = min(K, ci.shape[1])
     loc[:, :kk] = topk_indices[:, :kk].long()
     in_top = c < tlen.unsqueeze(1)
-    vt = in_top & (loc >= 0) & (loc < N)
+    vt = in_top & (loc >= 0) & (base + loc <= 2 ** 31 - 1)
     q = first.unsqueeze(1) + (c - tlen.unsqueeze(1))
     vs = (~in_top) & (c < (tlen + slen).unsqueeze(1)) & (q >= 0) & (q < gl.unsqueeze(1)) & (N + q < M)
     val = torch.where(vt, base + loc, torch.where(vs, base + N + q, torch.full_like(q, -1)))

@@ -4,15 +4,16 @@ of attention states (vLLM's in-place form).
 Output path (T tokens, H heads of 512 = 448 nope + 64 rope dims, G groups of H/G heads):
     o'  = RoPE_inv(o, pos) on dims 448..511, in fp32 (never re-rounded to bf16)
     a8  = UE8M0 fp8 of o' per 128 values of a head (eps 1e-10; docs/conventions.md "Numerics"), grouped
-          [T, G, (H/G) * 512]
+          [T, G, (H/G) * 512]; ``quant_group_size`` QG in QUANT_GROUPS makes the blocks QG values
     z   = fp8_einsum("bhr,hdr->bhd", (a8, sa), (wo_a, s_w), z): sum over r of dequantized a8 x wo_a, in
           exact arithmetic here (float64), rounded once to fp32 and then to z's dtype
 
 Layouts (vLLM's ``fused_inv_rope_fp8_quant``): the fp8 output is a [T, G, D] view of [G, T, D] storage,
 strides (D, T * D, 1). Scales are MN-major: a [T, G, K] view of [G, K, T4] storage (T4 = T rounded up to
 a multiple of 4, the TMA alignment; the rows past T hold 0), strides (1, K * T4, T4). With
-``tma_aligned_scales=False`` (vLLM's SM90 form) K = (H/G) * 4 fp32 scales 2^e; with ``True`` (the SM100
-form) K = H/G int32 words, one a head, byte j the UE8M0 byte e + 127 of the head's block j. A poisoned
+``tma_aligned_scales=False`` (vLLM's SM90 form) K = (H/G) * CH fp32 scales 2^e (CH = 512 / QG blocks a
+head, 4 by default); with ``True`` (the SM100 form) K = (H/G) * CH / 4 int32 words, byte j of word w the
+UE8M0 byte e + 127 of block 4w + j of the group's row (one word a head by default). A poisoned
 block has scale NaN (fp32) or byte 0xFF.
 
 DeepGEMM's scale forms for ``fp8_einsum`` (recipe = (1, gran_n, 128)): activation scales [T, G, r/128]
@@ -30,6 +31,9 @@ from .rope import rope_inv
 
 O_EPS = 1e-10
 ACT_EPS = 1e-4
+# block sizes of the output quantization: 128 is DeepSeek-V4's; vLLM's op also runs 32 (its tests) and any
+# power of two dividing 512 (the packed UE8M0 form needs 4 blocks a head: 32, 64, 128)
+QUANT_GROUPS = (32, 64, 128, 256, 512)
 
 
 def _pow2(e):
@@ -57,8 +61,9 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
     ``quantize=False`` (vLLM 0.33): (bf16 o' rounded to nearest even [T, G, D] over [G, T, D] storage, an
     empty scale tensor: int32 with ``tma_aligned_scales``, else fp32)."""
     T, H, D = o.shape
-    if H != n_groups * heads_per_group or (nope_dim, rope_dim, quant_group_size) != (448, 64, 128):
-        raise ValueError("expected H = n_groups * heads_per_group heads of 448 + 64 dims in blocks of 128")
+    if H != n_groups * heads_per_group or (nope_dim, rope_dim) != (448, 64) or quant_group_size not in QUANT_GROUPS:
+        raise ValueError(f"expected H = n_groups * heads_per_group heads of 448 + 64 dims in blocks of one of "
+                         f"{QUANT_GROUPS}")
     x = rope_inv(o, positions, cos_sin_cache)
     d = heads_per_group * D
     if not quantize:
@@ -66,15 +71,16 @@ def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_p
         rows.copy_(x.to(torch.bfloat16).reshape(T, n_groups, d).transpose(0, 1))
         empty = torch.empty(0, dtype=torch.int32 if tma_aligned_scales else torch.float32, device=o.device)
         return rows.transpose(0, 1), empty
-    q, e = quantize_blocks(x, 128, O_EPS)
+    q, e = quantize_blocks(x, quant_group_size, O_EPS)
     data = torch.empty(n_groups, T, d, dtype=torch.uint8, device=o.device)
     data.copy_(q.reshape(T, n_groups, d).transpose(0, 1))
     data = data.view(torch.float8_e4m3fn).transpose(0, 1)
-    e = e.reshape(T, n_groups, heads_per_group, D // 128)
-    if tma_aligned_scales:
-        words = exponent_to_ue8m0(e).contiguous().view(torch.int32)[..., 0]    # byte j = block j (little-endian)
+    e = e.reshape(T, n_groups, heads_per_group, D // quant_group_size)
+    K = heads_per_group * (D // quant_group_size)          # scales a group's row
+    if tma_aligned_scales:     # block 4w + j of a head in byte j (little-endian) of its word w
+        words = exponent_to_ue8m0(e).contiguous().view(torch.int32).reshape(T, n_groups, K // 4)
     else:
-        words = torch.where(e >= UE8M0_NAN - 127, float("nan"), _pow2(e)).reshape(T, n_groups, heads_per_group * 4)
+        words = torch.where(e >= UE8M0_NAN - 127, float("nan"), _pow2(e)).reshape(T, n_groups, K)
     return data, _mn_major(words)
 
 

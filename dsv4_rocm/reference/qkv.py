@@ -25,7 +25,7 @@ from .. import layout as L
 from .cache import quantize_and_insert_k_cache
 from .norm import rmsnorm
 from .quant import FP8_NAN, e4m3_encode
-from .rope import rope_fwd
+from .rope import rope_fwd, rope_fwd_fma
 
 
 def _valid_positions(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
@@ -62,9 +62,11 @@ def deinterleave_heads(q: torch.Tensor) -> torch.Tensor:
 
 
 def q_transform(q, positions, cos_sin_cache, eps, apply_q_norm=True, apply_q_rope=True):
-    """bf(RoPE?(RMSNorm?(q_h))) per head, fp32 inside, one rounding (an identity when both are off)."""
+    """bf(RoPE?(RMSNorm?(q_h))) per head, fp32 inside, one rounding (an identity when both are off). The q
+    RoPE rounds as vLLM's reference for this op does: each rotated value one fused multiply-add over the
+    other product (``rope_fwd_fma``); kv keeps three roundings (``kv_rope``)."""
     x = rmsnorm(q, None, eps) if apply_q_norm else q.float()
-    return (rope_fwd(x, positions, cos_sin_cache) if apply_q_rope else x).to(torch.bfloat16)
+    return (rope_fwd_fma(x, positions, cos_sin_cache) if apply_q_rope else x).to(torch.bfloat16)
 
 
 def fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv, k_cache, slot_mapping, positions, cos_sin_cache,
@@ -132,3 +134,36 @@ def qnorm_rope_and_insert_full_bf16_k_cache(q, kv, k_cache, slot_mapping, positi
     s = slots[valid]
     q.copy_(torch.where(ok.view(T, 1, 1), qn, torch.zeros_like(qn)))
     k_cache[s // bs, s % bs] = rows
+
+
+def fused_deepseek_v4_kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_sin_cache, cache_block_size: int,
+                                     fp8_scale=None, kv_mxfp8: bool = False, fmt: L.RecordFormat = None) -> None:
+    """The kv half of the three fused inserts, alone (vLLM 0.33's ``fused_deepseek_v4_kv_rope_insert``: V4.1's
+    DSpark context KV and the PCP SWA writer), chosen by the cache's dtype as vLLM chooses:
+
+        uint8            the record cache: bf(RoPE(kv)) as a V40_584 record, or V41_528 with ``kv_mxfp8``
+                         (``fmt`` gives the layout), as fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert
+        float8_e4m3fn    [nb, bs, 512] rows e4m3(RoPE(kv) * fp32(1 / fp8_scale)), as
+                         qnorm_rope_and_insert_full_k_cache (no bf16 step; non-finite values 0x7F)
+        bfloat16         [nb, bs, 512] rows bf(RoPE(kv)), as qnorm_rope_and_insert_full_bf16_k_cache
+
+    for the first len(slot_mapping) tokens; a slot < 0 or past the cache, or a position outside the cos/sin
+    table, writes nothing. The bytes are those the fused inserts write for the same kv."""
+    n = slot_mapping.shape[0]
+    ok, pos = _valid_positions(positions[:n], cos_sin_cache)
+    slots = _insert_slots(slot_mapping, ok)
+    if k_cache.dtype == torch.uint8:
+        if fmt is None:
+            fmt = L.V41_528 if kv_mxfp8 else L.V40_584
+        quantize_and_insert_k_cache(kv_rope(kv[:n], pos, cos_sin_cache), k_cache, slots, cache_block_size, fmt)
+        return
+    slots = slots.long()
+    bs = cache_block_size
+    valid = (slots >= 0) & (slots < k_cache.shape[0] * bs)
+    s = slots[valid]
+    if k_cache.dtype == torch.bfloat16:
+        k_cache[s // bs, s % bs] = kv_rope(kv[:n][valid], pos[valid], cos_sin_cache)
+        return
+    inv = 1.0 / fp8_scale.reshape(()).float()
+    k_cache.view(torch.uint8)[s // bs, s % bs] = _encode_scaled(rope_fwd(kv[:n][valid], pos[valid], cos_sin_cache),
+                                                               inv)

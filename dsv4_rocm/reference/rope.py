@@ -66,6 +66,37 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tenso
     return x
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c with one rounding (a fused multiply-add), exactly, on any device: the product is exact
+    in float64, the sum's float64 rounding error is recovered (two-sum) and folded in as round-to-odd, after
+    which rounding to fp32 (24 bits, 29 fewer than float64's) is the single correct rounding."""
+    p = a.double() * b.double()
+    cd = c.double()
+    t = p + cd
+    back = t - p
+    err = (p - (t - back)) + (cd - back)
+    even = (t.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(t, float("inf")), torch.full_like(t, float("-inf")))
+    t = torch.where(torch.isfinite(t) & (err != 0) & even, torch.nextafter(t, toward), t)
+    return t.float()
+
+
+def rope_fwd_fma(x, positions, cos_sin_cache):
+    """Forward rotation with vLLM's q rounding (its RoPE reference: ``e c - o s`` and ``e s + o c`` as one
+    fused multiply-add each over the other product rounded, fma(e, c, -(o s)), fma(e, s, o c)); fp32
+    result. The q path of ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` rotates so (docs/numerics.md)."""
+    x = x.float().clone()
+    c, s = _cos_sin(positions, cos_sin_cache)
+    while c.dim() < x.dim():
+        c, s = c.unsqueeze(-2), s.unsqueeze(-2)
+    e = x[..., -ROPE_DIM::2].clone()
+    o = x[..., -ROPE_DIM + 1::2].clone()
+    c, s = c.expand_as(e), s.expand_as(e)
+    x[..., -ROPE_DIM::2] = fma32(e, c, -(o * s))
+    x[..., -ROPE_DIM + 1::2] = fma32(e, s, o * c)
+    return x
+
+
 def rope_fwd(x, positions, cos_sin_cache):
     """Forward rotation of the last 64 dims, fp32 result (positions: [T] for x [T, ...])."""
     return _rotate(x, positions, cos_sin_cache, inverse=False)

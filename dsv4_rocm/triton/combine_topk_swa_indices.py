@@ -8,7 +8,7 @@ Token t (query_start_loc is taken relative to its first entry) of request b at p
 right_visible[t] clamped at 0 (vLLM's in-image visibility; 0 without them: the causal window). With
 topk_len = min((p+1) // r, topk) and swa_len = min(p + right + 1 - start, width - topk_len), it gets
 
-    [ b*M + l_i  (i < topk_len, l_i = topk_indices[t, i], -1 unless 0 <= l_i < N)
+    [ b*M + l_i  (i < topk_len, l_i = topk_indices[t, i], -1 when l_i < 0; l_i >= N passes, as in vLLM)
     | b*M + N + g_i  (i < swa_len, g_i = start + i - (seq_len - gather_len), -1 unless
       0 <= g_i < gather_len and N + g_i < M)
     | -1 ... ]                                   lens = topk_len + swa_len
@@ -63,7 +63,7 @@ def _combine_kernel(ci_ptr, ci_row, cl_ptr, topk_ptr, topk_row, topk_width, qsl_
         c = c0 + tl.arange(0, BLOCK)
         in_top = c < tlen
         loc = tl.load(topk_ptr + t * topk_row + c, mask=in_top & (c < topk_width), other=-1).to(tl.int64)
-        vt = in_top & (loc >= 0) & (loc < n_comp)
+        vt = in_top & (loc >= 0) & (rows + loc <= INT32_MAX)
         g = first + (c - tlen)
         vs = (c >= tlen) & (c < tlen + slen) & (g >= 0) & (g < gl) & (n_comp + g < ws_rows)
         val = tl.where(vt, rows + loc, tl.where(vs, rows + n_comp + g, -1))

@@ -8,7 +8,9 @@ worker, before any model is built. ``register``:
    (``guards.check``); on any difference it logs one line saying which and changes nothing;
 2. registers the backend name ``DSV4_ROCM`` with vLLM's attention-backend registry
    (``register_backend``), so that ``--attention-backend DSV4_ROCM`` parses;
-3. derives, from the platform's DeepSeek-V4 attention layer class, a subclass with dsv4_rocm's hooks
+3. defines the ``torch.ops._C`` / ``torch.ops._C_cache_ops`` forms of dsv4_rocm's ops that vLLM calls and
+   its build lacks (``torch_ops.register_missing``: vLLM's compiled ops, where present, are never replaced);
+4. derives, from the platform's DeepSeek-V4 attention layer class, a subclass with dsv4_rocm's hooks
    (``layer.attention_class``) and binds it under the base class's name in vLLM's DeepSeek-V4 modules,
    when they are imported (or at once if they already are). Layers built without ``DSV4_ROCM`` selected
    behave exactly as the base class; ``isinstance`` checks against the base class still hold.
@@ -91,6 +93,15 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _bind_hooked_class(module)
 
 
+def _register_torch_ops() -> None:
+    """The ``torch.ops._C`` / ``_C_cache_ops`` forms vLLM calls and its build lacks (``torch_ops``)."""
+    from . import torch_ops
+    try:
+        torch_ops.register_missing()
+    except Exception as e:        # never stop vLLM from starting: the ops stay absent, as without the plugin
+        logger.warning("dsv4_rocm: could not define the missing torch.ops forms: %r", e)
+
+
 def register() -> bool:
     """vLLM's general-plugin entry point. Returns whether the plugin is active in this process."""
     if _state["registered"] is not None:
@@ -106,6 +117,7 @@ def register() -> bool:
         register_backend(BACKEND_NAME, BACKEND_PATH)
     platform = _platform_key()
     _state.update(registered=True, platform=platform)
+    _register_torch_ops()
     if platform is None:
         logger.warning("dsv4_rocm: backend %s registered, but this vLLM platform has no DeepSeek-V4 layer the "
                        "plugin knows; DeepSeek-V4 keeps vLLM's attention", BACKEND_NAME)

@@ -111,6 +111,14 @@ __device__ __forceinline__ float dsv4_sub(float a, float b) {
   return a - b;
 #endif
 }
+// a * b + c rounded once (an explicit fused multiply-add, never split by the contraction setting)
+__device__ __forceinline__ float dsv4_fma(float a, float b, float c) {
+#if defined(DSV4_NVIDIA)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
 // IEEE division (the AMD build passes -fhip-fp32-correctly-rounded-divide-sqrt)
 __device__ __forceinline__ float dsv4_div(float a, float b) {
 #if defined(DSV4_NVIDIA)

@@ -110,6 +110,20 @@ __device__ __forceinline__ void dsv4_rope_lane(float v[16], int lane, const void
   }
 }
 
+// The same rotation with vLLM's q rounding (reference.rope.rope_fwd_fma): e' = fma(e, c, -(o s)),
+// o' = fma(e, s, o c), the other product rounded first. The q path of the fused insert rotates so.
+__device__ __forceinline__ void dsv4_rope_lane_fma(float v[16], int lane, const void* cs, int64_t pos, int cs_bf16) {
+  if (lane < DSV4_NOPE_LANES) return;
+  int pair0 = (lane - DSV4_NOPE_LANES) * 8;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    float c = dsv4_cos_sin(cs, pos, pair0 + k, cs_bf16), s = dsv4_cos_sin(cs, pos, 32 + pair0 + k, cs_bf16);
+    float e = v[2 * k], o = v[2 * k + 1];
+    v[2 * k] = dsv4_fma(e, c, -dsv4_mul(o, s));
+    v[2 * k + 1] = dsv4_fma(e, s, dsv4_mul(o, c));
+  }
+}
+
 // Weightless RMSNorm of the group's 512 values (16 per lane), fp32: v * (1 / sqrt(sum(v^2) / 512 + eps)).
 // All 32 lanes must call this.
 __device__ __forceinline__ void dsv4_rmsnorm512(float v[16], float eps) {

@@ -62,6 +62,29 @@ def test_plugin_is_loaded_by_vllms_loader():
     assert cpu_model.DeepseekV4CPUAttention is hooked
 
 
+def test_plugin_defines_the_torch_ops_forms_this_vllm_build_lacks():
+    """vLLM 0.33 calls torch.ops._C.fused_deepseek_v4_kv_rope_insert (V4.1's DSpark / PCP writer) and
+    torch.ops._C_cache_ops.indexer_k_quant_and_cache; its CUDA wheel on a CPU machine has neither (its compiled
+    part does not load here). After vLLM's loader ran the plugin both exist, defined over dsv4_rocm's ops, and
+    write the bytes of those ops."""
+    from vllm.plugins import load_general_plugins
+    from dsv4_rocm.integrations.vllm import torch_ops
+    load_general_plugins()
+    for ns, name in (("_C", "fused_deepseek_v4_kv_rope_insert"), ("_C_cache_ops", "indexer_k_quant_and_cache"),
+                     ("_C", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert")):
+        assert hasattr(getattr(torch.ops, ns), name) and f"{ns}::{name}" in torch_ops._state["defined"]
+    g = torch.Generator().manual_seed(4)
+    kv = (torch.randn(6, 512, generator=g)).bfloat16()
+    pos, slots = torch.randint(0, 100, (6,), generator=g), torch.tensor([3, -1, 17, 0, 9, 30])
+    cs = build_cos_sin_cache(10000.0, 100)
+    a = torch.full((2, 16 * 584), 0xA5, dtype=torch.uint8)
+    b = a.clone()
+    torch.ops._C.fused_deepseek_v4_kv_rope_insert(kv, a, slots, pos, cs, 16, None, False)
+    ops.fused_deepseek_v4_kv_rope_insert(kv, b, slots, pos, cs, 16)
+    assert torch.equal(a, b) and not torch.equal(a, torch.full_like(a, 0xA5))
+    assert torch_ops.register_missing() == []          # a second load defines nothing
+
+
 def test_guards_accept_this_vllm_and_refuse_drift(monkeypatch, caplog):
     assert vllm.__version__ == "0.33.0" and guards.check() == []
     assert "not a version" in guards.check("0.34.0")[0]
