@@ -361,14 +361,18 @@ def _skip_reason(report) -> str:
 
 
 def _failure_cause(report) -> str:
-    """'in dsv4_rocm' when the traceback passes through dsv4_rocm's files, else the exception's last line:
-    a failure that never reached our code (a vLLM op or module this machine lacks) shows as what it is."""
+    """Where a failure came from: raised inside dsv4_rocm's files; a check of vLLM's test that failed (an
+    assertion: our op's output differs from vLLM's expectation); or an error raised outside our files (a vLLM
+    op or module this machine lacks, vLLM's own code). With the exception's first line."""
     text = report.longreprtext or ""
-    if "dsv4_rocm/" in text:
-        return "in dsv4_rocm (traceback through dsv4_rocm)"
-    lines = [ln.strip() for ln in text.splitlines() if ln.startswith("E ")]
-    last = lines[-1][1:].strip() if lines else (text.strip().splitlines() or ["?"])[-1]
-    return "vLLM-side: " + last[:150]
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = (crash.message if crash is not None else text.strip().splitlines()[-1] if text.strip() else "?")
+    message = " ".join(message.split())[:160]
+    if "/dsv4_rocm/" in text:
+        return "raised in dsv4_rocm: " + message
+    if message.startswith("AssertionError") or message.startswith("assert ") or "Mismatched elements" in message:
+        return "vLLM's check failed: " + message
+    return "error outside dsv4_rocm: " + message
 
 
 def pytest_runtest_logreport(report):
