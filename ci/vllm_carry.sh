@@ -29,7 +29,7 @@ PY=${PYTHON:-python3}
 # anyio are newer than the image's and pydantic / starlette need the newer ones.
 PY312_WHEELS=(
   annotated-types==0.8.0 anyio==4.16.0 apache-tvm-ffi==0.1.11 cachetools==8.0.2 cbor2==6.3.0 fastapi==0.165.0
-  httpcore2==2.16.2 httpx2==2.16.2 importlib_metadata==10.2.0 llguidance==1.9.1 msgspec==0.22.0 openai==3.57.0
+  httpcore2==2.16.2 httpx2==2.16.2 importlib_metadata==10.2.0 lazy-importer==0.1.0 llguidance==1.9.1 msgspec==0.22.0 openai==3.57.0
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
   oss-harmony==0.0.11 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4 pydantic_core==2.50.5
   pyzmq==27.3.0 sniffio==1.3.1 starlette==1.10.0 truststore==0.10.5 typing-inspection==0.4.5
