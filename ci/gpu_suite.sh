@@ -4,11 +4,14 @@
 # report, the main job, FlashMLA's own cases through our API, the benchmarks; a short summary last.
 #
 # Usage: bash ci/gpu_suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
-#   stages: build tests memcheck parity main flashmla host bench perf   (default: all but perf, in that order)
+#   stages: build tests memcheck parity main flashmla host bench perf vllm   (default: all but perf and vllm, in
+#   that order)
 #   perf: the speed report of the sparse attention kernels beside FlashMLA (ci/gpu_decode_ws.py: every decode
 #   and prefill row with the Hopper kernel's variants and timing probes; ci/flashmla_cases.py --timing-only:
 #   the comparison table on FlashMLA's own tensors) and the layer step, einsum, top-k and start-up rows of
 #   `python -m dsv4_rocm bench`; it builds FlashMLA first when it is not built.
+#   vllm: vLLM 0.33.0's own DeepSeek-V4 and V4.1 kernel and metadata tests against dsv4_rocm's ops
+#   (ci/gpu_vllm_tests.sh, 8 xdist workers); needs .carry/vllm_py.tar.xz from ci/vllm_carry.sh, carried along.
 #   e.g. `bash ci/gpu_suite.sh build tests` then `bash ci/gpu_suite.sh build flashmla bench` fit two calls
 #   of ten minutes each on an H100.
 # Environment: PYTEST_WORKERS (default 4, with pytest-xdist), FLASHMLA_DIR (default .peers/FlashMLA, see
@@ -132,12 +135,21 @@ if want perf; then
   record perf "$rc"
 fi
 
+if want vllm; then
+  stamp "vLLM 0.33.0's DeepSeek-V4 tests against dsv4_rocm (ci/gpu_vllm_tests.sh)"
+  PYTEST_WORKERS=${VLLM_PYTEST_WORKERS:-8} bash ci/gpu_vllm_tests.sh
+  rc=$?
+  [ "$rc" = 3 ] && rc=skipped
+  record vllm "$rc"
+fi
+
 echo
 stamp "gpu_suite summary"
-for s in build tests memcheck parity main flashmla host bench perf; do
+for s in build tests memcheck parity main flashmla host bench perf vllm; do
   want "$s" || continue
   extra=""
   [ "$s" = tests ] && extra=" ($(grep -Eo '[0-9]+ (passed|failed|error)' "$OUT/pytest_gpu.log" 2>/dev/null | tr '\n' ' '))"
+  [ "$s" = vllm ] && extra=" ($(tail -1 "$OUT/vllm_tests.log" 2>/dev/null))"
   printf '%-9s rc=%s%s\n' "$s" "${RC[$s]:-?}" "$extra"
   # the sanitizer pass: one line per tool
   if [ "$s" = memcheck ]; then cat "$OUT"/sanitize/*.summary 2>/dev/null | sed 's/^/  /'; fi
