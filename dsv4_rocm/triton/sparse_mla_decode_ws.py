@@ -134,6 +134,23 @@ def _opaque_zero(x):
     return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
+STALL = gl.constexpr(4)   # PROBE bit: pseudo-random pauses at every hand-off (the stress test); outputs exact
+
+
+@gluon.jit
+def _stall(i, SITE: gl.constexpr, PROBE: gl.constexpr):
+    """With PROBE & STALL: pause this thread for 0 to about 4 us (nanosleep), the length drawn from the
+    SM's cycle counter mixed with the tile, the CTA and the call site, so each partition reaches each
+    hand-off at a different moment on every tile and launch. The mbarrier protocol must make the result
+    independent of these pauses: a missing wait (or an arrive too early) then lets one partition read a
+    shared buffer before it is written, or overwrite it before it is read, and the output changes."""
+    if (PROBE & STALL) != 0:
+        h = i * 37 + SITE * 101 + gl.program_id(0) * 7 + gl.program_id(1) * 13
+        gl.inline_asm_elementwise(
+            "{ .reg .u32 t; mov.u32 t, %clock; xor.b32 t, t, $1; shr.u32 t, t, 3; and.b32 t, t, 4095; "
+            "nanosleep.u32 t; mov.b32 $0, 0; }", "=r,r", [h], dtype=gl.int32, is_pure=False, pack=1)
+
+
 # ---- the schedule: which unit and tile a CTA's i-th tile is ------------------------------------------------
 @gluon.jit
 def _tiles_per_unit(main_topk, extra_topk, BLOCK_N: gl.constexpr, HAS_EXTRA: gl.constexpr):
@@ -580,6 +597,7 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
                         EXTRA_BS, False, FMT, PROBE)
         # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
         mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        _stall(i, 1, PROBE)
         _publish(k_live, ks, live, LOAD_WARPS)
         if live:
             if HAS_ROPE:
@@ -642,6 +660,7 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
         nm2, ne2 = _load_lengths(la, b2, s2, ok2, False, HAS_MAIN_LEN, False)
         # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
         mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        _stall(i, 1, PROBE)
         _publish(k_live, ks, live, LOAD_WARPS)
         if live:
             _copy_rows(ka, addr_rows, i % 2, t0, Mm, k_ring.index(ks), k_bias.index(ks), BLOCK_N, PROBE, LOAD_WARPS)
@@ -779,6 +798,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                 _prefetch_l2(nq.to(gl.int64)[:, None] + (pc * 128).to(gl.int64)[None, :],
                              (pr[:, None] * 0 + pc[None, :] * 0 + un) < num_tokens)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
+        _stall(i, 2, PROBE)
         live = _slot_live(k_live, ks)
         if live:
             if (PROBE & 2) == 0:
@@ -800,6 +820,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
             p16 = pm.to(gl.bfloat16)
             # P and alpha for consumer 1, once it is done with the previous ones
             mbarrier.wait(p_free, (n_live & 1) ^ 1)
+            _stall(i, 3, PROBE)
             p_smem.index(_opaque_zero(i)).store(p16)
             alpha_smem.store(alpha)
             fence_async_shared()
@@ -840,6 +861,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                     gl.store(maxl_ptr + u.to(gl.int64) * HEADS + heads, m_i * 0.6931471805599453)
             # the row factors for consumer 1, once it has taken the previous ones
             mbarrier.wait(o_free, (n_parts & 1) ^ 1)
+            _stall(i, 4, PROBE)
             o_scale.store(factor)
             gl.thread_barrier()
             mbarrier.arrive(o_ready, count=1)
@@ -871,8 +893,10 @@ def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
         u, t, bi, si = _unit_tile(A + i, sa, M)
         k_slot = k_ring.index(ks)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
+        _stall(i, 5, PROBE)
         if _slot_live(k_live, ks):
             mbarrier.wait(p_ready, n_live & 1)
+            _stall(i, 6, PROBE)
             alpha = alpha_smem.load(gl.SliceLayout(1, O_L))
             if (PROBE & 2) == 0:
                 acc = warpgroup_mma(p_smem.index(0), k_slot.slice(256, 256, dim=1), acc * alpha[:, None],
@@ -885,6 +909,7 @@ def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
         mbarrier.arrive(k_free.index(ks), count=1)
         if (i == n_tiles - 1) | (t == M - 1):
             mbarrier.wait(o_ready, n_parts & 1)
+            _stall(i, 7, PROBE)
             factor = o_scale.load(gl.SliceLayout(1, O_L))
             gl.thread_barrier()
             mbarrier.arrive(o_free, count=1)
@@ -983,7 +1008,8 @@ def default_config(num_heads: int = 64) -> dict:
     ci/gpu_decode_ws.py). The register gathers measured 10-18% faster on every timed row than the earlier
     raw ring in shared memory fed by cp.async (BENCHMARKS.md). ``PROBE`` is for measurement only
     (ci/gpu_decode_ws.py): 1 masks off every record load, 2 skips the matrix products, 3 both; the outputs
-    are then wrong."""
+    are then wrong. ``PROBE`` 4 (STALL) is for the stress test of the hand-offs only: pseudo-random pauses
+    at each of them (``_stall``), the outputs unchanged."""
     return dict(BLOCK_N=64, K_STAGES=2, L2_AHEAD=num_heads <= 64, C0_REGS=200, C1_REGS=160, PROBE=0, num_warps=4)
 
 
