@@ -35,20 +35,44 @@ def gpu_test_files():
     return out
 
 
-def cost(path):
-    """A rough size of a file's GPU work, for the order of the jobs (largest first)."""
+# seconds of each file's one-case tests under each tool, 15 processes at once on an H200 (2026-11-29; ">": cut
+# at the budget then, so at least that); the jobs start longest first, and a file over SPLIT_S seconds
+# under a tool runs as several interleaved parts (pytest --part) at once. Files not listed: from their size.
+MEASURED = {
+    "test_compressor.py": (115, 114, 114), "test_fp8_einsum.py": (21, 106, 22), "test_golden.py": (40, 60, 60),
+    "test_layer.py": (39, 78, 45), "test_layer_v41.py": (97, 300, 300), "test_merge_attn_states.py": (53, 220, 71),
+    "test_metadata.py": (66, 63, 72), "test_sparse_mla.py": (82, 204, 85), "test_step.py": (84, 87, 89),
+    "test_top_k_per_row.py": (29, 74, 120), "test_cache_qkv_library.py": (42, 54, 60),
+    "test_empty_steps.py": (45, 50, 48), "test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py": (23, 28, 46),
+}
+SPLIT_S = 70
+
+
+def gpu_functions(path):
+    """The gpu test functions of a file (at most that many parts)."""
+    return len(re.findall(r"@pytest\.mark\.gpu", open(os.path.join(ROOT, path)).read()))
+
+
+def cost(path, tool=None):
+    """Expected seconds of a file's job under ``tool`` (the plain pass: a third of memcheck's)."""
+    m = MEASURED.get(os.path.basename(path))
+    if m:
+        return m[TOOLS.index(tool)] if tool else m[0] / 3
     text = open(os.path.join(ROOT, path)).read()
-    return len(re.findall(r"@pytest\.mark\.gpu", text)) * 4 + len(text) // 4000
+    guess = 12 + 3 * len(re.findall(r"@pytest\.mark\.gpu", text))
+    return guess if tool else guess / 3
 
 
-def pytest_cmd(path, tool, one_case, xml):
+def pytest_cmd(path, tool, one_case, xml, part=None):
     # -s: the tool's reports land in the log right after the name of the test that made them
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-rfEs", "-p", "no:cacheprovider", "-p", "no:benchmark",
-           "--junitxml", xml]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-rfEs", "-p", "no:cacheprovider",
+           "-p", "no:benchmark", "--junitxml", xml]
     if one_case:
         cmd.append("--one-case")
     if tool:
         cmd += ["--sanitizer", tool]
+    if part:
+        cmd += ["--part", f"{part[0]}/{part[1]}"]
     return cmd + [path]
 
 
@@ -61,11 +85,12 @@ def sanitizer_cmd(tool):
 
 
 class Job:
-    def __init__(self, tool, path):
-        self.tool, self.path = tool, path
+    def __init__(self, tool, path, part=None):
+        self.tool, self.path, self.part = tool, path, part
         self.rc, self.seconds, self.status = None, 0.0, "not started"
         stem = os.path.basename(path)[:-3]
-        self.name = f"{tool or 'plain'}__{stem}"
+        self.name = f"{tool or 'plain'}__{stem}" + (f"__part{part[0]}of{part[1]}" if part else "")
+        self.cost = cost(path, tool) / (part[1] if part else 1)
 
 
 def run_job(job, out, one_case, deadline, env):
@@ -74,7 +99,8 @@ def run_job(job, out, one_case, deadline, env):
         return job
     log = os.path.join(out, "logs", job.name + ".log")
     xml = os.path.join(out, "logs", job.name + ".xml")
-    cmd = [sys.executable, job.path] if job.path.startswith("ci/") else pytest_cmd(job.path, job.tool, one_case, xml)
+    cmd = [sys.executable, job.path] if job.path.startswith("ci/") else pytest_cmd(job.path, job.tool, one_case, xml,
+                                                                                   job.part)
     if job.tool:
         cmd = sanitizer_cmd(job.tool) + cmd
     e = dict(env)
@@ -193,7 +219,7 @@ def main(argv):
     one_case = os.environ.get("SANITIZE_ALL_CASES", "") != "1"
     warm = os.environ.get("SANITIZE_PLAIN", "1") == "1"
     files = os.environ.get("SANITIZE_TESTS", "").split() or gpu_test_files()
-    files = sorted(files, key=cost, reverse=True)
+
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")] +
@@ -203,8 +229,13 @@ def main(argv):
     print(f"== sanitizer pass: {len(files)} files x {', '.join(tools)}, {jobs_n} processes at once, "
           f"{'one parameter set per test function' if one_case else 'every parameter set'}, budget {budget:.0f} s",
           flush=True)
-    plain = [Job(None, f) for f in files] if warm else []
-    tool_jobs = [Job(t, f) for f in files for t in tools]
+    plain = sorted([Job(None, f) for f in files] if warm else [], key=lambda j: -j.cost)
+    tool_jobs = []
+    for f in files:
+        for t in tools:
+            n = max(1, min(-int(-cost(f, t) // SPLIT_S), gpu_functions(f))) if one_case else 1
+            tool_jobs += [Job(t, f, (i, n) if n > 1 else None) for i in range(n)]
+    tool_jobs.sort(key=lambda j: -j.cost)
     lock = threading.Lock()
     done = []
 
@@ -213,35 +244,48 @@ def main(argv):
         with lock:
             done.append(job)
             if job.status != "not started":
-                print(f"[{time.time() - t0:5.0f} s] {job.tool or 'plain':9s} {job.path:58s} rc={job.rc} "
+                part = f" part {job.part[0]}/{job.part[1]}" if job.part else ""
+                print(f"[{time.time() - t0:5.0f} s] {job.tool or 'plain':9s} {job.path + part:66s} rc={job.rc} "
                       f"{job.seconds:5.0f} s {job.status}", flush=True)
         return job
 
     # racecheck's control: a hand-off correct by the mbarrier protocol (ci/racecheck_control.py)
     control = Job("racecheck", "ci/racecheck_control.py") if "racecheck" in tools else None
+    # the plain pass first (it compiles the kernels the tool jobs then load), then the tool jobs, longest first;
+    # no barrier between them
     with ThreadPoolExecutor(jobs_n) as pool:
-        if control:
-            pool.submit(go, control)
-        if plain:
-            list(pool.map(go, plain))
-            print(f"== plain pass done at {time.time() - t0:.0f} s", flush=True)
-        list(pool.map(go, tool_jobs))
+        list(pool.map(go, ([control] if control else []) + plain + tool_jobs))
 
     rows, status, sites = [], 0, {t: {} for t in tools}
     for f in sorted(files):
         row = dict(file=f)
-        for job in [j for j in plain + tool_jobs if j.path == f]:
-            key = job.tool or "plain"
-            res = results(job, out) if job.status != "not started" else None
-            cell = dict(status=job.status, rc=job.rc, seconds=round(job.seconds), **(res or {}))
-            if job.tool and job.status != "not started":
-                n, s = findings(job, out)
-                cell["findings"] = n
-                cell["sites"] = s
-                for k, v in s.items():
-                    sites[job.tool][k] = sites[job.tool].get(k, 0) + v
+        for key in ["plain"] * bool(plain) + list(tools):
+            jobs = [j for j in plain + tool_jobs if j.path == f and (j.tool or "plain") == key]
+            ran = [j for j in jobs if j.status != "not started"]
+            if not ran:
+                row[key] = dict(status="not started")
+                if key != "plain":
+                    status = 1
+                continue
+            # a file run as parts: counts and findings summed, seconds the longest part, status the worst
+            cell = dict(status="budget" if any(j.status == "budget" for j in ran) else
+                        "partly run" if len(ran) < len(jobs) else "done",
+                        rc=max(j.rc or 0 for j in ran), seconds=round(max(j.seconds for j in ran)), parts=len(jobs),
+                        passed=0, failed=0, skipped=0, ran=0, failures=[], skips=[])
+            for j in ran:
+                res = results(j, out)
+                for k in ("passed", "failed", "skipped", "ran", "failures", "skips"):
+                    cell[k] += res[k]
+                if j.tool:
+                    n, found = findings(j, out)
+                    cell["findings"] = None if n is None or cell.get("findings", 0) is None else \
+                        cell.get("findings", 0) + n
+                    cell.setdefault("sites", {})
+                    for k, v in found.items():
+                        cell["sites"][k] = cell["sites"].get(k, 0) + v
+                        sites[j.tool][k] = sites[j.tool].get(k, 0) + v
             row[key] = cell
-            if job.tool and (job.status != "done" or (res and res["failed"]) or cell.get("findings")):
+            if key != "plain" and (cell["status"] != "done" or cell["failed"] or cell.get("findings")):
                 status = 1
         rows.append(row)
 
@@ -252,8 +296,10 @@ def main(argv):
         if "findings" in c:
             s += f" {'?' if c['findings'] is None else c['findings']:>4}"
         s += f" {c['seconds']:3d}s"
-        if c["status"] == "budget":
+        if c["status"] != "done":
             s += " CUT"
+        if c.get("parts", 1) > 1:
+            s += f" ({c['parts']} parts)"
         return s
     cols = (["plain"] if plain else []) + tools
     head = f"{'file':52s} " + " ".join(f"{c + ' ran/ok/fail/skip' + (' finds' if c != 'plain' else '') + ' s':34s}"
@@ -266,7 +312,7 @@ def main(argv):
         run = [x for x in cells if x and x["status"] != "not started"]
         tot = {k: sum(x.get(k, 0) for x in run) for k in ("ran", "passed", "failed", "skipped")}
         fnd = sum(x.get("findings") or 0 for x in run)
-        lines.append(f"TOTAL {c:9s}: {len(run)}/{len(cells)} files run ({sum(x['status'] == 'budget' for x in run)} "
+        lines.append(f"TOTAL {c:9s}: {len(run)}/{len(cells)} files run ({sum(x['status'] != 'done' for x in run)} "
                      f"cut at the budget), {tot['ran']} tests ran, {tot['passed']} passed, {tot['failed']} failed, "
                      f"{tot['skipped']} skipped" + (f", {fnd} findings" if c != "plain" else ""))
     fails = []
@@ -286,11 +332,13 @@ def main(argv):
     if control is not None:
         n, s = findings(control, out) if control.status != "not started" else (None, {})
         try:
-            said = [l for l in open(os.path.join(out, "logs", control.name + ".log")) if l.startswith("racecheck control")]
+            said = [line for line in open(os.path.join(out, "logs", control.name + ".log"))
+                    if line.startswith("racecheck control")]
         except OSError:
             said = []
-        site_lines.append(f"  control   racecheck over a hand-off correct by the mbarrier protocol (ci/racecheck_control.py): "
-                          f"rc={control.rc}, {n} hazards reported; {said[0].strip() if said else 'no result line'}")
+        site_lines.append(f"  control   racecheck over hand-offs correct by the mbarrier protocol "
+                          f"(ci/racecheck_control.py): rc={control.rc}, {n} hazards reported")
+        site_lines += [f"  control   {line.strip()}" for line in said] or ["  control   no result line"]
         site_lines += [f"  control   {v:6d}  {k}" for k, v in s.items()]
     text = "\n".join(
         ["", f"== sanitizer summary ({time.time() - t0:.0f} s; cells: tests ran/passed/failed/skipped, the tool's "

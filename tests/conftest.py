@@ -34,6 +34,9 @@ def pytest_addoption(parser):
     parser.addoption("--one-case", action="store_true",
                      help="run each test function once, with its first parameter set (the compute-sanitizer pass "
                           "of ci/gpu_sanitize.sh: every test, at the cost of one case)")
+    parser.addoption("--part", default=None, metavar="I/N",
+                     help="keep the I-th of N interleaved parts of the selected tests (0 <= I < N): the sanitizer "
+                          "pass splits its longest files this way")
     parser.addoption("--sanitizer", default=None, choices=("memcheck", "racecheck", "initcheck"),
                      help="the tests run under this compute-sanitizer tool (ci/gpu_sanitize.sh): those listed in "
                           "tests/sanitizer_skips.py for it skip with their reason, and so does any test that "
@@ -64,6 +67,13 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--one-case"):
         _first_case_each(config, items)
+    part = config.getoption("--part")
+    if part:
+        i, n = (int(x) for x in part.split("/"))
+        drop = [item for j, item in enumerate(items) if j % n != i]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [item for j, item in enumerate(items) if j % n == i]
     tool = config.getoption("--sanitizer")
     if tool:
         import sanitizer_skips

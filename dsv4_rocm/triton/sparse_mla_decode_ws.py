@@ -93,6 +93,10 @@ fresh barrier at once.
 * ``o_ready`` / ``o_free`` (count 1): the same hand-over of the row factors at the end of the k-th unit
   part (consumer 0 stores them after waiting on o_free, parity (k & 1) ^ 1; consumer 1 waits on o_ready,
   parity k & 1, reads them and arrives on o_free).
+compute-sanitizer racecheck does not follow an mbarrier hand-off whose sides reach their arrive through a
+named barrier (consumers 0 and 1, bar.sync 2 and 3): it reports the alpha and row-factor hand-offs, and
+Triton's warp-specialize start-up state (written and read around `barrier.sync 1`), as hazards; the comment
+at consumer 0's alpha store gives the ordering, and test_ws_hand_offs_hold_under_random_stalls checks it.
 The index and address rows and the scale slots need no mbarrier: only the loader touches them. cp.async
 completion is per thread (wait_group), so the partition barrier after it makes an index row visible to
 every loader thread, and tells the loader that every thread is done reading the rows it refills next; a
@@ -818,7 +822,16 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
             l_i = l_i * alpha + gl.sum(pm, 1)
             m_i = m_new
             p16 = pm.to(gl.bfloat16)
-            # P and alpha for consumer 1, once it is done with the previous ones
+            # P and alpha for consumer 1, once it is done with the previous ones. compute-sanitizer racecheck
+            # reports this alpha store against consumer 1's alpha load (and o_scale below likewise): the two are
+            # ordered by p_free / p_ready, but each side's accesses reach its single-thread arrive through its
+            # partition barrier, a named barrier (bar.sync 2 or 3, 128), and racecheck orders nothing through
+            # named barriers: it reports Triton's own warp-specialize start-up state too, written and read around
+            # `barrier.sync 1` with no mbarrier at all, while the same hand-off with the default partition's
+            # barrier 0 is clean (ci/racecheck_control.py). Ordering: consumer 1 loads alpha of live tile n - 1
+            # before its partition barrier and its p_free arrive; this wait (parity (n & 1) ^ 1) is for that
+            # arrive; every store here precedes the partition barrier ahead of p_ready, which consumer 1 waits
+            # for (parity n & 1) before its load. test_ws_hand_offs_hold_under_random_stalls pauses both sides.
             mbarrier.wait(p_free, (n_live & 1) ^ 1)
             _stall(i, 3, PROBE)
             p_smem.index(_opaque_zero(i)).store(p16)
@@ -859,7 +872,8 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                          gl.where(empty, float("inf"), lse2 * 0.6931471805599453))
                 if HAS_MAXL:
                     gl.store(maxl_ptr + u.to(gl.int64) * HEADS + heads, m_i * 0.6931471805599453)
-            # the row factors for consumer 1, once it has taken the previous ones
+            # the row factors for consumer 1, once it has taken the previous ones (racecheck's report of this
+            # store against consumer 1's load: as for alpha above, ordered by o_free / o_ready)
             mbarrier.wait(o_free, (n_parts & 1) ^ 1)
             _stall(i, 4, PROBE)
             o_scale.store(factor)
