@@ -47,6 +47,11 @@ MEASURED = {
 }
 SPLIT_S = 70
 
+# a small program a tool runs beside the tests, whose code is right by construction: what the tool reports
+# there is what it cannot see, and says how to read the same report in the tests
+CONTROLS = {"racecheck": ("ci/racecheck_control.py", "hand-offs correct by the mbarrier protocol"),
+            "initcheck": ("ci/initcheck_control.py", "tensors torch writes whole, then reads")}
+
 
 def gpu_functions(path):
     """The gpu test functions of a file (at most that many parts)."""
@@ -168,8 +173,8 @@ def results(job, out):
 SUMMARY = re.compile(r"(ERROR|RACECHECK|INITCHECK) SUMMARY: (\d+) (errors?|hazards?)")
 SITE = re.compile(r"^=+\s+(?:Error: )?(Race reported between .*|Invalid .*|Uninitialized .*|Misaligned .*|"
                   r"Out-of-range .*|Warning: Race reported .*)$")
-TEST = re.compile(r"^(tests/\S+::\S+)")
-AT = re.compile(r"^=+\s+(?:at|and) .*? in (\S+:\d+)|^=+\s+(?:at|and) (\S+)")
+TEST = re.compile(r"^(tests/\S+::\S+|control case \S+)")
+AT = re.compile(r"^=+\s+(?:at|and) (?:\w+ access at )?(.*?)(?:\+0x[0-9a-f]+)?(?: in (\S+:\d+))?(?: \[\d+ hazards?\])?$")
 
 
 def findings(job, out):
@@ -193,14 +198,17 @@ def findings(job, out):
             continue
         what = re.sub(r"0x[0-9a-f]+", "", m.group(1))
         what = re.sub(r"\s+", " ", what)
-        places = []
-        for nxt in lines[i + 1:i + 6]:
+        places, block = [], [line]
+        for nxt in lines[i + 1:i + 8]:        # the report's own lines, up to its blank line
+            if re.match(r"^=+\s*$", nxt) or SITE.match(nxt):
+                break
+            block.append(nxt)
             a = AT.match(nxt)
-            if a:
-                places.append(a.group(1) or a.group(2))
-        key = what[:160] + (" @ " + " / ".join(places[:2]) if places else "")
-        n = re.search(r"\[(\d+) hazards?\]", " ".join(lines[i:i + 6]))
-        seen[key] = seen.get(key, 0) + (int(n.group(1)) if n else 1)
+            if a:       # the source line where there is one, else the function (templates cut short)
+                places.append(a.group(2) or re.sub(r"^void ", "", a.group(1))[:90])
+        key = what[:160] + (" @ " + " / ".join(places[:3]) if places else "")
+        counts = [int(c) for c in re.findall(r"\[(\d+) hazards?\]", " ".join(block))]
+        seen[key] = seen.get(key, 0) + (sum(counts) if counts else 1)
         tests.setdefault(key, [])
         if test not in tests[key]:
             tests[key].append(test)
@@ -249,12 +257,12 @@ def main(argv):
                       f"{job.seconds:5.0f} s {job.status}", flush=True)
         return job
 
-    # racecheck's control: a hand-off correct by the mbarrier protocol (ci/racecheck_control.py)
-    control = Job("racecheck", "ci/racecheck_control.py") if "racecheck" in tools else None
+    # the controls: what the tool reports on code that is right (CONTROLS)
+    controls = [Job(t, CONTROLS[t][0]) for t in tools if t in CONTROLS]
     # the plain pass first (it compiles the kernels the tool jobs then load), then the tool jobs, longest first;
     # no barrier between them
     with ThreadPoolExecutor(jobs_n) as pool:
-        list(pool.map(go, ([control] if control else []) + plain + tool_jobs))
+        list(pool.map(go, controls + plain + tool_jobs))
 
     rows, status, sites = [], 0, {t: {} for t in tools}
     for f in sorted(files):
@@ -329,15 +337,15 @@ def main(argv):
                 fh.write(f"{v:7d}  {k}\n")
         for k, v in sorted(sites[t].items(), key=lambda kv: -kv[1])[:12]:
             site_lines.append(f"  {t:9s} {v:6d}  {k}")
-    if control is not None:
+    for control in controls:
         n, s = findings(control, out) if control.status != "not started" else (None, {})
         try:
             said = [line for line in open(os.path.join(out, "logs", control.name + ".log"))
-                    if line.startswith("racecheck control")]
+                    if line.startswith(control.tool + " control")]
         except OSError:
             said = []
-        site_lines.append(f"  control   racecheck over hand-offs correct by the mbarrier protocol "
-                          f"(ci/racecheck_control.py): rc={control.rc}, {n} hazards reported")
+        site_lines.append(f"  control   {control.tool} over {CONTROLS[control.tool][1]} ({control.path}): "
+                          f"rc={control.rc}, {n} reported")
         site_lines += [f"  control   {line.strip()}" for line in said] or ["  control   no result line"]
         site_lines += [f"  control   {v:6d}  {k}" for k, v in s.items()]
     text = "\n".join(
