@@ -222,7 +222,7 @@ def main(argv):
     for t in tools:
         if t not in TOOLS:
             sys.exit(f"unknown tool {t!r}: one of {', '.join(TOOLS)}")
-    budget = float(os.environ.get("SANITIZER_SECONDS", 480))
+    budget = float(os.environ.get("SANITIZER_SECONDS", 470))
     jobs_n = int(os.environ.get("SANITIZER_JOBS", max(1, (os.cpu_count() or 2) - 1)))
     one_case = os.environ.get("SANITIZE_ALL_CASES", "") != "1"
     warm = os.environ.get("SANITIZE_PLAIN", "1") == "1"

@@ -22,8 +22,15 @@
 # dsv4_rocm._C (the HIP ops, built for this GPU) is built first when it is not importable (the build stage
 # of ci/gpu_suite.sh), so no test builds it under a tool.
 #
+# Controls: beside the tests, racecheck runs ci/racecheck_control.py and initcheck ci/initcheck_control.py,
+# programs that are right by construction; what a tool reports there is what it cannot see (the summary's
+# last lines), which is how its reports on the Hopper decode kernel's hand-offs are to be read.
+#
+# Cost on an H200 (16 cores): with the build, `bash ci/gpu_suite.sh build memcheck` takes about 9.5 minutes,
+# one ten-minute call (build 1 min, then this script's budget).
+#
 # Usage: bash ci/gpu_sanitize.sh OUT_DIR [TOOL ...]      (tools: memcheck racecheck initcheck; default all)
-# Environment: SANITIZER_SECONDS (the budget of the plain pass and the tool jobs together, default 480),
+# Environment: SANITIZER_SECONDS (the budget of the plain pass and the tool jobs together, default 470),
 # SANITIZER_JOBS, SANITIZE_TESTS (test files, default every file with gpu tests), SANITIZE_ALL_CASES,
 # SANITIZE_PLAIN.
 set -uo pipefail
