@@ -13,7 +13,8 @@
 #   vllm: vLLM 0.33.0's own DeepSeek-V4 and V4.1 kernel and metadata tests against dsv4_rocm's ops
 #   (ci/gpu_vllm_tests.sh, 8 xdist workers); needs .carry/vllm_py.tar.xz from ci/vllm_carry.sh, carried along.
 #   e.g. `bash ci/gpu_suite.sh build tests` then `bash ci/gpu_suite.sh build flashmla bench` fit two calls
-#   of ten minutes each on an H100.
+#   of ten minutes each on an H100; `bash ci/gpu_suite.sh build memcheck` (the sanitizer pass: about 9.5
+#   minutes on an H200, its table in $OUT/sanitize/summary.txt) fits one call by itself.
 # Environment: PYTEST_WORKERS (default 4, with pytest-xdist), FLASHMLA_DIR (default .peers/FlashMLA, see
 # ci/flashmla_peer.sh: built here in the background when it is not built yet), FLASHMLA_EVERY (every n-th
 # FlashMLA case, default 8), BENCH_ARGS (extra arguments of `python -m dsv4_rocm bench`).
@@ -152,6 +153,6 @@ for s in build tests memcheck parity main flashmla host bench perf vllm; do
   [ "$s" = vllm ] && extra=" ($(tail -1 "$OUT/vllm_tests.log" 2>/dev/null))"
   printf '%-9s rc=%s%s\n' "$s" "${RC[$s]:-?}" "$extra"
   # the sanitizer pass: one line per tool
-  if [ "$s" = memcheck ]; then cat "$OUT"/sanitize/*.summary 2>/dev/null | sed 's/^/  /'; fi
+  if [ "$s" = memcheck ]; then grep "^TOTAL" "$OUT/sanitize/summary.txt" 2>/dev/null | sed 's/^/  /'; fi
 done
 exit $status

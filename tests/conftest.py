@@ -34,6 +34,13 @@ def pytest_addoption(parser):
     parser.addoption("--one-case", action="store_true",
                      help="run each test function once, with its first parameter set (the compute-sanitizer pass "
                           "of ci/gpu_sanitize.sh: every test, at the cost of one case)")
+    parser.addoption("--part", default=None, metavar="I/N",
+                     help="keep the I-th of N interleaved parts of the selected tests (0 <= I < N): the sanitizer "
+                          "pass splits its longest files this way")
+    parser.addoption("--sanitizer", default=None, choices=("memcheck", "racecheck", "initcheck"),
+                     help="the tests run under this compute-sanitizer tool (ci/gpu_sanitize.sh): those listed in "
+                          "tests/sanitizer_skips.py for it skip with their reason, and so does any test that "
+                          "attempts a CUDA graph capture")
 
 
 def _first_case_each(config, items):
@@ -60,6 +67,20 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--one-case"):
         _first_case_each(config, items)
+    part = config.getoption("--part")
+    if part:
+        i, n = (int(x) for x in part.split("/"))
+        drop = [item for j, item in enumerate(items) if j % n != i]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [item for j, item in enumerate(items) if j % n == i]
+    tool = config.getoption("--sanitizer")
+    if tool:
+        import sanitizer_skips
+        for item in items:
+            why = sanitizer_skips.reason(item.nodeid, tool)
+            if why:
+                item.add_marker(pytest.mark.skip(reason=f"not under {tool}: {why}"))
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a GPU (run with -m gpu on a GPU machine)")
         for item in items:
@@ -120,6 +141,22 @@ def pytest_unconfigure(config):
     if bg is not None and bg.proc is not None:          # the process that started the run ends it
         bg.stop()
         shutil.rmtree(bg.out_dir, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_graph_capture_under_sanitizer(request, monkeypatch):
+    """Under --sanitizer a CUDA graph capture, wherever it starts (torch.cuda.graph, make_graphed_callables,
+    a library's own capture), skips the test: every capture goes through CUDAGraph.capture_begin."""
+    if not request.config.getoption("--sanitizer"):
+        return
+    import sanitizer_skips
+
+    def refuse(*args, **kwargs):
+        # torch.cuda.graph made its side stream current before capture_begin: back to the default stream
+        torch.cuda.synchronize()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        pytest.skip(sanitizer_skips.GRAPH_CAPTURE)
+    monkeypatch.setattr(torch.cuda.graphs.CUDAGraph, "capture_begin", refuse)
 
 
 @pytest.fixture

@@ -37,3 +37,22 @@ def test_sanitizer_pass_is_one_stage_of_the_gpu_suite(tmp_path):
                            text=True, timeout=60)
         assert r.returncode == 0 and [l.split(":")[0] for l in r.stdout.splitlines()] == \
             ["memcheck", "racecheck", "initcheck"] and "compute-sanitizer is not on PATH" in r.stdout
+
+
+def test_part_splits_the_selection_into_disjoint_interleaved_parts():
+    files = ["tests/test_quantize_and_insert_k_cache.py"]
+    every = _collect("--one-case", *files)
+    parts = [_collect("--one-case", "--part", f"{i}/3", *files) for i in range(3)]
+    assert sorted(sum(parts, [])) == sorted(every) and all(parts)
+    assert parts[0] == every[0::3]
+
+
+def test_sanitizer_skips_are_listed_by_name_with_a_reason():
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import sanitizer_skips as S
+    every = set(_collect(*sorted({k.split("::")[0] for k in S.SKIPS})))
+    for name, tools in S.SKIPS.items():
+        assert any(i.split("[")[0] == name for i in every), f"{name}: no such test"
+        assert set(tools) <= {"*", "memcheck", "racecheck", "initcheck"} and all(len(r) > 40 for r in tools.values())
+        assert S.reason(name + "[x]", "racecheck") == (tools.get("racecheck") or tools.get("*"))
+    assert S.reason("tests/test_sparse_mla.py::test_smoke_small_decode_and_prefill", "memcheck") is None

@@ -745,6 +745,8 @@ def test_triton_logits_read_the_fnuz_query():
     keys = torch.randn(3000, 128, generator=g) * torch.exp2(torch.randint(-6, 6, (3000, 1), generator=g).float())
     starts = torch.randint(0, 1500, (64,), generator=g).to(torch.int32)
     ends = (starts + torch.randint(0, 1500, (64,), generator=g)).to(torch.int32)
+    lens = [2000, 77, 1500, 64] * 8
+    pages, kv, bt, _ = filled_cache(lens, 64, g)           # on the CPU, before the GPU ops are forced to Triton
     with ops.use_backend("triton"):
         d = lambda t: t.cuda()                                              # noqa: E731
         q8, wq = ops.fused_indexer_q_rope_quant(d(pos), d(qi), d(CS), d(w), SM, HS)
@@ -763,8 +765,6 @@ def test_triton_logits_read_the_fnuz_query():
                                 (abs_bytes(kz).view(torch.float8_e4m3fnuz), fnuz_kv[1].cpu()), wz.cpu().abs(),
                                 starts, ends)
         assert_logits_close(got, ref, mag, "fnuz q and k")
-        lens = [2000, 77, 1500, 64] * 8
-        pages, kv, bt, _ = filled_cache(lens, 64, g)
         cl = torch.tensor(lens, dtype=torch.int32)
         meta = ops.get_paged_mqa_logits_metadata(d(cl), 64, 132)
         gkv = kv_cache_view(d(pages), 64, 132)

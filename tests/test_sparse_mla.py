@@ -616,6 +616,57 @@ def test_ws_decode_v41_528_lonely_queries_and_strided_q(fmt, gpu):
     assert torch.equal(out, base) and torch.equal(lse, base_lse)
 
 
+# the stress of the Hopper kernel's hand-offs: V4.0 records with 64 heads (L2 requests on), V4.1's interleaved
+# records with 128 heads, each split (partials and the row-factor hand-off per part) and whole
+WS_STRESS_CASES = [((24, 2, 64, 64, 512, 64, 128, "random", "b"), L.V40_584),
+                   ((16, 2, 128, 256, 640, 2, 128, "random", "bsq"), L.interleaved(L.V41_528))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,fmt", WS_STRESS_CASES, ids=["v40_h64", "v41_interleaved_h128"])
+def test_ws_hand_offs_hold_under_random_stalls(case, fmt, gpu):
+    """The Hopper kernel's mbarrier hand-offs (K slots loader -> consumers and back, P and alpha consumer 0
+    -> consumer 1 and back, the row factors likewise) under pseudo-random pauses on both sides of each
+    (config PROBE=STALL: a nanosleep drawn from the SM clock, the tile and the call site): many launches
+    on fresh random inputs, out poisoned before each, every one bit-equal to the launch without pauses and
+    within the reference's tolerance. A wait missing from the protocol would let a paused producer's
+    buffer be read stale, or a paused reader's buffer be overwritten, and change the output."""
+    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    cfg = decode_kernel_config("ws", gpu)
+    from dsv4_rocm.triton import sparse_mla_decode_ws as ws
+    stall = dict(cfg, PROBE=int(ws.STALL))
+    b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
+    f = (fmt, fmt)
+    for rep in range(4):
+        a = decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 900 + 17 * rep, sink, lshape, formats=f)
+        ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a), formats=f)
+        for splits in (None, 3):
+            base, base_lse = sparse_mla_decode(*decode_args(a), num_splits=splits, formats=f, config=cfg)
+            check_out(base, ref_out, f"ws stress base {fmt.name} rep {rep} splits={splits}", decode_key_amax(a, f))
+            for launch in range(6):
+                out = torch.full_like(base, float("nan"))
+                got, lse = sparse_mla_decode(*decode_args(a), out, num_splits=splits, formats=f, config=stall)
+                assert torch.equal(out, base), f"rep {rep} splits={splits} launch {launch}: output changed"
+                assert torch.equal(lse, base_lse), f"rep {rep} splits={splits} launch {launch}: lse changed"
+        check_lse(base_lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_ws_prefill_hand_offs_hold_under_random_stalls(gpu):
+    """The same for the kernel over bf16 rows (its row loader, sparse_mla_prefill): paused launches on
+    fresh random inputs give the bits of the launch without pauses."""
+    from dsv4_rocm.triton.sparse_mla_decode import _ws
+    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    decode_kernel_config("ws", gpu)
+    for rep in range(3):
+        q, kv, idx, lens, s = prefill_case(40, 128, 512, 3000, gpu, 77 + rep)
+        base = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens, config=dict(kernel="ws"))
+        for launch in range(6):
+            got = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens, config=dict(kernel="ws", PROBE=int(_ws.STALL)))
+            for x, y in zip(got, base):
+                assert torch.equal(x, y), f"rep {rep} launch {launch}: output changed"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("splits", [1, 4])

@@ -93,6 +93,10 @@ fresh barrier at once.
 * ``o_ready`` / ``o_free`` (count 1): the same hand-over of the row factors at the end of the k-th unit
   part (consumer 0 stores them after waiting on o_free, parity (k & 1) ^ 1; consumer 1 waits on o_ready,
   parity k & 1, reads them and arrives on o_free).
+compute-sanitizer racecheck does not follow an mbarrier hand-off whose sides reach their arrive through a
+named barrier (consumers 0 and 1, bar.sync 2 and 3): it reports the alpha and row-factor hand-offs, and
+Triton's warp-specialize start-up state (written and read around `barrier.sync 1`), as hazards; the comment
+at consumer 0's alpha store gives the ordering, and test_ws_hand_offs_hold_under_random_stalls checks it.
 The index and address rows and the scale slots need no mbarrier: only the loader touches them. cp.async
 completion is per thread (wait_group), so the partition barrier after it makes an index row visible to
 every loader thread, and tells the loader that every thread is done reading the rows it refills next; a
@@ -132,6 +136,23 @@ def _opaque_zero(x):
     """0, computed where it is called: an asm with side effects, so no loop-invariant code motion moves
     what depends on it (the wgmma descriptors of Q) out of the loop into long-lived, spilled registers."""
     return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+STALL = gl.constexpr(4)   # PROBE bit: pseudo-random pauses at every hand-off (the stress test); outputs exact
+
+
+@gluon.jit
+def _stall(i, SITE: gl.constexpr, PROBE: gl.constexpr):
+    """With PROBE & STALL: pause this thread for 0 to about 4 us (nanosleep), the length drawn from the
+    SM's cycle counter mixed with the tile, the CTA and the call site, so each partition reaches each
+    hand-off at a different moment on every tile and launch. The mbarrier protocol must make the result
+    independent of these pauses: a missing wait (or an arrive too early) then lets one partition read a
+    shared buffer before it is written, or overwrite it before it is read, and the output changes."""
+    if (PROBE & STALL) != 0:
+        h = i * 37 + SITE * 101 + gl.program_id(0) * 7 + gl.program_id(1) * 13
+        gl.inline_asm_elementwise(
+            "{ .reg .u32 t; mov.u32 t, %clock; xor.b32 t, t, $1; shr.u32 t, t, 3; and.b32 t, t, 4095; "
+            "nanosleep.u32 t; mov.b32 $0, 0; }", "=r,r", [h], dtype=gl.int32, is_pure=False, pack=1)
 
 
 # ---- the schedule: which unit and tile a CTA's i-th tile is ------------------------------------------------
@@ -580,6 +601,7 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
                         EXTRA_BS, False, FMT, PROBE)
         # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
         mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        _stall(i, 1, PROBE)
         _publish(k_live, ks, live, LOAD_WARPS)
         if live:
             if HAS_ROPE:
@@ -642,6 +664,7 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
         nm2, ne2 = _load_lengths(la, b2, s2, ok2, False, HAS_MAIN_LEN, False)
         # slot ks is free once both consumers released its previous tile (fill i // K_STAGES - 1)
         mbarrier.wait(k_free.index(ks), ((i // K_STAGES) & 1) ^ 1)
+        _stall(i, 1, PROBE)
         _publish(k_live, ks, live, LOAD_WARPS)
         if live:
             _copy_rows(ka, addr_rows, i % 2, t0, Mm, k_ring.index(ks), k_bias.index(ks), BLOCK_N, PROBE, LOAD_WARPS)
@@ -779,6 +802,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                 _prefetch_l2(nq.to(gl.int64)[:, None] + (pc * 128).to(gl.int64)[None, :],
                              (pr[:, None] * 0 + pc[None, :] * 0 + un) < num_tokens)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
+        _stall(i, 2, PROBE)
         live = _slot_live(k_live, ks)
         if live:
             if (PROBE & 2) == 0:
@@ -798,8 +822,18 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
             l_i = l_i * alpha + gl.sum(pm, 1)
             m_i = m_new
             p16 = pm.to(gl.bfloat16)
-            # P and alpha for consumer 1, once it is done with the previous ones
+            # P and alpha for consumer 1, once it is done with the previous ones. compute-sanitizer racecheck
+            # reports this alpha store against consumer 1's alpha load (and o_scale below likewise): the two are
+            # ordered by p_free / p_ready, but each side's accesses reach its single-thread arrive through its
+            # partition barrier, a named barrier (bar.sync 2 or 3, 128), and racecheck orders nothing through
+            # named barriers: it reports Triton's own warp-specialize start-up state too, written and read around
+            # `barrier.sync 1` with no mbarrier at all, while the same hand-off with the default partition's
+            # barrier 0 is clean (ci/racecheck_control.py). Ordering: consumer 1 loads alpha of live tile n - 1
+            # before its partition barrier and its p_free arrive; this wait (parity (n & 1) ^ 1) is for that
+            # arrive; every store here precedes the partition barrier ahead of p_ready, which consumer 1 waits
+            # for (parity n & 1) before its load. test_ws_hand_offs_hold_under_random_stalls pauses both sides.
             mbarrier.wait(p_free, (n_live & 1) ^ 1)
+            _stall(i, 3, PROBE)
             p_smem.index(_opaque_zero(i)).store(p16)
             alpha_smem.store(alpha)
             fence_async_shared()
@@ -838,8 +872,10 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                          gl.where(empty, float("inf"), lse2 * 0.6931471805599453))
                 if HAS_MAXL:
                     gl.store(maxl_ptr + u.to(gl.int64) * HEADS + heads, m_i * 0.6931471805599453)
-            # the row factors for consumer 1, once it has taken the previous ones
+            # the row factors for consumer 1, once it has taken the previous ones (racecheck's report of this
+            # store against consumer 1's load: as for alpha above, ordered by o_free / o_ready)
             mbarrier.wait(o_free, (n_parts & 1) ^ 1)
+            _stall(i, 4, PROBE)
             o_scale.store(factor)
             gl.thread_barrier()
             mbarrier.arrive(o_ready, count=1)
@@ -871,8 +907,10 @@ def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
         u, t, bi, si = _unit_tile(A + i, sa, M)
         k_slot = k_ring.index(ks)
         mbarrier.wait(k_ready.index(ks), (i // K_STAGES) & 1)
+        _stall(i, 5, PROBE)
         if _slot_live(k_live, ks):
             mbarrier.wait(p_ready, n_live & 1)
+            _stall(i, 6, PROBE)
             alpha = alpha_smem.load(gl.SliceLayout(1, O_L))
             if (PROBE & 2) == 0:
                 acc = warpgroup_mma(p_smem.index(0), k_slot.slice(256, 256, dim=1), acc * alpha[:, None],
@@ -885,6 +923,7 @@ def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
         mbarrier.arrive(k_free.index(ks), count=1)
         if (i == n_tiles - 1) | (t == M - 1):
             mbarrier.wait(o_ready, n_parts & 1)
+            _stall(i, 7, PROBE)
             factor = o_scale.load(gl.SliceLayout(1, O_L))
             gl.thread_barrier()
             mbarrier.arrive(o_free, count=1)
@@ -983,7 +1022,8 @@ def default_config(num_heads: int = 64) -> dict:
     ci/gpu_decode_ws.py). The register gathers measured 10-18% faster on every timed row than the earlier
     raw ring in shared memory fed by cp.async (BENCHMARKS.md). ``PROBE`` is for measurement only
     (ci/gpu_decode_ws.py): 1 masks off every record load, 2 skips the matrix products, 3 both; the outputs
-    are then wrong."""
+    are then wrong. ``PROBE`` 4 (STALL) is for the stress test of the hand-offs only: pseudo-random pauses
+    at each of them (``_stall``), the outputs unchanged."""
     return dict(BLOCK_N=64, K_STAGES=2, L2_AHEAD=num_heads <= 64, C0_REGS=200, C1_REGS=160, PROBE=0, num_warps=4)
 
 
