@@ -1,0 +1,139 @@
+"""vLLM 0.33.0's own DeepSeek-V4 attention layer over dsv4_rocm's plugin on a GPU, against dsv4_rocm's
+reference layer with the same weights: the trace of test_vllm_layer.py (prefill, decode, mixed,
+speculative decode, a sliding-window cache that hands freed pages out again) for the SWA, C4 and C128
+layers, then decode steps captured into a CUDA graph and replayed with new inputs and metadata.
+
+The layer is the class vLLM's model picks on the platform, as the plugin leaves it with ``--attention-backend
+DSV4_ROCM``: on CUDA ``vllm.models.deepseek_v4.nvidia.flashmla.DeepseekV4FlashMLAAttention``, on ROCm
+``vllm.models.deepseek_v4.amd.rocm.DeepseekV4ROCMAiterMLAAttention`` (dsv4_rocm's hooked subclasses). Everything
+of vLLM's runs as on CPU (test_vllm_layer.py's docstring), here with vLLM's GPU code: its Triton RMSNorm and
+compressor kernels, its indexer (C4), its output projection. The device machine carries vLLM's Python files
+only (ci/vllm_carry.sh, ci/gpu_vllm_tests.sh): where vLLM's compiled modules are absent, the engine tier's
+plugin module (``vllm_suite``) stands in for the two its CUDA platform imports unguarded, answers its CUTLASS
+capability queries with False and defines the ``torch.ops`` kernels vLLM calls and lacks (its top-k and
+indexer-cache ops) over dsv4_rocm's. vLLM's Python-level ops are not swapped: its own Triton kernels run.
+
+Checks per step as on CPU, except where the plugin now runs GPU kernels instead of the reference: cache bytes
+still bit for bit; the padded q within 2^-7 relative; the attention output within the tolerance the sparse
+MLA kernels are tested to. Graph replay: the replayed step's output and caches equal an eager run of the
+same step from the same caches, bit for bit.
+
+Run on the GPU machine after ci/gpu_vllm_tests.sh has unpacked the carry (VLLM_CARRY_DIR, default
+/tmp/dsv4_vllm), from the repository root:
+
+    PYTHONPATH=/tmp/dsv4_vllm/vllm_py/site:/tmp/dsv4_vllm/entry_point:$PWD:$PWD/tests/engines/with_vllm \\
+      HF_HUB_OFFLINE=1 python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/engines/with_vllm/test_vllm_layer_gpu.py
+"""
+import dataclasses
+
+import pytest
+import torch
+
+import vllm_layer_harness as H
+import vllm_layer_trace as TR
+from dsv4_rocm.config import LayerType, tiny_config
+
+pytestmark = pytest.mark.gpu
+
+GRAPH_STEPS = 3      # decode steps replayed from one capture
+
+
+@pytest.fixture(scope="module")
+def vllm_gpu_env():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    import vllm_suite
+    stand_in = getattr(vllm_suite, "_stand_in_for_compiled_modules", None)
+    if stand_in is not None:
+        stand_in()
+    from vllm.config import set_current_vllm_config
+    from vllm.plugins import load_general_plugins
+    import dsv4_rocm.integrations.vllm as plugin
+    load_general_plugins()
+    assert plugin._state["registered"] is True
+    keep = vllm_suite._define_c_ops()          # library fragments must stay alive
+    cfg = tiny_config()
+    model_dir = H.tiny_checkpoint_dir(cfg, TR.MAX_LEN)
+    with set_current_vllm_config(H.vllm_config(model_dir, TR.MAX_LEN, TR.MAX_TOKENS, num_spec=2)):
+        H.init_parallel_state("nccl")
+    yield cfg, model_dir, keep
+
+
+def gpu_layer_class():
+    import importlib
+    import dsv4_rocm.integrations.vllm as plugin
+    from dsv4_rocm.integrations.vllm.layer import is_hooked
+    module, name = plugin.PLATFORM_LAYERS[plugin._state["platform"]]
+    cls = getattr(importlib.import_module(module), name)
+    assert is_hooked(cls), f"the plugin did not bind {module}.{name}"
+    return cls
+
+
+LAYERS = [LayerType.SWA, LayerType.C4, LayerType.C128]
+
+
+@pytest.mark.parametrize("layer_type", LAYERS, ids=["swa", "c4", "c128"])
+def test_vllm_layer_matches_reference_layer_and_replays_in_a_graph(vllm_gpu_env, layer_type):
+    cfg, model_dir, _ = vllm_gpu_env
+    dev = "cuda"
+    built = TR.build_layer(gpu_layer_class(), cfg, model_dir, layer_type, dev)
+    trace = TR.Trace(built, cfg, dev, exact_attention=False)
+    for name, T, rel in trace.run():
+        print(f"{layer_type.value} {name}: T={T} caches equal, attention within tolerance, end-to-end rel {rel:.4f}")
+    graph_replay(trace)
+
+
+def _persistent(cm, store: dict, key: str):
+    """``cm`` with its tensors copied into buffers kept per group (the addresses a captured graph reads)."""
+    fields = {}
+    for f in dataclasses.fields(cm):
+        v = getattr(cm, f.name)
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            buf = store.get((key, f.name))
+            if buf is None or buf.shape != v.shape:
+                assert buf is None, f"{key}.{f.name} changed shape between graph steps"
+                buf = store[(key, f.name)] = v.clone()
+            else:
+                buf.copy_(v)
+            fields[f.name] = buf
+    return dataclasses.replace(cm, **fields)
+
+
+def graph_replay(trace):
+    """Decode steps of all requests: the first captured into a CUDA graph, each replayed with that step's
+    inputs and metadata copied into the captured buffers, and compared with an eager run of the same step
+    from the same caches (which the trace's checks then hold against the reference)."""
+    from vllm.forward_context import set_forward_context
+    b, layer, vc = trace.b, trace.b.layer, trace.b.vllm_config
+    store, graph = {}, None
+    pos_s = torch.zeros(TR.R, dtype=torch.int64, device=trace.device)
+    x_s = torch.zeros(TR.R, trace.cfg.hidden_size, dtype=torch.bfloat16, device=trace.device)
+    for k in range(GRAPH_STEPS):
+        batch = trace.schedule([1] * TR.R)
+        md = {gr.name: gr.group.build_metadata(_persistent(
+            TR.common_metadata(batch, trace.tables[TR.kind(gr.name)], trace.device), store, gr.name))
+            for gr in b.groups}
+        pos_s.copy_(batch.positions)
+        x_s.copy_(trace.hidden(TR.R))
+        before = TR.snapshot(trace.live)
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with set_forward_context(md, vc), torch.cuda.graph(graph):
+                y_s = layer(pos_s, x_s)
+            TR.restore(trace.live, before)            # capture launches nothing; be sure of it
+        graph.replay()
+        torch.cuda.synchronize()
+        y_graph, after_graph = y_s.clone(), TR.snapshot(trace.live)
+        TR.restore(trace.live, before)
+        trace.rec.clear()
+        with set_forward_context(md, vc):
+            y = layer(pos_s, x_s)
+        assert torch.equal(y_graph.view(torch.int16), y.view(torch.int16)), f"graph step {k}: output"
+        for f in ("swa", "comp", "comp_state", "idx", "idx_state"):
+            if getattr(trace.live, f) is not None:
+                assert torch.equal(getattr(after_graph, f), getattr(trace.live, f)), f"graph step {k}: {f}"
+        rel = trace.check(f"graph-{k}", batch, TR.R, pos_s, x_s, y, before)
+        print(f"{b.ratio} graph step {k}: replay equals eager; end-to-end rel {rel:.4f}")
+        for r in range(TR.R):
+            trace.done[r] += 1
