@@ -15,8 +15,8 @@ indexer-cache ops) over dsv4_rocm's. vLLM's Python-level ops are not swapped: it
 
 Checks per step as on CPU, except where the plugin now runs GPU kernels instead of the reference: cache bytes
 still bit for bit; the padded q within 2^-7 relative; the attention output within the tolerance the sparse
-MLA kernels are tested to. Graph replay: the replayed step's output and caches equal an eager run of the
-same step from the same caches, bit for bit.
+MLA kernels are tested to. Graph replay: each replayed decode step (new positions, hidden states and
+metadata in the captured buffers, pages handed out as the trace goes on) is held to the same checks.
 
 Run on the GPU machine after ci/gpu_vllm_tests.sh has unpacked the carry (VLLM_CARRY_DIR, default
 /tmp/dsv4_vllm), from the repository root:
@@ -100,9 +100,10 @@ def _persistent(cm, store: dict, key: str):
 
 
 def graph_replay(trace):
-    """Decode steps of all requests: the first captured into a CUDA graph, each replayed with that step's
-    inputs and metadata copied into the captured buffers, and compared with an eager run of the same step
-    from the same caches (which the trace's checks then hold against the reference)."""
+    """Decode steps of all requests: the first captured into a CUDA graph, each (the first too) replayed
+    with that step's inputs and metadata copied into the captured buffers and held to the reference by the
+    trace's checks. The recorded stage inputs and outputs are copies made inside the graph, so each replay
+    refreshes them."""
     from vllm.forward_context import set_forward_context
     b, layer, vc = trace.b, trace.b.layer, trace.b.vllm_config
     store, graph = {}, None
@@ -119,21 +120,15 @@ def graph_replay(trace):
         if graph is None:
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
+            trace.rec.clear()
             with set_forward_context(md, vc), torch.cuda.graph(graph):
                 y_s = layer(pos_s, x_s)
-            TR.restore(trace.live, before)            # capture launches nothing; be sure of it
+            for f in ("swa", "comp", "comp_state", "idx", "idx_state"):
+                if getattr(trace.live, f) is not None:
+                    assert torch.equal(getattr(trace.live, f), getattr(before, f)), f"capture wrote {f}"
         graph.replay()
         torch.cuda.synchronize()
-        y_graph, after_graph = y_s.clone(), TR.snapshot(trace.live)
-        TR.restore(trace.live, before)
-        trace.rec.clear()
-        with set_forward_context(md, vc):
-            y = layer(pos_s, x_s)
-        assert torch.equal(y_graph.view(torch.int16), y.view(torch.int16)), f"graph step {k}: output"
-        for f in ("swa", "comp", "comp_state", "idx", "idx_state"):
-            if getattr(trace.live, f) is not None:
-                assert torch.equal(getattr(after_graph, f), getattr(trace.live, f)), f"graph step {k}: {f}"
-        rel = trace.check(f"graph-{k}", batch, TR.R, pos_s, x_s, y, before)
-        print(f"{b.ratio} graph step {k}: replay equals eager; end-to-end rel {rel:.4f}")
+        rel = trace.check(f"graph-{k}", batch, TR.R, pos_s, x_s, y_s.clone(), before)
+        print(f"ratio {b.ratio} graph replay {k}: caches equal, attention within tolerance, end-to-end rel {rel:.4f}")
         for r in range(TR.R):
             trace.done[r] += 1

@@ -164,12 +164,6 @@ def snapshot(cache):
     return LayerCache(**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in cache.__dict__.items()})
 
 
-def restore(cache, saved) -> None:
-    for k, v in saved.__dict__.items():
-        if isinstance(v, torch.Tensor):
-            getattr(cache, k).copy_(v)
-
-
 class Trace:
     """Drives ``built.layer`` through the trace and checks every step (module docstring of the tests).
     ``exact_attention``: the attention output must equal dsv4_rocm's reference bit for bit (the plugin runs
