@@ -9,14 +9,15 @@ and a prefill chunk), a speculative-decode step (decode query lengths 3 and 2 be
 long chunk during which the sliding-window cache hands freed pages out again (the cache wraps its pages),
 and a last decode; each with fresh random hidden states.
 
-Ran for real (vLLM 0.33.0's code): ``ModelConfig`` from a tiny local checkpoint directory, ``VllmConfig``,
-the parallel state (world size 1, gloo), the layer's constructor and every submodule vLLM builds
+Ran for real (vLLM 0.33.0's code): ``ModelConfig`` from a tiny local checkpoint directory, ``VllmConfig``
+with a ``SpeculativeConfig`` (MTP, 2 draft tokens: the decode threshold of the builders), the parallel state (world size 1, gloo), the layer's constructor and every submodule vLLM builds
 (``MergedColumnParallelLinear``/``ColumnParallelLinear``/``RowParallelLinear`` through vLLM's CPU GEMM
 dispatch, ``RMSNorm``, the DeepSeek-V4 rotary embedding, ``DeepseekV4CPUCompressor`` with its
-``CompressorStateCache``, the ``DeepseekV4SWACache`` layer), the parameters' ``weight_loader``s and
+``CompressorStateCache``, the ``DeepseekV4SWACache`` layer, for C4 the ``DeepseekV4CPUIndexer`` with its
+compressor, ``DeepseekV4CPUIndexerCache`` and ``SparseAttnIndexer``), the parameters' ``weight_loader``s and
 ``process_weights_after_loading``, each cache layer's KV-cache spec and ``bind_kv_cache``, ``AttentionGroup``
 making each backend's metadata builder (the plugin's SWA and compressed builders, vLLM's
-``CompressorMetadataBuilder``), ``set_forward_context``, the layer's ``forward`` (vLLM's CPU custom op
+``CompressorMetadataBuilder``, ``DeepseekV4CPUIndexerMetadataBuilder``), ``set_forward_context``, the layer's ``forward`` (vLLM's CPU custom op
 ``deepseek_v4_cpu_prepare_and_attn``, its projections, compressor, ``_o_proj``), vLLM's CPU worker's
 ``torch.cuda`` placeholders (``vllm.v1.worker.cpu.shm``, which vLLM's CPU worker imports first).
 
@@ -28,22 +29,30 @@ CPU GEMM kernels of the output path (``convert_weight_packed``, ``bmm_cpu``) are
 (``vllm_layer_harness.GEMM_SCHEMAS``). The caches are allocated here from vLLM's specs (vLLM's KV-cache
 manager needs the whole model), the block tables made here as vLLM's scheduler would.
 
-Not run on CPU: the C4 layer. vLLM's indexer metadata builder (``DeepseekV4CPUIndexerMetadataBuilder``)
-launches vLLM's Triton kernels ``_COMPRESSED_SLOT_MAPPING_KERNEL`` and ``_BUILD_PREFILL_CHUNK_METADATA_KERNEL``,
-whose loops run to a bound loaded from memory (``for i in range(0, query_len, ...)``); Triton 3.6's
-interpreter turns that bound into a Python int with ``int()`` of a one-element array, which NumPy 2.4 refuses
-("only 0-dimensional arrays can be converted to Python scalars"). ``test_c4_layer_stops_in_vllms_indexer_builder``
-pins that. The GPU variant (test_vllm_layer_gpu.py) runs the C4 layer. DeepSeek-V4.1: vLLM 0.33.0 has no CPU
-layer for it (``vllm.models.deepseek_v41`` picks ``amd`` or ``nvidia``), and the plugin hooks the V4.0 layer
-classes only.
+The C4 layer's indexer is vLLM's CPU indexer: vLLM's indexer metadata builder (its Triton kernels under
+the interpreter, with the project's ``helpers.patch_interpreter_scalars``: Triton 3.6's interpreter turns a
+loop bound loaded from memory into ``int()`` of a one-element array, which NumPy 2.4 refuses), its CPU
+indexer query, and its selection. vLLM's CPU indexer takes DeepSeek-V4's index_topk of 512 only (its
+compiled top-k is ``topk_transform_512_cpu``), so the tiny model has index_topk 512, and with at most 512
+compressed entries a token the indexer selects them all (vLLM's short-context path); the scored top-k
+(logits, selection among more entries than index_topk) runs in the GPU variant. DeepSeek-V4.1: vLLM
+0.33.0 has no CPU layer for it (``vllm.models.deepseek_v41`` picks ``amd`` or ``nvidia``), and the plugin
+binds the V4.0 layer classes only.
+
+vLLM's whole engine (``LLM.generate`` on a tiny checkpoint) does not run here: its CPU worker needs vLLM's
+CPU build of its compiled kernels (``vllm._C`` for the CPU: RMSNorm, the fused MoE, the mHC hyper-connection
+ops of the decoder layer, the sampler's), which the CUDA wheel the tier installs does not have, and its
+CUDA modules need CUDA torch 2.14.
 
 Checks, per step:
 - exact (bytes, bit for bit): the SWA cache after the step equals the cache before it with dsv4_rocm's
   reference insert applied to the q and kv vLLM's layer produced, and the padded q the layer got back equals
-  the reference's; the compressed cache and the compressor's state cache equal dsv4_rocm's reference
-  compressor stages applied to the ``kv_score`` vLLM's layer produced; the attention output vLLM's layer got
+  the reference's; the compressed cache and the compressor's state cache (C4: also the indexer-K cache and
+  the indexer compressor's state) equal dsv4_rocm's reference compressor stages applied to the ``kv_score``
+  vLLM's layer produced; the attention output vLLM's layer got
   equals dsv4_rocm's ``DeepseekV4Attention.forward_mqa`` on the reference backend over vLLM's caches with
-  dsv4_rocm's own step metadata of the same batch (its own builders, not the plugin's);
+  dsv4_rocm's own step metadata of the same batch (its own builders, not the plugin's; C4: the top-k vLLM's
+  indexer left in the layer's ``topk_indices_buffer``);
 - end to end: the layer's output against dsv4_rocm's ``DeepseekV4Attention`` with the same weights over
   its own caches. That layer computes DeepSeek's FP8 recipe (activations quantized to e4m3 per 128 columns
   with power-of-two scales before wq_a/wkv, wq_b, wo_a and wo_b); vLLM's CPU layer, given the same weights
@@ -60,6 +69,7 @@ import vllm_layer_harness as H
 import vllm_layer_trace as TR
 import vllm_suite
 from dsv4_rocm.config import LayerType, tiny_config
+from helpers import patch_interpreter_scalars
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +82,8 @@ def vllm_env():
     load_general_plugins()
     assert plugin._state["registered"] is True
     keep = (vllm_suite._define_c_ops(), H.define_cpu_gemm_ops())     # library fragments must stay alive
-    cfg = tiny_config()
+    patch_interpreter_scalars()
+    cfg = tiny_config(index_topk=TR.CPU_INDEX_TOPK)
     model_dir = H.tiny_checkpoint_dir(cfg, TR.MAX_LEN)
     with set_current_vllm_config(H.vllm_config(model_dir, TR.MAX_LEN, TR.MAX_TOKENS, num_spec=2)):
         H.init_parallel_state("gloo")
@@ -87,30 +98,9 @@ def cpu_layer_class():
     return cls
 
 
-@pytest.mark.parametrize("layer_type", [LayerType.SWA, LayerType.C128], ids=["swa", "c128"])
+@pytest.mark.parametrize("layer_type", [LayerType.SWA, LayerType.C4, LayerType.C128], ids=["swa", "c4", "c128"])
 def test_vllm_layer_matches_reference_layer(vllm_env, layer_type):
     cfg, model_dir, _ = vllm_env
     built = TR.build_layer(cpu_layer_class(), cfg, model_dir, layer_type, "cpu")
     for name, T, rel in TR.Trace(built, cfg, "cpu", exact_attention=True).run():
         print(f"{layer_type.value} {name}: T={T} caches and attention equal, end-to-end rel {rel:.4f}")
-
-
-def test_c4_layer_stops_in_vllms_indexer_builder(vllm_env):
-    """The C4 layer builds and loads, and its SWA, compressed and state builders run; vLLM's own indexer
-    builder then launches a Triton kernel the interpreter cannot run here (module docstring). Should that
-    start working, this fails and the C4 layer joins the trace above."""
-    import triton
-    cfg, model_dir, _ = vllm_env
-    built = TR.build_layer(cpu_layer_class(), cfg, model_dir, LayerType.C4, "cpu")
-    trace = TR.Trace(built, cfg, "cpu", exact_attention=True)
-    batch = trace.schedule([37, 150, 5])
-    names = [gr.name for gr in built.groups]
-    assert any(n.endswith("indexer.k_cache") for n in names) and any(n.endswith("swa_cache") for n in names)
-    for gr in built.groups:
-        cm = TR.common_metadata(batch, trace.tables[TR.kind(gr.name)], "cpu")
-        if gr.name.endswith("indexer.k_cache"):
-            with pytest.raises(triton.runtime.errors.InterpreterError,
-                               match="only 0-dimensional arrays can be converted to Python scalars"):
-                gr.group.build_metadata(cm)
-        else:
-            gr.group.build_metadata(cm)

@@ -7,7 +7,9 @@ The layer is the class vLLM's model picks on the platform, as the plugin leaves 
 DSV4_ROCM``: on CUDA ``vllm.models.deepseek_v4.nvidia.flashmla.DeepseekV4FlashMLAAttention``, on ROCm
 ``vllm.models.deepseek_v4.amd.rocm.DeepseekV4ROCMAiterMLAAttention`` (dsv4_rocm's hooked subclasses). Everything
 of vLLM's runs as on CPU (test_vllm_layer.py's docstring), here with vLLM's GPU code: its Triton RMSNorm and
-compressor kernels, its indexer (C4), its output projection. The device machine carries vLLM's Python files
+compressor kernels, its indexer (C4; index_topk 512 as DeepSeek-V4 has it, so outside a graph capture
+its short-context path selects every entry, and inside one its scored path runs: logits and top-k), its
+output projection. The device machine carries vLLM's Python files
 only (ci/vllm_carry.sh, ci/gpu_vllm_tests.sh): where vLLM's compiled modules are absent, the engine tier's
 plugin module (``vllm_suite``) stands in for the two its CUDA platform imports unguarded, answers its CUTLASS
 capability queries with False and defines the ``torch.ops`` kernels vLLM calls and lacks (its top-k and
@@ -52,7 +54,7 @@ def vllm_gpu_env():
     load_general_plugins()
     assert plugin._state["registered"] is True
     keep = vllm_suite._define_c_ops()          # library fragments must stay alive
-    cfg = tiny_config()
+    cfg = tiny_config(index_topk=TR.CPU_INDEX_TOPK)      # DeepSeek-V4's; the indexer selects every entry
     model_dir = H.tiny_checkpoint_dir(cfg, TR.MAX_LEN)
     with set_current_vllm_config(H.vllm_config(model_dir, TR.MAX_LEN, TR.MAX_TOKENS, num_spec=2)):
         H.init_parallel_state("nccl")

@@ -49,26 +49,25 @@ def tiny_checkpoint_dir(cfg: AttentionConfig, max_model_len: int) -> str:
 
 
 def vllm_config(model_dir: str, max_model_len: int, max_tokens: int, num_spec: int = 0):
+    """vLLM's config of the tiny model with ``--attention-backend DSV4_ROCM`` and ``--kv-cache-dtype
+    fp8_ds_mla``; ``num_spec`` > 0 adds DeepSeek's MTP speculative decoding with that many draft tokens
+    (the decode builders then take decode requests of up to 1 + num_spec tokens)."""
     from vllm.config import AttentionConfig as VAttentionConfig
-    from vllm.config import CacheConfig, CompilationConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, VllmConfig)
     import dsv4_rocm.integrations.vllm as plugin
-    plugin.register()
+    plugin.register()           # the backend name must be registered for AttentionConfig to parse it
     mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
                      max_model_len=max_model_len)
-    cfg = VllmConfig(model_config=mc,
-                     scheduler_config=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=16,
-                                                      max_model_len=max_model_len, is_encoder_decoder=False),
-                     cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
-                     attention_config=VAttentionConfig(backend="DSV4_ROCM"),
-                     compilation_config=CompilationConfig(custom_ops=["none"]))
-    if num_spec:
-        # the decode threshold vLLM derives from the speculative config (max_decode_query_len); a full
-        # SpeculativeConfig needs a draft model
-        from types import SimpleNamespace
-        object.__setattr__(cfg, "speculative_config", SimpleNamespace(
-            num_speculative_tokens=num_spec, parallel_drafting=False, use_dspark=lambda: False,
-            method="mtp"))
-    return cfg
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=num_spec, target_model_config=mc,
+                             target_parallel_config=parallel) if num_spec else None
+    return VllmConfig(model_config=mc, parallel_config=parallel, speculative_config=spec,
+                      scheduler_config=SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=16,
+                                                       max_model_len=max_model_len, is_encoder_decoder=False),
+                      cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
+                      attention_config=VAttentionConfig(backend="DSV4_ROCM"),
+                      compilation_config=CompilationConfig(custom_ops=["none"]))
 
 
 def init_parallel_state(backend: str = "gloo") -> None:

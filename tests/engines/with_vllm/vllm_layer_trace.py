@@ -101,6 +101,9 @@ MAX_LEN, MAX_TOKENS, R = 1024, 512, 3
 TRACE = [("prefill", [37, 150, 5], 0), ("decode", [1, 1, 1], 3), ("mixed", [1, 1, 70], 2),
          ("spec-decode", [3, 2, 40], 2), ("wrap", [1, 1, 300], 2), ("decode", [1, 1, 1], 3)]
 END_TO_END_REL = 0.12
+# DeepSeek-V4's index_topk. vLLM's CPU indexer takes no other (its top-k kernel is topk_transform_512_cpu);
+# with at most 512 compressed entries a token (sequences up to 2048 positions) its indexer selects them all
+CPU_INDEX_TOPK = 512
 
 
 def kind(name: str) -> str:
