@@ -263,19 +263,19 @@ class Trace:
                                      layer.compressor.norm.weight.data, pos, step, comp_state,
                                      kv_cache_view(comp, L.compressed_block_size(ratio), L.TOKEN_BYTES),
                                      step.compressed_slots[ratio], 512, ratio, cfg.rms_norm_eps, self.cos_sin)
-                assert torch.equal(self.live.comp, comp), f"{name}: compressed cache bytes"
-                assert torch.equal(self.live.comp_state.view(torch.int32), comp_state.view(torch.int32)), \
-                    f"{name}: compressor state"
-                self.entries_written += int((step.compressed_slots[ratio] >= 0).sum())
+                n = int((step.compressed_slots[ratio] >= 0).sum())
+                self.same_records(f"{name}: compressed cache", self.live.comp, comp, n * L.TOKEN_BYTES)
+                self.same_state(f"{name}: compressor state", self.live.comp_state, comp_state)
+                self.entries_written += n
             if ratio == 4:
                 idx, idx_state = before.idx.clone(), before.idx_state.clone()
                 H.reference_compress(self.rec.seen["indexer.compressor"], layer.indexer.compressor.ape.data,
                                      layer.indexer.compressor.norm.weight.data, pos, step, idx_state,
                                      kv_cache_view(idx, 64, L.INDEXER_TOKEN_BYTES), step.compressed_slots[4], 128,
                                      4, cfg.rms_norm_eps, self.cos_sin)
-                assert torch.equal(self.live.idx, idx), f"{name}: indexer-K cache bytes"
-                assert torch.equal(self.live.idx_state.view(torch.int32), idx_state.view(torch.int32)), \
-                    f"{name}: indexer compressor state"
+                n = int((step.compressed_slots[4] >= 0).sum())
+                self.same_records(f"{name}: indexer-K cache", self.live.idx, idx, n * L.INDEXER_TOKEN_BYTES)
+                self.same_state(f"{name}: indexer compressor state", self.live.idx_state, idx_state)
                 self.over_vllm._topk = layer.topk_indices_buffer[:batch.positions.shape[0]]
             q_attn, out = self.rec.seen["mqa"]
             want_out = torch.full_like(out, 7.0)
@@ -292,6 +292,23 @@ class Trace:
         assert rel < END_TO_END_REL, f"{name}: output differs from dsv4_rocm's layer by {rel:.3f} in norm"
         self.results.append((name, int(pos.shape[0]), rel))
         return rel
+
+    def same_records(self, what, got, want, written_bytes):
+        """Cache pages written by vLLM's compressor against dsv4_rocm's reference stages. On CPU (``exact``) they
+        are dsv4_rocm's ops behind vLLM's CPU kernel forms: equal bytes. On a GPU vLLM's own Triton compressor
+        writes them, pooling in fp32 in its own order: an fp8 byte may round the other way where the pooled
+        value lies on a rounding boundary, so at most 1 % of the written bytes may differ."""
+        if self.exact:
+            assert torch.equal(got, want), what
+            return
+        differ = int((got != want).sum())
+        assert differ <= 0.01 * written_bytes, f"{what}: {differ} of {written_bytes} written bytes differ"
+
+    def same_state(self, what, got, want):
+        if self.exact:
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), what
+        else:
+            torch.testing.assert_close(got, want, msg=what)
 
     def run(self):
         self.profile_run()
