@@ -1,25 +1,28 @@
 """vLLM 0.33.0's own DeepSeek-V4 attention layer over dsv4_rocm's plugin, on vLLM's CPU platform, against
 dsv4_rocm's reference layer with the same weights, through a multi-step trace.
 
-The layer is the class vLLM's CPU model builds (``vllm.models.deepseek_v4.cpu.cpu_sparse.DeepseekV4CPUAttention``)
-as vLLM's plugin loader leaves it: with ``--attention-backend DSV4_ROCM`` in vLLM's ``AttentionConfig`` it is
-dsv4_rocm's hooked subclass, whose q-norm/KV insert and sparse attention are dsv4_rocm's and whose metadata
-builders are the plugin's. The trace: a prefill of three requests, a decode step, a mixed step (two decodes
-and a prefill chunk), a speculative-decode step (decode query lengths 3 and 2 beside a prefill chunk), a
-long chunk during which the sliding-window cache hands freed pages out again (the cache wraps its pages),
-and a last decode; each with fresh random hidden states.
+The layer is the class vLLM's CPU model builds
+(``vllm.models.deepseek_v4.cpu.cpu_sparse.DeepseekV4CPUAttention``) as vLLM's plugin loader leaves it: with
+``--attention-backend DSV4_ROCM`` in vLLM's ``AttentionConfig`` it is dsv4_rocm's hooked subclass, whose
+q-norm/KV insert and sparse attention are dsv4_rocm's and whose metadata builders are the plugin's. The trace: a
+prefill of three requests, a decode step, a mixed step (two decodes and a prefill chunk), a speculative-decode
+step (decode query lengths 3 and 2 beside a prefill chunk), a long chunk during which the sliding-window cache
+hands freed pages out again (the cache wraps its pages), and a last decode; each with fresh random hidden
+states.
 
-Ran for real (vLLM 0.33.0's code): ``ModelConfig`` from a tiny local checkpoint directory, ``VllmConfig``
-with a ``SpeculativeConfig`` (MTP, 2 draft tokens: the decode threshold of the builders), the parallel state (world size 1, gloo), the layer's constructor and every submodule vLLM builds
-(``MergedColumnParallelLinear``/``ColumnParallelLinear``/``RowParallelLinear`` through vLLM's CPU GEMM
-dispatch, ``RMSNorm``, the DeepSeek-V4 rotary embedding, ``DeepseekV4CPUCompressor`` with its
-``CompressorStateCache``, the ``DeepseekV4SWACache`` layer, for C4 the ``DeepseekV4CPUIndexer`` with its
-compressor, ``DeepseekV4CPUIndexerCache`` and ``SparseAttnIndexer``), the parameters' ``weight_loader``s and
+Ran for real (vLLM 0.33.0's code): ``ModelConfig`` from a tiny local checkpoint directory, ``VllmConfig`` with a
+``SpeculativeConfig`` (MTP, 2 draft tokens: the decode threshold of the builders), the parallel state (world
+size 1, gloo), the layer's constructor and every submodule vLLM builds
+(``MergedColumnParallelLinear``/``ColumnParallelLinear``/``RowParallelLinear`` through vLLM's CPU GEMM dispatch,
+``RMSNorm``, the DeepSeek-V4 rotary embedding, ``DeepseekV4CPUCompressor`` with its ``CompressorStateCache``,
+the ``DeepseekV4SWACache`` layer, for C4 the ``DeepseekV4CPUIndexer`` with its compressor,
+``DeepseekV4CPUIndexerCache`` and ``SparseAttnIndexer``), the parameters' ``weight_loader``s and
 ``process_weights_after_loading``, each cache layer's KV-cache spec and ``bind_kv_cache``, ``AttentionGroup``
 making each backend's metadata builder (the plugin's SWA and compressed builders, vLLM's
-``CompressorMetadataBuilder``, ``DeepseekV4CPUIndexerMetadataBuilder``), ``set_forward_context``, the layer's ``forward`` (vLLM's CPU custom op
-``deepseek_v4_cpu_prepare_and_attn``, its projections, compressor, ``_o_proj``), vLLM's CPU worker's
-``torch.cuda`` placeholders (``vllm.v1.worker.cpu.shm``, which vLLM's CPU worker imports first).
+``CompressorMetadataBuilder``, ``DeepseekV4CPUIndexerMetadataBuilder``), ``set_forward_context``, the layer's
+``forward`` (vLLM's CPU custom op ``deepseek_v4_cpu_prepare_and_attn``, its projections, compressor,
+``_o_proj``), vLLM's CPU worker's ``torch.cuda`` placeholders (``vllm.v1.worker.cpu.shm``, which vLLM's CPU
+worker imports first).
 
 Not vLLM's (its CUDA wheel on this CPU machine has no compiled CPU kernels): the ``torch.ops._C`` CPU kernels
 the layer calls outside dsv4_rocm's hooks are defined as the engine tier defines them for vLLM's own tests
@@ -58,9 +61,9 @@ Checks, per step:
   with power-of-two scales before wq_a/wkv, wq_b, wo_a and wo_b); vLLM's CPU layer, given the same weights
   as bf16 (the FP8 weights dequantize exactly), multiplies in bf16. Each e4m3 rounding is up to 2^-4
   relative (about 2^-4 / sqrt(3) in norm on random data), and four projections chain, so the outputs agree
-  to about 7 % in norm (measured 5.6-7.4 % over the three layers and six steps); the bound is 12 %. The stages dsv4_rocm runs are held exactly
-  by the checks above; this one holds what lies around them (weights loaded into the right rows, the RoPE
-  table, the output path).
+  to about 7 % in norm (measured 5.6-7.4 % over the three layers and six steps); the bound is 12 %. The
+  stages dsv4_rocm runs are held exactly by the checks above; this one holds what lies around them
+  (weights loaded into the right rows, the RoPE table, the output path).
 """
 import pytest
 import torch

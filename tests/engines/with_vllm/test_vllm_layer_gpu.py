@@ -16,11 +16,12 @@ capability queries with False and defines the ``torch.ops`` kernels vLLM calls a
 indexer-cache ops) over dsv4_rocm's. vLLM's Python-level ops are not swapped: its own Triton kernels run.
 
 Checks per step as on CPU, except where GPU kernels now run instead of the reference: the SWA cache bytes
-dsv4_rocm's insert writes still bit for bit; the padded q within 2^-7 relative; the attention output within
-the tolerance the sparse MLA kernels are tested to; the compressed and indexer-K records vLLM's own Triton
-compressor writes with at most 1 % of their bytes different (its fp32 pooling order against the
-reference's), its fp32 state within torch's default fp32 tolerance. Graph replay: each replayed decode step (new positions, hidden states and
-metadata in the captured buffers, pages handed out as the trace goes on) is held to the same checks.
+dsv4_rocm's insert writes still bit for bit; the padded q within 2^-7 relative; the attention output within the
+tolerance the sparse MLA kernels are tested to; the compressed and indexer-K records vLLM's own Triton
+compressor writes with at most 1 % of their bytes different (its fp32 pooling order against the reference's),
+its fp32 state within torch's default fp32 tolerance. Graph replay: each replayed decode step (new positions,
+hidden states and metadata in the captured buffers, pages handed out as the trace goes on) is held to the same
+checks.
 
 Run on the GPU machine after ci/gpu_vllm_tests.sh has unpacked the carry (VLLM_CARRY_DIR, default
 /tmp/dsv4_vllm), from the repository root:

@@ -123,8 +123,8 @@ def load_weights(layer, tensors: Dict[str, torch.Tensor], prefix: str, vllm_cfg,
         for fused, part, shard in STACKED:
             head, _, tail = local.rpartition(".")
             stem = head.rpartition(".")[2] if head else ""
-            if stem == part and tail == "weight" and \
-                    ((fused == "fused_wqa_wkv" and "." not in head) or (fused == "fused_wkv_wgate" and "compressor" in head)):
+            owner_ok = ("." not in head) if fused == "fused_wqa_wkv" else ("compressor" in head)
+            if stem == part and tail == "weight" and owner_ok:
                 pname = head[:-len(part)] + fused + ".weight"
                 params[pname].weight_loader(params[pname], t.to(device), shard)
                 loaded.add(pname)
@@ -154,7 +154,8 @@ class Group:
 
 def cache_groups(vllm_cfg, num_blocks: Dict[str, int], device) -> List[Group]:
     """Every cache layer vLLM's layer registered in the compilation config's static forward context: its spec,
-    its backend's metadata builder (made by vLLM's ``AttentionGroup``, as the runner makes it), and a cache of ``num_blocks`` pages laid out as the spec says, bound to
+    its backend's metadata builder (made by vLLM's ``AttentionGroup``, as the runner makes it), and a cache
+    of ``num_blocks`` pages laid out as the spec says, bound to
     the layer with its ``bind_kv_cache``."""
     from vllm.v1.worker.utils import AttentionGroup
     groups = []
@@ -237,7 +238,8 @@ class Recorder:
         for name in ("compressor", "indexer.compressor"):
             module = layer.get_submodule(name) if _has(layer, name) else None
             if module is not None:
-                module.register_forward_pre_hook(lambda m, args, name=name: self.seen.__setitem__(name, args[0].clone()))
+                module.register_forward_pre_hook(
+                    lambda m, args, name=name: self.seen.__setitem__(name, args[0].clone()))
 
     def clear(self):
         self.seen.clear()
