@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 compressor, first half (fused_save_compress_norm): the oracle against the formula written
-out by hand, chunk invariance of the latents and the ring, padding, rejected calls; the Triton kernel
-under the interpreter (its fp32 arithmetic bit for bit, the ring and the rows it writes exactly) and on a
-GPU (every latent bit and ring byte equal to the oracle's)."""
+out by hand, chunk invariance of the latents and the ring, padding, the rows of other chunks (prev_rows),
+rejected calls; the Triton kernel under the interpreter (its fp32 arithmetic bit for bit, the ring and the
+rows it writes exactly) and on a GPU (every latent bit and ring byte equal to the oracle's)."""
 import pytest
 import torch
 import triton
@@ -29,12 +29,24 @@ def _inputs(ratio, starts, lens, seed, ring_blocks=None):
     return qsl, pos, t2r, ring, kv_score, state, w
 
 
-def _run(ratio, kv_score, pos, state, slots, qsl, t2r, w, eps=1e-6, device="cpu"):
+def _run(ratio, kv_score, pos, state, slots, qsl, t2r, w, eps=1e-6, device="cpu", prev=None):
     lat = torch.full((kv_score.shape[0], 512), float("nan"), dtype=torch.bfloat16, device=device)
     st = state.clone().to(device) if state is not None else None
+    rows, idx = (None, None) if prev is None else (prev[0].to(device), prev[1].to(device))
     ops.fused_save_compress_norm(kv_score.to(device), pos.to(device), st, slots.to(device), qsl.to(device),
-                                 t2r.to(device), w.to(device), eps, ratio, lat)
+                                 t2r.to(device), w.to(device), eps, ratio, lat, prev_rows=rows, prev_row_indices=idx)
     return lat.cpu(), (st.cpu() if st is not None else None)
+
+
+def _prev(R, seed, rows=6):
+    """prev_rows fp32 [rows, 1024] (random, scores spread as kv_score's) and prev_row_indices int64 [R]: every
+    third request -1 (the ring), the others a random row."""
+    g = torch.Generator().manual_seed(seed)
+    prev_rows = torch.randn(rows, 1024, generator=g) * 2
+    prev_rows[:, 512:] *= 3
+    idx = torch.randint(0, rows, (R,), generator=g)
+    idx[::3] = -1
+    return prev_rows, idx
 
 
 def test_oracle_ratio2_is_the_pair_softmax_by_hand():
@@ -105,9 +117,64 @@ def test_padding_and_short_slot_mapping_are_skipped():
     assert torch.equal(st[2, 3:5], kvs[4:6]) and torch.equal(st[2, 5:7], state[2, 5:7])   # rows past n unsaved
 
 
+def test_oracle_prev_rows_pair_the_first_token_and_skip_the_ring_save():
+    """vLLM's prefill context parallelism: request b's first token pairs with prev_rows[prev_row_indices[b]]
+    (the ring row where that index is -1), later tokens as before, and no ring row is written."""
+    starts, lens = [9, 4, 21, 2, 7], [1, 5, 3, 4, 2]
+    qsl, pos, t2r, ring, kvs, state, w = _inputs(2, starts, lens, 8)
+    prev_rows, idx = _prev(len(starts), 8)
+    lat, st = _run(2, kvs, pos, state, ring, qsl, t2r, w, prev=(prev_rows, idx))
+    assert torch.equal(st, state)                            # the ring is the caller's to save
+    base, _ = _run(2, kvs, pos, state, ring, qsl, t2r, w)
+    firsts = 0
+    for t in range(pos.shape[0]):
+        p, b = int(pos[t]), int(t2r[t])
+        if (p + 1) % 2:
+            assert torch.isnan(lat[t].float()).all()
+            continue
+        if t != int(qsl[b]) or int(idx[b]) < 0:              # paired in kv_score or with the ring: unchanged
+            assert bits_equal(lat[t], base[t]), t
+            continue
+        prev = prev_rows[int(idx[b])]
+        kv = torch.stack([prev[:512], kvs[t, :512]]).double()
+        sc = torch.stack([prev[512:], kvs[t, 512:]]).double()
+        want = rmsnorm((torch.softmax(sc, 0) * kv).sum(0), w.double(), 1e-6).bfloat16()
+        assert (lat[t].double() - want.double()).abs().max() / want.double().abs().max() <= 2 ** -8, t
+        assert not bits_equal(lat[t], base[t])               # the ring row would have given another latent
+        firsts += 1
+    assert firsts == 2                                       # requests 1 (position 9) and 2 (position 21)
+
+
+def test_prev_rows_split_chunk_gives_the_one_chunk_latents():
+    """One request of 23 tokens cut in two chunks run side by side: the second chunk's first token pairs
+    with the first chunk's last row passed as prev_rows; the latents are the one-chunk run's bits."""
+    g = torch.Generator().manual_seed(9)
+    kvs = torch.randn(23, 1024, generator=g)
+    w = (1 + 0.1 * torch.randn(512, generator=g)).bfloat16()
+    state = torch.randn(2, CAP, 1024, generator=g)
+    qsl, pos, t2r, ring = batch([4], [23])
+    whole, _ = _run(2, kvs, pos, state, ring, qsl, t2r, w)
+    cut = 9                                                   # the second chunk starts at position 13 (odd)
+    qa, pa, ta, ra = batch([4], [cut])
+    qb, pb, tb, rb = batch([4 + cut], [23 - cut])
+    a, _ = _run(2, kvs[:cut], pa, state, ra, qa, ta, w)
+    b, st = _run(2, kvs[cut:], pb, state, rb, qb, tb, w,
+                 prev=(torch.cat([torch.randn(2, 1024, generator=g), kvs[cut - 1:cut]]), torch.tensor([2])))
+    assert bits_equal(torch.cat([a, b]), whole) and torch.equal(st, state)
+
+
+def test_prev_rows_ignored_at_ratio1():
+    qsl, pos, t2r, _, kvs, _, w = _inputs(1, [0, 7], [3, 4], 10)
+    slots = torch.arange(7).long()
+    want, _ = _run(1, kvs, pos, None, slots, qsl, t2r, w)
+    got, _ = _run(1, kvs, pos, None, slots, qsl, t2r, w, prev=_prev(2, 10))
+    assert bits_equal(got, want)
+
+
 def test_rejected_calls_write_nothing():
     qsl, pos, t2r, ring, kvs, state, w = _inputs(2, [1], [4], 4)
     lat = torch.zeros(4, 512, dtype=torch.bfloat16)
+    rows, idx = torch.randn(3, 1024), torch.tensor([0])
     cases = [
         (dict(compress_ratio=4), "compress_ratio"),
         (dict(kv_score=kvs[:, :512].contiguous()), "kv_score"),
@@ -117,6 +184,13 @@ def test_rejected_calls_write_nothing():
         (dict(token_to_req_indices=t2r.clone().fill_(5)), "token_to_req_indices"),
         (dict(positions=pos[:2]), "positions"),
         (dict(rms_norm_eps=float("nan")), "rms_norm_eps"),
+        (dict(prev_rows=rows), "prev_row_indices"),
+        (dict(prev_row_indices=idx), "prev_rows"),
+        (dict(prev_rows=rows[:, :512], prev_row_indices=idx), "prev_rows"),
+        (dict(prev_rows=rows.double(), prev_row_indices=idx), "prev_rows"),
+        (dict(prev_rows=rows, prev_row_indices=idx.float()), "prev_row_indices"),
+        (dict(prev_rows=rows, prev_row_indices=idx[:0]), "prev_row_indices"),
+        (dict(prev_rows=rows, prev_row_indices=idx + 3), "prev_row_indices"),       # row 3 of 3
     ]
     base = dict(kv_score=kvs, positions=pos, state_cache=state, slot_mapping=ring, query_start_loc=qsl,
                 token_to_req_indices=t2r, rms_norm_weight=w, rms_norm_eps=1e-6, compress_ratio=2, latent_out=lat)
@@ -164,6 +238,24 @@ def interpreter_main():
         ulp = ((lat.float() - ref_lat.float()).abs() / ref_lat.float().abs().clamp_min(1e-30))[rows].max()
         print(f"ratio {ratio}: rows {int(rows.sum())} same {same_rows} ring same "
               f"{ratio == 1 or torch.equal(st, ref_st)} max rel diff {float(ulp):.3g}")
+    # prev_rows: requests 1, 2 and 5 pair their first token with a row of prev_rows, 0 and 3 with the ring;
+    # request 4's index is past the last row (skipped); no ring row is written
+    qsl, pos, t2r, ring, kvs, state, w = _inputs(2, [9, 5, 21, 3, 7, 1], [1, 5, 3, 12, 2, 3], 12)
+    prev_rows, idx = _prev(6, 12)
+    idx[4] = prev_rows.shape[0]
+    slots = ring.clone()
+    slots[8] = -1
+    ref_lat = torch.full((kvs.shape[0], 512), float("nan"), dtype=torch.bfloat16)
+    ref_st = state.clone()
+    rv.fused_save_compress_norm(kvs, pos, ref_st, slots, qsl, t2r, w, 1e-6, 2, ref_lat, prev_rows, idx)
+    lat = torch.full_like(ref_lat, float("nan"))
+    st = state.clone()
+    K.fused_save_compress_norm(kvs, pos, st, slots, qsl, t2r, w, 1e-6, 2, lat, prev_rows, idx)
+    rows = ~torch.isnan(ref_lat.float()).all(1)
+    same_rows = torch.equal(rows, ~torch.isnan(lat.float()).all(1))
+    ulp = ((lat.float() - ref_lat.float()).abs() / ref_lat.float().abs().clamp_min(1e-30))[rows].max()
+    print(f"prev_rows: rows {int(rows.sum())} same {same_rows} ring same "
+          f"{torch.equal(st, ref_st) and torch.equal(st, state)} max rel diff {float(ulp):.3g}")
 
 
 def test_kernel_under_the_interpreter():
@@ -173,24 +265,27 @@ def test_kernel_under_the_interpreter():
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "fp32 bits differing 0"
+    assert [l.split(":")[0] for l in lines[1:]] == ["ratio 1", "ratio 2", "prev_rows"]
     for line in lines[1:]:
         assert "same True ring same True" in line and float(line.split()[-1]) <= 2 ** -7, line
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("ratio", [1, 2, "2 prev_rows"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kernel_equals_oracle_bits_on_gpu(ratio, seed, gpu):
     g = torch.Generator().manual_seed(50 + seed)
     R = 12
     starts = torch.randint(0, 3000, (R,), generator=g).tolist()
     lens = [1] * 6 + torch.randint(1, 300, (R - 6,), generator=g).tolist()
+    prev = _prev(R, seed, rows=20) if ratio == "2 prev_rows" else None
+    ratio = 2 if prev is not None else ratio
     qsl, pos, t2r, ring, kvs, state, w = _inputs(ratio, starts, lens, seed)
     slots = ring.clone()
     slots[torch.rand(slots.shape, generator=g) < 0.05] = -1
-    ref = _run(ratio, kvs, pos, state if ratio == 2 else None, slots, qsl, t2r, w)
-    got = _run(ratio, kvs, pos, state if ratio == 2 else None, slots, qsl, t2r, w, device=gpu)
+    ref = _run(ratio, kvs, pos, state if ratio == 2 else None, slots, qsl, t2r, w, prev=prev)
+    got = _run(ratio, kvs, pos, state if ratio == 2 else None, slots, qsl, t2r, w, device=gpu, prev=prev)
     assert bits_equal(got[0], ref[0])
     assert ratio == 1 or torch.equal(got[1], ref[1])
 

@@ -2,11 +2,12 @@
 quant_block_size, scale_fmt) and cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table,
 cu_seq_lens).
 
-CPU: the writer against brute force (value by value) on every cache view, padding slots and DP padding,
-the NaN policy, vLLM's torch.ops schemas, bad input rejected before any byte changes; the gather against a
-hand loop, rows no request covers left alone, both dst_scale forms; the gather kernel (integer work) under
-the Triton interpreter. GPU: both Triton kernels write exactly the oracle's bytes, garbage slots and block
-tables included.
+CPU: the writer against brute force (value by value) on every cache view in both scale forms ("ue8m0":
+fp32 2^e; "mxfp8": four UE8M0 bytes), padding slots and DP padding, the NaN policy, vLLM's torch.ops
+schemas, bad input rejected before any byte changes; the gather against a hand loop, rows no request covers
+left alone, both dst_scale forms; the writer (both scale forms) and the gather kernel under the Triton
+interpreter. GPU: both Triton kernels write exactly the oracle's bytes, garbage slots and block tables
+included.
 """
 import math
 import textwrap
@@ -26,16 +27,20 @@ def f32(v):
     return torch.tensor(v, dtype=torch.float32)
 
 
-def brute_record(row):
-    """132 bytes of one k row: e4m3 of row * 2^-e, then the fp32 2^e (bytes 0x7F and NaN for a non-finite row)."""
+def brute_record(row, scale_fmt="ue8m0"):
+    """132 bytes of one k row: e4m3 of row * 2^-e, then the fp32 2^e ("ue8m0") or the byte e + 127 four times
+    ("mxfp8"); bytes 0x7F and scale NaN (0xFF bytes) for a non-finite row."""
     x = row.float()
     if not bool(torch.isfinite(x).all()):
-        return torch.cat([torch.full((128,), 0x7F, dtype=torch.uint8),
-                          torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.uint8)])
+        scale = torch.full((4,), 0xFF, dtype=torch.uint8) if scale_fmt == "mxfp8" else \
+            torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.uint8)
+        return torch.cat([torch.full((128,), 0x7F, dtype=torch.uint8), scale])
     m, e = math.frexp(float(f32(max(float(x.abs().max()), 1e-4)) / f32(448.0)))
     e = e - 1 if m == 0.5 else e
     q = torch.stack([(v * f32(2.0 ** -e)).to(torch.float8_e4m3fn).view(torch.uint8) for v in x])
     q[q == 0x80] = 0
+    if scale_fmt == "mxfp8":
+        return torch.cat([q, torch.full((4,), e + 127, dtype=torch.uint8)])
     return torch.cat([q, f32(2.0 ** e).reshape(1).view(torch.uint8)])
 
 
@@ -44,8 +49,9 @@ def _k(n, g, dtype=torch.bfloat16):
 
 
 # ---- writer ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "mxfp8"])
 @pytest.mark.parametrize("view", VIEWS)
-def test_writer_matches_brute_force_on_every_view(view):
+def test_writer_matches_brute_force_on_every_view(view, scale_fmt):
     g = torch.Generator().manual_seed(1)
     v, backing = every_cache_view(3, 32, record=132, seed=2)[view]
     before = backing.clone()
@@ -53,14 +59,14 @@ def test_writer_matches_brute_force_on_every_view(view):
     k[4, 17] = float("nan")
     k[5, 0] = float("-inf")
     slots = torch.tensor([33, -1, 0, 95, 40, 7])
-    ops.indexer_k_quant_and_cache(k, v, slots, 128, "ue8m0")
+    ops.indexer_k_quant_and_cache(k, v, slots, 128, scale_fmt)
     rec, old = page_records(backing, 32, 132), page_records(before, 32, 132)
     changed = torch.zeros_like(rec, dtype=torch.bool)
     for t, s in enumerate(slots.tolist()):
         if s < 0:
             continue
         p, o = divmod(s, 32)
-        want = brute_record(k[t])
+        want = brute_record(k[t], scale_fmt)
         assert torch.equal(rec[p, o * 128:o * 128 + 128], want[:128]), t
         assert torch.equal(rec[p, 32 * 128 + o * 4:32 * 128 + o * 4 + 4], want[128:]), t
         changed[p, o * 128:o * 128 + 128] = True
@@ -82,11 +88,37 @@ def test_writer_takes_the_first_len_slot_mapping_rows_and_any_float_dtype():
         assert torch.equal(flat[0, 3 * 128:4 * 128], brute_record(k[0])[:128])
 
 
+def test_mxfp8_scales_are_the_ue8m0_scales_exponent_bytes_through_the_gather():
+    """vLLM's "mxfp8" scale form: the same fp8 bytes as "ue8m0", and four equal scale bytes b whose UE8M0 value
+    2^(b - 127) is the fp32 scale "ue8m0" writes; the gather returns them as written."""
+    g = torch.Generator().manual_seed(11)
+    k = _k(40, g)
+    slots = torch.randperm(3 * 16, generator=g)[:40]
+    caches = {}
+    for fmt in ("ue8m0", "mxfp8"):
+        caches[fmt] = torch.randint(0, 256, (3, 16, 132), generator=g, dtype=torch.uint8)
+        ops.indexer_k_quant_and_cache(k, caches[fmt], slots, 128, fmt)
+    bt = torch.arange(3, dtype=torch.int32).unsqueeze(0)
+    cu = torch.tensor([0, 48], dtype=torch.int32)
+    got = {}
+    for fmt, cache in caches.items():
+        dk, ds = torch.zeros(48, 128, dtype=torch.float8_e4m3fn), torch.zeros(48, 4, dtype=torch.uint8)
+        ops.cp_gather_indexer_k_quant_cache(cache, dk, ds, bt, cu)
+        got[fmt] = dk.view(torch.uint8)[slots], ds[slots]
+    assert torch.equal(got["mxfp8"][0], got["ue8m0"][0])
+    mx = got["mxfp8"][1]
+    assert torch.equal(mx, mx[:, :1].expand(-1, 4))
+    assert torch.equal((mx[:, 0].int() << 23).view(torch.float32), got["ue8m0"][1].view(torch.float32).view(-1))
+    assert len(set(mx[:, 0].tolist())) > 5                           # a spread of exponents
+
+
 def _writer_bad_calls(k, cache, slots):
     return [
         ("quant_block_size", lambda: ops.indexer_k_quant_and_cache(k, cache, slots, 64, "ue8m0")),
         ("scale_fmt", lambda: ops.indexer_k_quant_and_cache(k, cache, slots, 128, None)),
         ("scale_fmt", lambda: ops.indexer_k_quant_and_cache(k, cache, slots, 128, "fp32")),
+        ("scale_fmt", lambda: ops.indexer_k_quant_and_cache(k, cache, slots, 128, "MXFP8")),
+        ("quant_block_size", lambda: ops.indexer_k_quant_and_cache(k, cache, slots, 32, "mxfp8")),
         ("k must have shape", lambda: ops.indexer_k_quant_and_cache(k[:, :64], cache, slots, 128, "ue8m0")),
         ("k must have dtype", lambda: ops.indexer_k_quant_and_cache(k.int(), cache, slots, 128, "ue8m0")),
         ("outside the cache", lambda: ops.indexer_k_quant_and_cache(k, cache, slots + 120, 128, "ue8m0")),
@@ -244,16 +276,16 @@ _INTERPRETED_WRITER = textwrap.dedent("""
     k = (b.view(torch.float8_e4m3fn).float() * torch.exp2(torch.randint(-20, 10, (50, 1), generator=g).float()))
     k = k.bfloat16()
     k[3, 5] = float("nan")
-    for bs in (64, 16):
+    for bs, fmt in ((64, "ue8m0"), (16, "ue8m0"), (64, "mxfp8"), (16, "mxfp8")):
         pages = torch.randint(0, 256, (60, bs * 132 + 32), generator=g, dtype=torch.uint8)
         ref = pages.clone()
         slots = torch.randperm(60 * bs, generator=g)[:50]
         slots[::5] = -1
         slots[7] = 60 * bs + 3                            # past the cache: skipped
-        indexer_k_quant_and_cache(k, kv_cache_view(pages, bs, 132), slots, 128, "ue8m0")
+        indexer_k_quant_and_cache(k, kv_cache_view(pages, bs, 132), slots, 128, fmt)
         ri.indexer_k_quant_and_cache(k, kv_cache_view(ref, bs, 132), torch.where(slots < 60 * bs, slots, -1), 128,
-                                     "ue8m0")
-        print(bs, int((pages != ref).sum()))
+                                     fmt)
+        print(bs, fmt, int((pages != ref).sum()))
 """)
 
 
@@ -263,14 +295,16 @@ def test_writer_kernel_under_the_interpreter(tmp_path):
     r = interpret(_INTERPRETED_WRITER, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     print(r.stdout)
-    assert [line.split() for line in r.stdout.strip().splitlines()] == [["64", "0"], ["16", "0"]]
+    assert [line.split() for line in r.stdout.strip().splitlines()] == [
+        ["64", "ue8m0", "0"], ["16", "ue8m0", "0"], ["64", "mxfp8", "0"], ["16", "mxfp8", "0"]]
 
 
 # ---- GPU: the Triton kernels against the oracle ------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "mxfp8"])
 @pytest.mark.parametrize("view", VIEWS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_writer_bytes_equal_the_oracle(view, dtype):
+def test_triton_writer_bytes_equal_the_oracle(view, dtype, scale_fmt):
     g = torch.Generator().manual_seed(8)
     v, backing = every_cache_view(40, 64, record=132, seed=9)[view]
     k = _k(3000, g, dtype)
@@ -281,8 +315,8 @@ def test_triton_writer_bytes_equal_the_oracle(view, dtype):
     slots[5::97] = 40 * 64 + 11                             # past the cache: skipped (value checks are off)
     gv, gb = every_cache_view(40, 64, record=132, seed=9, device="cuda")[view]
     with ops.use_backend("triton"):
-        ops.indexer_k_quant_and_cache(k.cuda(), gv, slots.cuda(), 128, "ue8m0")
-    ri.indexer_k_quant_and_cache(k, v, torch.where(slots < 40 * 64, slots, -1), 128, "ue8m0")
+        ops.indexer_k_quant_and_cache(k.cuda(), gv, slots.cuda(), 128, scale_fmt)
+    ri.indexer_k_quant_and_cache(k, v, torch.where(slots < 40 * 64, slots, -1), 128, scale_fmt)
     torch.cuda.synchronize()
     assert torch.equal(gb.cpu(), backing)
 

@@ -34,12 +34,17 @@ def _token_vector(name, t, n):
 
 
 def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, query_start_loc, token_to_req_indices,
-                             rms_norm_weight, rms_norm_eps, compress_ratio, latent_out) -> None:
+                             rms_norm_weight, rms_norm_eps, compress_ratio, latent_out, prev_rows=None,
+                             prev_row_indices=None) -> None:
     """kv_score fp32 [T, 512 * r] (rows 16-byte aligned), positions int [>= n], slot_mapping int [n] (r = 2:
     ring slots of ``state_cache`` fp32 [blocks, capacity, 1024]; r = 1: any slots, negative = padding, and
-    state_cache / query_start_loc / token_to_req_indices are unused and may be None), query_start_loc int32
-    [R + 1], token_to_req_indices int [>= n], rms_norm_weight [512], latent_out bf16 [T, 512] contiguous:
-    writes the latents of the group-closing tokens and saves the ring (reference.compressor_v41)."""
+    state_cache / query_start_loc / token_to_req_indices / prev_rows / prev_row_indices are unused and may be
+    None), query_start_loc int32 [R + 1], token_to_req_indices int [>= n], rms_norm_weight [512], latent_out
+    bf16 [T, 512] contiguous: writes the latents of the group-closing tokens and saves the ring
+    (reference.compressor_v41). With ``prev_rows`` fp32 [rows, 1024] (rows 16-byte aligned) and
+    ``prev_row_indices`` int [>= R] (r = 2, vLLM's prefill context parallelism), request b's first token
+    pairs with ``prev_rows[prev_row_indices[b]]`` where that index is >= 0 (the ring row where it is
+    negative) and no ring row is saved."""
     _ratio(compress_ratio)
     C.tensor("kv_score", kv_score, dtype=torch.float32, shape=(None, D * compress_ratio))
     if kv_score.shape[0] and (kv_score.stride(1) != 1 or (kv_score.shape[0] > 1 and kv_score.stride(0) % 4)):
@@ -64,16 +69,46 @@ def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, que
         if query_start_loc.shape[0] < 1 or (query_start_loc.shape[0] > 1 and query_start_loc.stride(0) != 1):
             raise ValueError("query_start_loc must be a contiguous int32 [num_reqs + 1] tensor")
         _token_vector("token_to_req_indices", token_to_req_indices, n)
+        _prev_rows(prev_rows, prev_row_indices, query_start_loc.shape[0] - 1)
+    else:
+        prev_rows = prev_row_indices = None
     C.same_device(kv_score=kv_score, positions=positions, state_cache=state_cache if compress_ratio == 2 else None,
                   slot_mapping=slot_mapping, query_start_loc=query_start_loc if compress_ratio == 2 else None,
                   token_to_req_indices=token_to_req_indices if compress_ratio == 2 else None,
-                  rms_norm_weight=rms_norm_weight, latent_out=latent_out)
+                  rms_norm_weight=rms_norm_weight, latent_out=latent_out, prev_rows=prev_rows,
+                  prev_row_indices=prev_row_indices)
     if compress_ratio == 2 and value_checks(slot_mapping) and n:
         _check_ring(state_cache, slot_mapping, positions, query_start_loc, token_to_req_indices, n)
+        if prev_rows is not None:
+            R = query_start_loc.shape[0] - 1
+            if R and int(prev_row_indices[:R].max()) >= prev_rows.shape[0]:
+                raise ValueError(f"prev_row_indices: row {int(prev_row_indices[:R].max())} is outside prev_rows "
+                                 f"({prev_rows.shape[0]} rows)")
     if n == 0:
         return
     _run("fused_save_compress_norm", kv_score.device, kv_score, positions, state_cache, slot_mapping,
-         query_start_loc, token_to_req_indices, rms_norm_weight, float(rms_norm_eps), compress_ratio, latent_out)
+         query_start_loc, token_to_req_indices, rms_norm_weight, float(rms_norm_eps), compress_ratio, latent_out,
+         prev_rows, prev_row_indices)
+
+
+def _prev_rows(prev_rows, prev_row_indices, R):
+    """Structure checks of the rows from other chunks (ratio 2): both or neither, fp32 [rows, 1024] with
+    contiguous 16-byte aligned rows, one index per request."""
+    if prev_rows is None:
+        if prev_row_indices is not None:
+            raise ValueError("prev_row_indices is given without prev_rows")
+        return
+    if prev_row_indices is None:
+        raise ValueError("prev_rows needs prev_row_indices (the row of each request's predecessor, or -1)")
+    C.tensor("prev_rows", prev_rows, dtype=torch.float32, shape=(None, 2 * D))
+    if prev_rows.shape[0] and (prev_rows.stride(1) != 1 or (prev_rows.shape[0] > 1 and prev_rows.stride(0) % 4)):
+        raise ValueError(f"prev_rows rows must be contiguous and 16-byte aligned, got strides {prev_rows.stride()}")
+    C.tensor("prev_row_indices", prev_row_indices, dtype=C.INDEX, dim=1)
+    if prev_row_indices.shape[0] < R:
+        raise ValueError(f"prev_row_indices has {prev_row_indices.shape[0]} entries for the {R} requests of "
+                         "query_start_loc")
+    if prev_row_indices.shape[0] > 1 and prev_row_indices.stride(0) != 1:
+        raise ValueError("prev_row_indices must be contiguous")
 
 
 def _check_ring(state_cache, slot_mapping, positions, query_start_loc, token_to_req, n):

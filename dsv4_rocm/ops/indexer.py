@@ -223,17 +223,18 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, s
 
 # ---- indexer-K cache ------------------------------------------------------------------------------
 def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt: str) -> None:
-    """vLLM's op: k [T, 128] -> UE8M0 FP8 records (128 bytes + fp32 scale 2^e) at slot_mapping[:n] of the
-    indexer-K cache (n = len(slot_mapping) <= T); a negative slot is padding. dsv4_rocm's cache holds one
-    UE8M0 scale a 128-value entry: quant_block_size must be 128 and scale_fmt "ue8m0"."""
+    """vLLM's op: k [T, 128] -> UE8M0 FP8 records (128 bytes + 4 scale bytes) at slot_mapping[:n] of the
+    indexer-K cache (n = len(slot_mapping) <= T); a negative slot is padding. One UE8M0 scale a 128-value
+    entry (quant_block_size 128), stored as scale_fmt says: "ue8m0", the fp32 2^e; "mxfp8", its UE8M0 byte
+    four times (vLLM's form for MX-scaled logits kernels; dsv4_rocm's logits kernels read the fp32 form)."""
     C.tensor("k", k, dtype=FLOATS, shape=(None, L.INDEXER_DIM))
     _unit_inner("k", k)
     pages, bs = _indexer_cache(kv_cache)
     if quant_block_size != L.INDEXER_DIM or isinstance(quant_block_size, bool):
         raise ValueError(f"quant_block_size must be {L.INDEXER_DIM} (one scale an entry), got {quant_block_size!r}")
-    if scale_fmt != "ue8m0":
-        raise ValueError(f"scale_fmt must be 'ue8m0' (the indexer-K cache stores power-of-two scales), got "
-                         f"{scale_fmt!r}")
+    if scale_fmt not in ("ue8m0", "mxfp8"):
+        raise ValueError(f"scale_fmt must be 'ue8m0' (fp32 power-of-two scales) or 'mxfp8' (UE8M0 scale bytes), "
+                         f"got {scale_fmt!r}")
     C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1)
     if slot_mapping.shape[0] > k.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} rows of k")

@@ -18,6 +18,12 @@ step, every later token with the row before it in ``kv_score``. Ring rows are re
 rows are saved; request b saves the rows of the last min(len, capacity) tokens of its chunk
 [query_start_loc[b], query_start_loc[b + 1]) (tokens below len(slot_mapping)) that have a slot >= 0.
 
+Rows from elsewhere (vLLM's prefill context parallelism, r = 2): with ``prev_rows`` fp32 [rows, 1024]
+(the [kv, score] rows of other chunks' last tokens) and ``prev_row_indices`` int [>= num_reqs], the first
+token of request b's chunk pairs with ``prev_rows[prev_row_indices[b]]`` where that index is >= 0 (an
+index >= rows skips the token) and with the ring row where it is negative; the step then saves no ring
+row at all (the caller stores the rows it chose to the ring itself).
+
 ``rope_quant_insert`` turns the latent of each group-closing token into a compressed-cache record: RoPE
 at position j * r = (p // r) * r on the fp32 value of the bf16 latent, then the record of the cache's
 format (vLLM picks the kernel by the cache's last dimension; docs/cache_format.md):
@@ -50,9 +56,12 @@ def _latents(y, weight, eps) -> torch.Tensor:
 
 
 def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, query_start_loc, token_to_req_indices,
-                             rms_norm_weight, rms_norm_eps, compress_ratio, latent_out) -> None:
+                             rms_norm_weight, rms_norm_eps, compress_ratio, latent_out, prev_rows=None,
+                             prev_row_indices=None) -> None:
     """vLLM's op (module docstring). ``slot_mapping`` is the ring's slots for r = 2, any slots for r = 1
-    (only their sign is read: a negative slot is padding); its length is the number of tokens."""
+    (only their sign is read: a negative slot is padding); its length is the number of tokens.
+    ``prev_rows`` / ``prev_row_indices`` (r = 2; unused for r = 1): the first token's partner rows from
+    other chunks, and no ring save."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
@@ -70,14 +79,23 @@ def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, que
     live = (s >= 0) & (s < nb * cap)
     ok = live & (p >= 1) & ((p + 1) % 2 == 0) & (req >= 0) & (req < R)
     t = torch.nonzero(ok).flatten()
+    if prev_rows is not None and t.numel():                              # an index past prev_rows skips
+        first = t == query_start_loc.long()[req[t]]                       # the chunk's first token
+        t = t[~(first & (prev_row_indices.long()[req[t]] >= prev_rows.shape[0]))]
     if t.numel():
         first = t == query_start_loc.long()[req[t]]
         cur = kv_score[t, :2 * D].float()
         ring = state_cache[s[t] // cap, (p[t] - 1) % cap]                 # the row of p - 1 an earlier step saved
+        if prev_rows is not None:                                         # or another chunk's row
+            idx = prev_row_indices.long()[req[t]]
+            other = first & (idx >= 0)
+            ring[other] = prev_rows[idx[other]].float()
         prev = torch.where(first.unsqueeze(1), ring, kv_score[(t - 1).clamp(min=0), :2 * D].float())
         kv = torch.stack([prev[:, :D], cur[:, :D]], 1)
         sc = torch.stack([prev[:, D:], cur[:, D:]], 1)
         out[t] = _latents(pool(sc, kv), rms_norm_weight, rms_norm_eps)
+    if prev_rows is not None:                                             # the caller saves the ring
+        return
     qsl = query_start_loc.long().tolist()                                # then the ring save: each request
     for b in range(R):                                                    # its chunk's last `cap` rows
         a, e = max(qsl[b], 0), min(qsl[b + 1], n)

@@ -139,18 +139,28 @@ def get_paged_mqa_logits_metadata(context_lens, block_size: int, num_sms: int) -
     return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
 
 
+def index_k_scale_bytes(e: torch.Tensor, scale_fmt: str) -> torch.Tensor:
+    """The 4 scale bytes of indexer-K entries with UE8M0 exponents e [n, 1] (128 = poisoned): "ue8m0", the
+    fp32 2^e (NaN when poisoned); "mxfp8", the UE8M0 byte e + 127 four times (0xFF when poisoned), the form
+    MX-scaled logits readers take (one byte per 32 values, all equal)."""
+    if scale_fmt == "mxfp8":
+        return torch.where(e >= 128, torch.full_like(e, 0xFF), e + 127).to(torch.uint8).expand(-1, 4)
+    return pow2_or_nan(e).contiguous().view(torch.uint8)
+
+
 def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt: str) -> None:
     """vLLM's op: UE8M0 FP8 of k [T, 128] (one 128-value block a row, eps 1e-4; a non-finite row gives bytes
-    0x7F and scale NaN) written at slot_mapping[:n] of the indexer-K cache; negative slots are skipped."""
+    0x7F and a poisoned scale) written at slot_mapping[:n] of the indexer-K cache, its scale in the bytes of
+    ``scale_fmt`` (``index_k_scale_bytes``); negative slots are skipped."""
     n = slot_mapping.shape[0]
     q, e = quantize_blocks(k[:n].float(), L.INDEXER_DIM, INDEX_EPS)
-    scale = pow2_or_nan(e).contiguous().view(torch.uint8)
-    _write_records(torch.cat([q, scale], dim=1), kv_cache, slot_mapping, kv_cache.shape[1], V.INDEXER_K)
+    _write_records(torch.cat([q, index_k_scale_bytes(e, scale_fmt)], dim=1), kv_cache, slot_mapping,
+                   kv_cache.shape[1], V.INDEXER_K)
 
 
 def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
     """vLLM's op: row t of dst_k / dst_scale, for cu_seq_lens[b] <= t < cu_seq_lens[b + 1], gets entry
-    t - cu_seq_lens[b] of request b (its 128 fp8 bytes and the 4 bytes of its fp32 scale), through
+    t - cu_seq_lens[b] of request b (its 128 fp8 bytes and its 4 scale bytes, as written), through
     block_table[b]. Rows no request covers are not written; an entry whose block-table entry is negative
     or past the cache gives zero bytes."""
     bs = kv_cache.shape[1]

@@ -5,8 +5,8 @@ Row t (t < len(slot_mapping)), slot s = slot_mapping[t] >= 0 and inside the cach
 o = s % bs (page stride = the cache's stride(0)):
     e = ceil(log2(max(max|k_t|, 1e-4) / 448))      from the bits of the correctly rounded quotient
     p + o * 128:          e4m3(k_t * 2^-e), 128 bytes, OCP e4m3fn on every vendor (-0 written 0x00)
-    p + bs * 128 + o * 4: fp32 2^e
-A row holding NaN or +-inf writes bytes 0x7F and scale NaN (docs/conventions.md). Negative or
+    p + bs * 128 + o * 4: fp32 2^e (scale_fmt "ue8m0"), or the UE8M0 byte e + 127 four times ("mxfp8")
+A row holding NaN or +-inf writes bytes 0x7F and scale NaN (UE8M0 0xFF) (docs/conventions.md). Negative or
 out-of-cache slots write nothing. Bytes equal dsv4_rocm.reference.indexer's.
 """
 import triton
@@ -21,7 +21,7 @@ ROWS = 8
 
 @triton.jit
 def _indexer_k_quant_and_cache_kernel(k_ptr, stride_k, slot_ptr, n, cache_ptr, page_stride, capacity,
-                                      BS: tl.constexpr, R: tl.constexpr, FNUZ: tl.constexpr):
+                                      BS: tl.constexpr, R: tl.constexpr, FNUZ: tl.constexpr, MX: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     slot = tl.load(slot_ptr + rows, mask=rows < n, other=-1).to(tl.int64)
     ok = (slot >= 0) & (slot < capacity)
@@ -32,8 +32,14 @@ def _indexer_k_quant_and_cache_kernel(k_ptr, stride_k, slot_ptr, n, cache_ptr, p
     page = cache_ptr + (slot // BS) * page_stride
     off = slot % BS
     tl.store(page[:, None] + off[:, None] * 128 + d[None, :], q, mask=ok[:, None])
-    sbits = tl.where(bad, 0x7FC00000, (e + 127) << 23)
-    tl.store((page + BS * 128 + off * 4).to(tl.pointer_type(tl.int32)), sbits, mask=ok)
+    if MX:
+        sbyte = tl.where(bad, 255, e + 127).to(tl.uint8)
+        j = tl.arange(0, 4)
+        tl.store((page + BS * 128 + off * 4)[:, None] + j[None, :], tl.broadcast_to(sbyte[:, None], (R, 4)),
+                 mask=ok[:, None])
+    else:
+        sbits = tl.where(bad, 0x7FC00000, (e + 127) << 23)
+        tl.store((page + BS * 128 + off * 4).to(tl.pointer_type(tl.int32)), sbits, mask=ok)
 
 
 @device_cache()
@@ -50,13 +56,16 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, 
     pages = V.pages(kv_cache, bs, "kv_cache", V.INDEXER_K)
     launch(_indexer_k_quant_and_cache_kernel)[(cdiv(n, ROWS),)](
         k, k.stride(0), slot_mapping, n, pages, pages.stride(0), pages.shape[0] * bs,
-        BS=bs, R=ROWS, FNUZ=_fnuz(k.device), num_warps=4, num_stages=1, enable_fp_fusion=False)
+        BS=bs, R=ROWS, FNUZ=_fnuz(k.device), MX=scale_fmt == "mxfp8", num_warps=4, num_stages=1,
+        enable_fp_fusion=False)
 
 
-COMPILE_SPECS = [
-    dict(name="indexer_k_quant_and_cache", fn=_indexer_k_quant_and_cache_kernel,
-         pointers=dict(k_ptr="*bf16", slot_ptr="*i64", cache_ptr="*u8"), floats=(),
-         constexprs=lambda arch: dict(BS=64, R=ROWS, FNUZ=arch == "gfx942"),
-         options=lambda arch: dict(num_warps=4, num_stages=1, enable_fp_fusion=False),
-         matrix=False, fp8_encode=True, exact_fp32=True),
-]
+def _spec(mx):
+    return dict(name="indexer_k_quant_and_cache" + ("[mxfp8]" if mx else ""), fn=_indexer_k_quant_and_cache_kernel,
+                pointers=dict(k_ptr="*bf16", slot_ptr="*i64", cache_ptr="*u8"), floats=(),
+                constexprs=lambda arch: dict(BS=64, R=ROWS, FNUZ=arch == "gfx942", MX=mx),
+                options=lambda arch: dict(num_warps=4, num_stages=1, enable_fp_fusion=False),
+                matrix=False, fp8_encode=True, exact_fp32=True)
+
+
+COMPILE_SPECS = [_spec(False), _spec(True)]
