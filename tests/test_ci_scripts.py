@@ -37,3 +37,30 @@ def test_sanitizer_pass_is_one_stage_of_the_gpu_suite(tmp_path):
                            text=True, timeout=60)
         assert r.returncode == 0 and [l.split(":")[0] for l in r.stdout.splitlines()] == \
             ["memcheck", "racecheck", "initcheck"] and "compute-sanitizer is not on PATH" in r.stdout
+
+
+def _setup_line(tmp_path, info):
+    """The line ci/setup.sh says about the HIP extension, sourced under ci/test.sh's shell options, with a
+    python3 on PATH that is a stand-in: in a venv, pip a no-op, ``-m dsv4_rocm info`` the bash given as info."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "python3").write_text('#!/usr/bin/env bash\ncase "$1 $2" in\n'
+                                  '  "-c "*print*) echo /venv;;\n  "-c "*) exit 0;;\n  "-m pip") exit 0;;\n'
+                                  f'  "-m dsv4_rocm") {info};;\n  *) exit 3;;\nesac\n')
+    (fake / "python3").chmod(0o755)
+    r = subprocess.run(["bash", "-c", "set -euo pipefail; . ci/setup.sh", "ci/test.sh"], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}"), timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()[1:]
+
+
+def test_setup_reports_infos_hip_line_every_time(tmp_path):
+    """info's HIP line is said once, also when info goes on writing long after it (200 kB: more than a pipe
+    holds, so a grep that stops reading at its match would leave info writing into a closed pipe); a failing
+    info, or one without the line, is said as such."""
+    hip = "HIP extension dsv4_rocm._C: not built (stand-in)"
+    long_info = f'echo "{hip}"; for i in $(seq 4000); do echo "more info, line $i: ........................"; done'
+    assert _setup_line(tmp_path, long_info) == [f"ci/test.sh: {hip}"]
+    assert _setup_line(tmp_path, f'echo "{hip}"; exit 1') == ["ci/test.sh: python -m dsv4_rocm info failed"]
+    assert _setup_line(tmp_path, "echo torch 2.13") == \
+        ["ci/test.sh: python -m dsv4_rocm info printed no 'HIP extension' line"]

@@ -3,6 +3,7 @@ is one line on stderr naming what is wrong and what to do, exit status 2, no tra
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import types
@@ -146,6 +147,26 @@ def test_info_and_backend_errors(capsys, monkeypatch):
         assert ops.backend_for("sparse_mla_decode", "cpu") == "reference"
     with pytest.raises(ValueError, match="unknown op"):
         ops.backend_for("flash_attn", "cpu")
+
+
+def test_info_into_a_closed_pipe_stops_quietly():
+    """``info | head -1`` prints info's first line and nothing on stderr; a reader gone before info writes at all
+    (both ends closed at once, so the failure is certain, not a race with head) ends info as ``cat`` would end:
+    killed by SIGPIPE, no traceback, whether or not Python buffers stdout."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(["bash", "-c", f'set -o pipefail; "{sys.executable}" -m dsv4_rocm info | head -1; '
+                        'echo "status ${PIPESTATUS[*]}" >&2'], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.stdout.startswith("Platform(") and len(r.stdout.splitlines()) == 1
+    assert re.fullmatch(r"status (0|141) 0\n", r.stderr), r.stderr
+    for unbuffered in ("1", ""):
+        rd, wr = os.pipe()
+        p = subprocess.Popen([sys.executable, "-m", "dsv4_rocm", "info"], cwd=ROOT, stdout=wr, stderr=subprocess.PIPE,
+                             env=dict(env, PYTHONUNBUFFERED=unbuffered), text=True)
+        os.close(wr)
+        os.close(rd)
+        err = p.communicate(timeout=300)[1]
+        assert err == "" and p.returncode == -signal.SIGPIPE, (unbuffered, p.returncode, err)
 
 
 # ---- bench's plot ----------------------------------------------------------------------------------
