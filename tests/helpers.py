@@ -49,6 +49,27 @@ def poison_like(t):
     return torch.full_like(t, 0xAB)
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def float_mismatch(a, b):
+    """Elementwise: where the floats a and b differ in anything a test may rely on. A NaN matches any NaN,
+    whatever its sign and payload: which NaN an operation produces is the platform's choice (the CPU's
+    vector path or scalar loop, the GPU's instruction), so no test compares NaN bits. Every other value
+    matches only its own bits: -0.0 is not +0.0, +inf is not -inf, a finite value is exact."""
+    assert a.shape == b.shape and a.dtype == b.dtype and a.dtype.is_floating_point, (a.shape, a.dtype, b.shape, b.dtype)
+    ints = _SAME_SIZE_INT[a.element_size()]
+    nan_a = torch.isnan(a if a.element_size() > 1 else a.float())
+    nan_b = torch.isnan(b if b.element_size() > 1 else b.float())
+    bits = a.contiguous().view(ints) != b.contiguous().view(ints)
+    return (nan_a != nan_b) | (bits & ~nan_a)
+
+
+def same_floats(a, b):
+    """a and b hold the same floats: NaN in the same places (any NaN), every other value bit for bit."""
+    return a.shape == b.shape and a.dtype == b.dtype and not bool(float_mismatch(a, b).any())
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
