@@ -198,22 +198,3 @@ def patch_interpreter_bf16():
         return binary(self, lhs, rhs, op)
 
     B.create_dot, B.cast_impl, B.binary_op = create_dot, cast_impl, binary_op
-
-
-def attend_and_project(cfg, W, q, keys, positions, cos_sin):
-    """The end of a from-scratch layer oracle: token t's heads attend over keys[t] (a list of fp32 [512] K = V
-    rows) with the sink, then the output path (inverse RoPE, fp8 quant, the wo_a einsum, wo_b)."""
-    from dsv4_rocm.reference import attention as ra
-    from dsv4_rocm.reference import output as O
-    T, H = q.shape[0], cfg.local_heads
-    attn = torch.zeros(T, cfg.padded_heads, 512)
-    for t in range(T):
-        Ks = torch.stack(keys[t]).unsqueeze(0)
-        o, _, _ = ra.attend(q[t:t + 1].float(), Ks, torch.ones(1, Ks.shape[1], dtype=torch.bool), cfg.softmax_scale,
-                            W.attn_sink)
-        attn[t] = o[0]
-    attn = attn.bfloat16()
-    a8, sa = O.fused_inv_rope_fp8_quant(attn[:, :H], positions, cos_sin, cfg.local_groups, cfg.heads_per_group)
-    z = torch.empty(T, cfg.local_groups, cfg.o_lora_rank, dtype=torch.bfloat16)
-    O.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
-    return O.fp8_linear(z.reshape(T, -1), W.wo_b8, W.wo_b_s)

@@ -33,11 +33,31 @@ def test_run_main_job_tiny(capsys, monkeypatch):
     layers = ("swa", "c4a", "c128a")
     assert [(lt, timed) for lt, _, timed in runs] == [(lt, t) for lt in layers for t in (False, True)]
     assert all(runs[i][1] is not runs[i + 1][1] for i in range(0, 6, 2))    # the timed run starts on fresh caches
-    assert "decode tok/s" in out and "check vs reference (request 0)" in out
+    assert "decode tok/s" in out and "check (request 0)" in out
+    assert "check of request 0: the served trace (reference ops, chunked steps through the paged caches) vs the " \
+           "layer evaluated from scratch (reference.layer_spec" in out
     for layer in layers:
         row = next(line for line in out.splitlines() if line.startswith(f"{layer} "))
         err, tol = re.search(r"rel err (\S+) <= (\S+) ok$", row).groups()
         assert float(err) <= float(tol) == main_job.CHECK_TOL["cpu"]
+
+
+def test_run_check_on_cpu_catches_a_wrong_serving_path(monkeypatch):
+    """On a CPU the check is not the reference backend against itself: an attention op that is 1% off (in the
+    layer's serving path, which the same layer's reference copy would share) makes the run fail, naming what
+    it compared."""
+    from dsv4_rocm import ops
+    real = ops.sparse_mla_decode
+
+    def off_by_one_percent(*args, out=None, **kw):
+        r = real(*args, out=out, **kw)
+        out.mul_(1.01)
+        return r
+    monkeypatch.setattr(ops, "sparse_mla_decode", off_by_one_percent)
+    with pytest.raises(RuntimeError, match=r"layer swa: request 0 differs by .* in the check of the served trace "
+                                           r"\(reference ops.* vs the layer evaluated from scratch"):
+        main(["run", "--config", "tiny", "--requests", "1", "--prompt-len", "24", "--decode-steps", "1",
+              "--layers", "swa", "--device", "cpu"])
 
 
 def user_error(capsys, argv):
