@@ -18,8 +18,9 @@ KNOWN = {
          "torch's deprecation of torch.distributed.reduce_op, touched by vLLM's Triton dispatcher"),
     ],
     "sglang": [
-        (r"\S*torch/jit/_script\.py:\d+: DeprecationWarning: `torch\.jit\.script_method` is deprecated", 2,
-         "torch's deprecation of torch.jit.script_method, which SGLang's imports use"),
+        (r"sys:1: DeprecationWarning: builtin type swigvarlink has no __module__ attribute", 1,
+         "Python's deprecation note on a SWIG-built extension (sentencepiece, which SGLang's tokenizer imports), "
+         "printed at interpreter exit"),
     ],
 }
 
