@@ -5,12 +5,17 @@
 # modules the dsv4_rocm plugin hooks. So this builds a virtual environment of its own (DSV4_SGLANG_VENV,
 # default build/venvs/sglang), apart from the test venv of ci/setup.sh:
 #   - torch==2.13.0 (the CPU build where pip's index serves one) with torchvision==0.28.0, which
-#     sglang.srt.configs imports, from PyTorch's CPU index. PyPI's torchvision is a CUDA build that a CPU
-#     torch cannot load: where the CPU index cannot be reached, SGLang's own pins torch==2.14.1 and
-#     torchvision==0.29.1 are installed instead (CUDA builds; they run on the CPU);
+#     sglang.srt.configs imports, from PyTorch's CPU index (download.pytorch.org/whl/cpu): the only place a
+#     CPU build of torchvision exists. PyPI's torchvision 0.28.0 is built against a CUDA torch: its
+#     torchvision/_C.so needs libtorch_cuda.so, libc10_cuda.so and libcudart.so.13, which a CPU torch does not
+#     have, so `import torchvision` fails beside it. Where PyTorch's index cannot be reached (no answer in
+#     20 s), the tier cannot have a CPU torch and installs SGLang's own pins torch==2.14.1 and
+#     torchvision==0.29.1 instead: CUDA builds with their NVIDIA libraries, about 5 GB more, that run on the
+#     CPU. It says which torch it got;
 #   - sglang==0.5.23 with --no-deps, plus the packages its DeepSeek-V4 attention, memory-pool and plugin
-#     modules import (SGLang's own pins where it pins them; compressed-tensors without its dependencies,
-#     which would replace torch);
+#     modules import, also with --no-deps, pinned with everything they need in ci/engine_requirements_sglang.txt
+#     (SGLang's own pins where it pins them; compressed-tensors without its dependencies, which would replace
+#     torch). pip then never resolves against sglang's ~100 serving requirements, so it has nothing to report;
 #   - dsv4_rocm editable, so SGLang's plugin loader finds its `sglang.srt.plugins` entry point.
 # A venv that already has all of it is reused. Then pytest over tests/engines/test_sglang.py (or the
 # paths given). If the package index refuses sglang, the script says so and exits 0: the tests then
@@ -29,7 +34,8 @@ if ! "$PY" -c "import torch, torchvision, triton, pytest, hypothesis" 2>/dev/nul
   $PIP --no-deps --timeout 20 --retries 0 --index-url https://download.pytorch.org/whl/cpu torchvision==0.28.0 ||
     $PIP --no-deps torchvision==0.28.0
   if ! "$PY" -c "import torchvision" 2>/dev/null; then
-    say "torchvision 0.28.0 does not load with this torch: installing SGLang's pins torch==2.14.1 torchvision==0.29.1"
+    say "no CPU torchvision 0.28.0 (PyTorch's CPU index unreachable; PyPI's build needs a CUDA torch):" \
+      "installing SGLang's pins torch==2.14.1 torchvision==0.29.1, CUDA builds"
     $PIP torch==2.14.1 torchvision==0.29.1
   fi
 fi
@@ -37,11 +43,12 @@ if ! $PIP --no-deps sglang==0.5.23; then
   say "the package index refuses sglang==0.5.23: the SGLang tier is not run"
   exit 0
 fi
-say "installing what sglang's DeepSeek-V4 modules import"
-$PIP --no-deps compressed-tensors==0.18.0
-$PIP transformers==5.19.0 tokenizers==0.23.2 sentencepiece==0.2.1 openai==2.8.0 apache-tvm-ffi==0.1.11 \
-  orjson pyyaml pillow pyzmq psutil requests msgspec pybase64 pydantic ipython aiohttp dill gguf einops \
-  partial_json_parser setproctitle starlette loguru
+say "installing what sglang's DeepSeek-V4 modules import (ci/engine_requirements_sglang.txt, --no-deps)"
+$PIP --no-deps -r ci/engine_requirements_sglang.txt
 $PIP --no-deps -e .
-"$PY" -c "import torch, sglang; print('sglang', sglang.__version__, 'torch', torch.__version__)"
-exec "$PY" -m pytest -q -p no:cacheprovider "${@:-tests/engines/test_sglang.py}"
+"$PY" -c "import torch, sglang; print('sglang', sglang.__version__, 'torch', torch.__version__,
+      '(a CPU build)' if torch.version.cuda is None else '(a CUDA build: no CPU torchvision could be installed)')"
+# SGLang's imports print warnings that are expected here: ci/engine_warnings.py drops those it knows and says
+# in one line what it dropped
+"$PY" -m pytest -q -p no:cacheprovider "${@:-tests/engines/test_sglang.py}" 2>&1 |
+  python3 ci/engine_warnings.py sglang "ci/$(basename "$0")"

@@ -10,5 +10,12 @@ if ! python3 -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
 fi
 say "installing torch==2.13.0 triton==3.6.0 dsv4_rocm${DSV4_EXTRAS:+[$DSV4_EXTRAS]} into $(python3 -c 'import sys; print(sys.prefix)')"
 python3 -m pip install -q --disable-pip-version-check torch==2.13.0 triton==3.6.0 -e ".${DSV4_EXTRAS:+[$DSV4_EXTRAS]}"
-# pip hides what the build printed (whether and why it skipped the HIP extension): say it here
-say "$(python3 -m dsv4_rocm info 2>/dev/null | grep -m1 '^HIP extension' || echo 'python -m dsv4_rocm info failed')"
+# pip hides what the build printed (whether and why it skipped the HIP extension): say it here. info's output
+# is captured whole before it is searched: a grep that stops at its first match, reading info through a pipe,
+# could close the pipe under info and, with pipefail, report a successful info as failed.
+info_line() {
+  local out
+  out=$(python3 -m dsv4_rocm info 2>/dev/null) || { echo "python -m dsv4_rocm info failed"; return; }
+  grep -m1 '^HIP extension' <<<"$out" || echo "python -m dsv4_rocm info printed no 'HIP extension' line"
+}
+say "$(info_line)"

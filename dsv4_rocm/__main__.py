@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
 
 LAYER_TYPES = ("swa", "c4a", "c128a")
@@ -313,5 +314,25 @@ def main(argv=None):
         return 2
 
 
+def _stdout_closed():
+    """The reader of stdout went away (``info | head -1``): stop quietly, as ``cat`` or ``seq`` do. What is
+    still buffered goes nowhere, so that the interpreter's last flush cannot fail with a traceback either;
+    the exit status is a death by SIGPIPE (the shell's 141) where the system has that signal, else 1."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGPIPE)
+    return 1
+
+
+def _cli():
+    try:
+        rc = main()
+        sys.stdout.flush()                  # a closed pipe shows here, not in the interpreter's exit flush
+    except BrokenPipeError:
+        rc = _stdout_closed()
+    return rc
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli())

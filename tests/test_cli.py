@@ -3,6 +3,7 @@ is one line on stderr naming what is wrong and what to do, exit status 2, no tra
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import types
@@ -32,11 +33,31 @@ def test_run_main_job_tiny(capsys, monkeypatch):
     layers = ("swa", "c4a", "c128a")
     assert [(lt, timed) for lt, _, timed in runs] == [(lt, t) for lt in layers for t in (False, True)]
     assert all(runs[i][1] is not runs[i + 1][1] for i in range(0, 6, 2))    # the timed run starts on fresh caches
-    assert "decode tok/s" in out and "check vs reference (request 0)" in out
+    assert "decode tok/s" in out and "check (request 0)" in out
+    assert "check of request 0: the served trace (reference ops, chunked steps through the paged caches) vs the " \
+           "layer evaluated from scratch (reference.layer_spec" in out
     for layer in layers:
         row = next(line for line in out.splitlines() if line.startswith(f"{layer} "))
         err, tol = re.search(r"rel err (\S+) <= (\S+) ok$", row).groups()
         assert float(err) <= float(tol) == main_job.CHECK_TOL["cpu"]
+
+
+def test_run_check_on_cpu_catches_a_wrong_serving_path(monkeypatch):
+    """On a CPU the check is not the reference backend against itself: an attention op that is 1% off (in the
+    layer's serving path, which the same layer's reference copy would share) makes the run fail, naming what
+    it compared."""
+    from dsv4_rocm import ops
+    real = ops.sparse_mla_decode
+
+    def off_by_one_percent(*args, out=None, **kw):
+        r = real(*args, out=out, **kw)
+        out.mul_(1.01)
+        return r
+    monkeypatch.setattr(ops, "sparse_mla_decode", off_by_one_percent)
+    with pytest.raises(RuntimeError, match=r"layer swa: request 0 differs by .* in the check of the served trace "
+                                           r"\(reference ops.* vs the layer evaluated from scratch"):
+        main(["run", "--config", "tiny", "--requests", "1", "--prompt-len", "24", "--decode-steps", "1",
+              "--layers", "swa", "--device", "cpu"])
 
 
 def user_error(capsys, argv):
@@ -146,6 +167,26 @@ def test_info_and_backend_errors(capsys, monkeypatch):
         assert ops.backend_for("sparse_mla_decode", "cpu") == "reference"
     with pytest.raises(ValueError, match="unknown op"):
         ops.backend_for("flash_attn", "cpu")
+
+
+def test_info_into_a_closed_pipe_stops_quietly():
+    """``info | head -1`` prints info's first line and nothing on stderr; a reader gone before info writes at all
+    (both ends closed at once, so the failure is certain, not a race with head) ends info as ``cat`` would end:
+    killed by SIGPIPE, no traceback, whether or not Python buffers stdout."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(["bash", "-c", f'set -o pipefail; "{sys.executable}" -m dsv4_rocm info | head -1; '
+                        'echo "status ${PIPESTATUS[*]}" >&2'], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.stdout.startswith("Platform(") and len(r.stdout.splitlines()) == 1
+    assert re.fullmatch(r"status (0|141) 0\n", r.stderr), r.stderr
+    for unbuffered in ("1", ""):
+        rd, wr = os.pipe()
+        p = subprocess.Popen([sys.executable, "-m", "dsv4_rocm", "info"], cwd=ROOT, stdout=wr, stderr=subprocess.PIPE,
+                             env=dict(env, PYTHONUNBUFFERED=unbuffered), text=True)
+        os.close(wr)
+        os.close(rd)
+        err = p.communicate(timeout=300)[1]
+        assert err == "" and p.returncode == -signal.SIGPIPE, (unbuffered, p.returncode, err)
 
 
 # ---- bench's plot ----------------------------------------------------------------------------------

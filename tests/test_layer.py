@@ -1,79 +1,18 @@
 """The whole attention layer (dsv4_rocm.attention over the public ops) against a from-scratch evaluation of
-the spec (the oracle of the whole layer: a composition of the reference functions, written here), and its
+the spec (the oracle of the whole layer: dsv4_rocm.reference.layer_spec, a composition of the reference
+functions), and its
 invariances: one-shot prefill == chunked prefill == token-by-token decode, mixed batches, caches."""
 import pytest
 import torch
 
 from dsv4_rocm import ops
 from dsv4_rocm.config import LayerType, tiny_config
-from dsv4_rocm.reference import cache as rc
-from dsv4_rocm.reference import indexer as I
-from dsv4_rocm.reference import output as O
-from dsv4_rocm.reference.norm import fused_q_kv_rmsnorm, rmsnorm
-from dsv4_rocm.reference.qkv import kv_rope, q_norm_rope
-from dsv4_rocm.reference.quant import quantize_blocks
-from dsv4_rocm.reference.rope import rope_fwd
+from dsv4_rocm.reference.layer_spec import from_scratch_layer
 from dsv4_rocm.serving import SyntheticServer
-from helpers import attend_and_project, rel_err
+from helpers import rel_err
 
 CFG = tiny_config()
 MAX_LEN = 512
-
-
-def _entries(x, w, ape, norm_w, ratio, D, n, cs):
-    """Compressed entries 0..n-1 of one request, straight from docs/math.md#compressor (fp32 y-hat per entry)."""
-    c = 2 if ratio == 4 else 1
-    ks = x.float() @ w.float().t()
-    kv, sc = ks[:, :c * D], ks[:, c * D:] + ape[torch.arange(x.shape[0]) % ratio]
-    out = []
-    for j in range(n):
-        us = [u for u in (range(4 * j - 4, 4 * j + 4) if ratio == 4 else range(128 * j, 128 * j + 128)) if u >= 0]
-        half = [1 if (ratio == 4 and u >= 4 * j) else 0 for u in us]
-        kvs = torch.stack([kv[u, h * D:(h + 1) * D] for u, h in zip(us, half)])
-        scs = torch.stack([sc[u, h * D:(h + 1) * D] for u, h in zip(us, half)])
-        yh = rmsnorm((torch.softmax(scs, 0) * kvs).sum(0), norm_w, 1e-6)
-        out.append((yh, rope_fwd(yh.unsqueeze(0), torch.tensor([j * ratio]), cs)[0]))
-    return out
-
-
-def naive_layer(server, x):
-    """One request, positions 0..T-1, every set built by hand from the spec (no cache, no metadata ops)."""
-    cfg, lt, W, cs = server.cfg, server.layer_type, server.weights, server.cos_sin
-    T, H, Wn = x.shape[0], cfg.local_heads, cfg.sliding_window
-    r = {LayerType.SWA: 1, LayerType.C4: 4, LayerType.C128: 128}[lt]
-    qr_kv = O.fp8_linear(x, W.wqkv8, W.wqkv_s)
-    qr, kv = fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], W.q_norm, W.kv_norm, 1e-6)
-    pos = torch.arange(T)
-    q = torch.zeros(T, cfg.padded_heads, 512, dtype=torch.bfloat16)
-    q[:, :H] = q_norm_rope(O.fp8_linear(qr, W.wq_b8, W.wq_b_s).view(T, H, 512), pos, cs, 1e-6)
-    K_raw = rc.decode_k_records(rc.encode_k_records(kv_rope(kv, pos, cs)))
-    K_c = None
-    if r > 1:
-        ents = _entries(x, W.comp_w, W.comp_ape, W.comp_norm, r, 512, T // r, cs)
-        K_c = torch.stack([rc.decode_k_records(rc.encode_k_records(
-            torch.cat([yh[:448], ro[448:]]).bfloat16().unsqueeze(0)))[0] for yh, ro in ents]) if ents else None
-    if lt == LayerType.C4:
-        ients = _entries(x, W.idx_comp_w, W.idx_comp_ape, W.idx_comp_norm, 4, 128, T // 4, cs)
-        k8, ksc = [], []
-        for _, ro in ients:
-            qb, e = quantize_blocks(ro.bfloat16().float().unsqueeze(0), 128, 1e-4)
-            k8.append(qb[0]), ksc.append(2.0 ** int(e))
-        qi = O.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(T, cfg.index_n_heads, 128)
-        wi = (x.float() @ W.idx_wproj.float().t()).bfloat16()
-        q8, wq = I.fused_indexer_q_rope_quant(pos, qi, cs, wi, 128 ** -0.5, cfg.index_n_heads ** -0.5)
-    all_keys = []
-    for t in range(T):
-        keys = [K_raw[u] for u in range(max(0, t - Wn + 1), t + 1)]
-        n = (t + 1) // r if r > 1 else 0
-        if lt == LayerType.C128:
-            keys += [K_c[j] for j in range(n)]
-        elif lt == LayerType.C4 and n:
-            lg = I.fp8_mqa_logits(q8[t:t + 1], (torch.stack(k8[:n]), torch.tensor(ksc[:n])), wq[t:t + 1],
-                                  torch.tensor([0]), torch.tensor([n]))[0]
-            chosen = range(n) if n <= cfg.index_topk else torch.topk(lg, cfg.index_topk).indices.tolist()
-            keys += [K_c[j] for j in chosen]
-        all_keys.append(keys)
-    return attend_and_project(cfg, W, q, all_keys, pos, cs)
 
 
 def _run(lt, xs, schedule, device="cpu", cfg=CFG):
@@ -94,7 +33,7 @@ def _xs(lens, seed):
 def test_layer_matches_from_scratch_spec(lt):
     xs = _xs([290], 10 + list(LayerType).index(lt))
     s, y = _run(lt, xs, [{0: (0, 150)}, {0: (150, 280)}] + [{0: (280 + i, 281 + i)} for i in range(10)])
-    ref = naive_layer(s, xs[0])
+    ref = from_scratch_layer(s, xs[0])
     err = rel_err(y[0].float(), ref.float())
     print(f"{lt.value}: layer vs from-scratch spec, rel err {err:.2e}")
     assert err < 2e-3
@@ -119,7 +58,7 @@ def test_layer_on_gpu_matches_from_scratch_spec(lt, topk, tol, gpu):
     cfg = tiny_config(index_topk=topk)
     xs = _xs([290], 10 + list(LayerType).index(lt))
     s, y = _run(lt, xs, [{0: (0, 150)}, {0: (150, 280)}] + [{0: (280 + i, 281 + i)} for i in range(10)], gpu, cfg)
-    ref = naive_layer(SyntheticServer(cfg, lt, 1, MAX_LEN, weights=s.weights.to("cpu")), xs[0])
+    ref = from_scratch_layer(SyntheticServer(cfg, lt, 1, MAX_LEN, weights=s.weights.to("cpu")), xs[0])
     err = rel_err(y[0].float(), ref.float())
     print(f"{lt.value} k={topk} on {torch.cuda.get_device_name()}: layer vs from-scratch spec, rel err {err:.2e}")
     assert torch.isfinite(y[0]).all() and err < tol

@@ -21,11 +21,11 @@ from dsv4_rocm.reference import cache as rc
 from dsv4_rocm.reference import indexer as I
 from dsv4_rocm.reference import output as O
 from dsv4_rocm.reference.compressor import pool, rms_normalize
+from dsv4_rocm.reference.layer_spec import attend_and_project
 from dsv4_rocm.reference.norm import fused_q_kv_rmsnorm
 from dsv4_rocm.reference.qkv import kv_rope
 from dsv4_rocm.reference.quant import quantize_blocks
 from dsv4_rocm.reference.rope import build_cos_sin_cache, rope_fwd
-from helpers import attend_and_project
 
 
 def _records(k_bf16, fmt=L.V40_584):
