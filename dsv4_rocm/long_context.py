@@ -1,0 +1,563 @@
+"""The layer checked at long contexts (32K to 128K tokens) in minutes: sampled rows against a float64
+reference on the indices they select, a planted needle for the C4 indexer, and a long decode run for drift.
+
+Where the time of a plain long run goes, and what this check does instead:
+
+* The main job's end-of-run check runs request 0 through the reference backend on the CPU: every token's
+  indexer logits over every visible entry (O(n^2 / 4) dot products of 64 heads) and its attention, in
+  exact emulation. At 32K tokens that alone is minutes. Here the reference is computed for a sample of rows
+  only, each on the keys it attends (its window and its selected entries) plus one row of index logits.
+* Every prefill token of a long prompt scores all its visible entries in the indexer (O(n^2 / 4) again,
+  on the GPU). Rows nobody checks do not need scores: the prefix is written by ``fill_caches`` (the same
+  kernels that ``forward`` runs to write the SWA records, the compressor state and entries and the index
+  keys, in the same order, so the caches end byte for byte as after ``forward``) in chunks of ``chunk``
+  tokens; the sampled prefill rows run ``forward`` in 2-token prefill steps, and every decode step runs
+  ``forward``.
+* A chunk of 512 tokens a step is 64 steps a request at 32K with their host work; a fill chunk is 8192.
+
+What a sampled row at position p checks (each its own line of the table, the worst row's error):
+  q         the kernel's q (after norm / RoPE) against the reference functions on the row's hidden state
+  swa       the SWA records of p's window, read back from the pages at the slots the block table gives,
+            against records encoded from the reference's keys
+  comp      the compressed records p attends (C4: its top-k; C128 and V4.1: all, or the top-k), against
+            entries pooled, normed, roped and quantized from the hidden states in float64
+  index-k   the index keys of p's visible entries (C4: the indexer-K records; V4.1: the kv source's), the same
+  top-k     the kernel's top-k against float64 logits of the row (q8 of the reference, keys from the pages):
+            every selected entry scores within ``TOPK_TOL`` (relative to the largest logit) of the k-th
+            largest, every other entry not above it; exact set when the row sees at most k entries
+  attn      the kernel's attention output against float64 attention of the kernel's q over the keys at the
+            slots the reference computes (window + selected entries) with the sink
+  out       the layer output against the reference output path of the kernel's attention output
+Position classes sampled (``position_classes``): window edge (the first full window, and its first slide),
+compressed-block edge (the token closing an entry of every ratio), page wrap (the first token of an SWA page
+and of a compressed page, and the last before it), the last prompt token and every decode step, the last
+one being the last token of the context.
+"""
+import dataclasses
+import math
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from . import layout as L
+from .config import AttentionConfig, LayerType, get_config
+from .reference import cache as rc
+from .reference import indexer as RI
+from .reference import output as RO
+from .reference.compressor import pool, rms_normalize
+from .reference.norm import fused_q_kv_rmsnorm, rmsnorm
+from .reference.quant import dequantize_blocks, quantize_blocks
+from .reference.rope import rope_fwd
+
+LENGTHS = (32768, 65536, 131072)
+V40_KINDS = ("swa", "c4a", "c128a")
+V41_RECORDS = ("V40_584", "V41_528", "V41_528+V41_FP4_288")
+FILL_CHUNK = 8192
+# tolerances (docs/numerics.md): errors are relative (norm of the difference / norm of the reference) per
+# row or record, the table shows the worst
+TOL = {
+    "q": 1e-2,          # one bf16 rounding apart at most in a few elements (fp8 GEMM accumulation order)
+    "swa": 2e-2,        # a record is bytes of fp8 / e2m1: an input one bf16 ulp apart moves a few elements a step
+    "comp": 2e-2,
+    "comp_fp4": 6e-2,   # one e2m1 step is up to a third of an element
+    "index-k": 2e-2,
+    "top-k": 2e-2,      # relative to the row's largest |logit|
+    "attn": 2e-2,       # bf16 output; P rounded to bf16 in the GPU kernels
+    "out": 3e-2,        # fp8 activation quantization of the attention output may flip a step
+}
+CPU_ATTN_TOL = 1e-3     # the reference backend: fp32 attention rounded to bf16, a rare flip of one bf16 step
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row relative error of a against b (rows = leading dims, last dim the vector)."""
+    a, b = a.double(), b.double()
+    return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)
+
+
+# ---- which rows -------------------------------------------------------------------------------------
+def position_classes(length: int, window: int, decode_steps: int, seed: int = 0) -> Dict[int, List[str]]:
+    """{position: [classes]} of the rows a context of ``length`` tokens checks: prompt of
+    ``length - decode_steps // 2 - 1`` tokens (so that decode steps cross the 256-token boundary at
+    ``length``), then ``decode_steps`` decode steps."""
+    prompt = prompt_len(length, decode_steps)
+    g = torch.Generator().manual_seed(seed)
+    mid = max(256, (length // 2) // 256 * 256)
+    rows: Dict[int, List[str]] = {}
+
+    def add(p, c):
+        if 1 <= p < prompt + decode_steps:
+            rows.setdefault(p, []).append(c)
+    add(window - 1, "window edge")
+    add(window, "window edge")
+    add(mid - 1, "block edge")          # closes a C4, C128 and V4.1 entry, the last of a compressed page
+    add(mid, "page wrap")               # first token of an SWA page and of a compressed page
+    add(mid + 63, "page wrap")          # last slot of an SWA page
+    add(int(torch.randint(window + 1, max(window + 2, prompt - 1), (), generator=g)), "middle")
+    add(prompt - 1, "last prompt token")
+    for p in range(prompt, prompt + decode_steps):
+        add(p, "decode")
+        if (p + 1) % 4 == 0:
+            add(p, "block edge")
+        if p % 64 == 0:
+            add(p, "page wrap")
+    add(prompt + decode_steps - 1, "last token")
+    return dict(sorted(rows.items()))
+
+
+def prompt_len(length: int, decode_steps: int) -> int:
+    return max(2, length - decode_steps // 2 - 1)
+
+
+# ---- running the layer ------------------------------------------------------------------------------
+class Capture:
+    """The attention inputs and outputs of the rows at ``positions`` of one layer module, recorded by
+    wrapping its ``forward_mqa``: the kernel's q, its output, and the local top-k it attended (C4: the
+    layer's own; V4.1: the stack's shared buffer, with the candidate blocks)."""
+
+    def __init__(self, module, positions: Sequence[int]):
+        self.module, self.want = module, set(int(p) for p in positions)
+        self.rows: Dict[int, dict] = {}
+        self._orig = module.forward_mqa
+        module.forward_mqa = self._hook
+
+    def _hook(self, q, kv, positions, output, step=None):
+        self._orig(q, kv, positions, output, step)
+        pos = positions.tolist() if positions.device.type == "cpu" else positions.cpu().tolist()
+        m = self.module
+        topk = getattr(m, "_topk", None)
+        shared = getattr(m, "shared", None)
+        if shared is not None and m.ratio:
+            topk = shared.topk[:q.shape[0]]
+        cand = shared.candidates[:q.shape[0]] if shared is not None and shared.candidates is not None else None
+        for t, p in enumerate(pos):
+            if p in self.want:
+                self.rows[p] = dict(q=q[t].float().cpu(), o=output[t].float().cpu(),
+                                    topk=None if topk is None else topk[t].cpu().clone(),
+                                    cand=None if cand is None else cand[t].cpu().clone())
+
+    def close(self):
+        self.module.forward_mqa = self._orig
+
+
+def _step_fill(srv, x_rows, modules):
+    """Write the next rows of request 0 into the caches (``fill_caches`` of every module, in layer order)."""
+    st = srv.make_step({0: x_rows.shape[0]})
+    st.build(srv.ratios())
+    for m in modules:
+        m.fill_caches(st.positions, x_rows, st)
+    srv.done[0] += x_rows.shape[0]
+
+
+def _modules(srv):
+    return [srv.modules[x] for x in srv.layers] if hasattr(srv, "modules") else [srv.layer]
+
+
+def _forward(srv, x_rows) -> Dict[int, torch.Tensor]:
+    """One step of request 0 through every layer: {layer key: output rows}."""
+    if hasattr(srv, "step_all"):
+        return {x: ys[0] for x, ys in srv.step_all({0: x_rows}).items()}
+    return {srv.layer_type.value: srv.step({0: x_rows})[0]}
+
+
+def run_rows(srv, x, rows: Sequence[int], decode_steps: int, prompt: int, chunk: int = FILL_CHUNK,
+             full_prefill: bool = False) -> Dict[str, Dict[int, dict]]:
+    """Prefill ``prompt`` tokens of request 0 then decode ``decode_steps``: the prefix by ``fill_caches``
+    (``full_prefill``: by ``forward``) in chunks of ``chunk``, each sampled prefill row p in a 2-token
+    forward step [p - 1, p + 1), every decode step by forward. Returns {layer key: {position: captured
+    row, with its layer output "y"}}."""
+    mods = _modules(srv)
+    keys = [str(x) for x in srv.layers] if hasattr(srv, "layers") and hasattr(srv, "modules") \
+        else [srv.layer_type.value]
+    caps = {k: Capture(m, rows) for k, m in zip(keys, mods)}
+    want = sorted(p for p in rows if p < prompt)
+    try:
+        pos = 0
+
+        def advance(to):
+            nonlocal pos
+            while pos < to:
+                n = min(chunk, to - pos)
+                if full_prefill:
+                    _forward(srv, x[pos:pos + n])
+                else:
+                    _step_fill(srv, x[pos:pos + n], mods)
+                pos += n
+
+        for p in want:
+            if p + 1 <= pos:
+                continue
+            advance(p - 1)
+            ys = _forward(srv, x[pos:p + 1])
+            for k, y in ys.items():
+                for t, q in enumerate(range(pos, p + 1)):
+                    if q in caps[str(k)].rows:
+                        caps[str(k)].rows[q]["y"] = y[t].float().cpu()
+            pos = p + 1
+        advance(prompt)
+        for p in range(prompt, prompt + decode_steps):
+            ys = _forward(srv, x[p:p + 1])
+            for k, y in ys.items():
+                if p in caps[str(k)].rows:
+                    caps[str(k)].rows[p]["y"] = y[0].float().cpu()
+    finally:
+        for c in caps.values():
+            c.close()
+    return {k: c.rows for k, c in caps.items()}
+
+
+# ---- the reference of one layer ---------------------------------------------------------------------
+class LayerReference:
+    """Float64 / reference-function values of one layer of request 0 (hidden states ``x`` on any device;
+    weights and cos/sin of the module). Compressed entries are computed for the entries asked, on x's
+    device; rows on the CPU."""
+
+    def __init__(self, srv, module, x: torch.Tensor, swa_fmt=L.V40_584, comp_fmt=L.V40_584, v41=False):
+        self.srv, self.m, self.cfg = srv, module, module.cfg
+        self.x = x
+        self.xc = None
+        self.W = module.w.to("cpu")
+        src = srv.modules[module.spec.kv_source] if v41 and module.ratio else module
+        self.Wd = src.w                         # the kv source's, on the device, for the entries' projections
+        self.cs = module.cos_sin_cache.cpu()
+        self.swa_fmt, self.comp_fmt, self.v41 = swa_fmt, comp_fmt, v41
+        self.rows = srv._rows                   # host block tables: [swa, compressed, state][request]
+        self._entries: Dict[tuple, torch.Tensor] = {}
+
+    def _x_cpu(self, idx):
+        return self.x[torch.as_tensor(idx, device=self.x.device)].cpu()
+
+    # slots, from the host block tables (independent of the step's metadata kernels)
+    def swa_slot(self, p: int) -> int:
+        return self.rows[0][0][p // L.SWA_BLOCK_SIZE] * L.SWA_BLOCK_SIZE + p % L.SWA_BLOCK_SIZE
+
+    def comp_slot(self, j: int, bs: int) -> int:
+        return self.rows[1][0][j // bs] * bs + j % bs
+
+    # projections of rows (the reference functions: the kernels' arithmetic in fp32)
+    def projections(self, ps: Sequence[int]):
+        cfg, W = self.cfg, self.W
+        x = self._x_cpu(list(ps))
+        qr_kv = RO.fp8_linear(x, W.wqkv8, W.wqkv_s)
+        qr, kv = fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], W.q_norm, W.kv_norm,
+                                    cfg.rms_norm_eps)
+        return x, qr, kv
+
+    def q(self, p: int) -> torch.Tensor:
+        cfg, W = self.cfg, self.W
+        _, qr, _ = self.projections([p])
+        q = RO.fp8_linear(qr, W.wq_b8, W.wq_b_s).view(1, cfg.local_heads, 512)
+        pos = torch.tensor([p])
+        if self.v41:
+            return rope_fwd(q, pos, self.cs).bfloat16()[0]
+        return rope_fwd(rmsnorm(q, None, cfg.rms_norm_eps), pos, self.cs).bfloat16()[0]
+
+    def window_keys(self, ps: Sequence[int]) -> torch.Tensor:
+        """Decoded records fp32 [n, 512] of the window tokens ``ps``, encoded from the reference's keys."""
+        _, _, kv = self.projections(ps)
+        k = rope_fwd(kv, torch.as_tensor(list(ps)), self.cs).bfloat16()
+        return rc.decode_k_records(rc.encode_k_records(k, self.swa_fmt), self.swa_fmt)
+
+    def index_query(self, p: int):
+        """(q8 fp32 values [nh, 128], folded weights [nh]) of the row's indexer query."""
+        cfg, W = self.cfg, self.W
+        x, qr, _ = self.projections([p])
+        nh = cfg.index_n_heads
+        qi = RO.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(1, nh, 128)
+        wi = (x.float() @ W.idx_wproj.float().t()).bfloat16()
+        q8, wq = RI.fused_indexer_q_rope_quant(torch.tensor([p]), qi, self.cs, wi, 128 ** -0.5, nh ** -0.5)
+        return q8[0].float(), wq[0].float()
+
+    # compressed entries, float64 pooling from the hidden states
+    def entries(self, js: Sequence[int], target: str) -> torch.Tensor:
+        """Decoded records fp32 [n, 512] (target "main") or dequantized index keys fp32 [n, 128] ("index")
+        of compressed entries ``js``, computed from the hidden states (float64 projections and pooling)."""
+        js = [int(j) for j in js]
+        need = [j for j in js if (target, j) not in self._entries]
+        for a in range(0, len(need), 4096):
+            part = need[a:a + 4096]
+            vals = self._entries_v41(part, target) if self.v41 else self._entries_v40(part, target)
+            for j, v in zip(part, vals):
+                self._entries[(target, j)] = v
+        if not js:
+            return torch.zeros(0, 512 if target == "main" else 128)
+        return torch.stack([self._entries[(target, j)] for j in js])
+
+    def _entries_v40(self, js, target):
+        r, main = self.m.ratio, target == "main"
+        D = 512 if main else 128
+        W = self.Wd
+        w, ape, norm = (W.comp_w, W.comp_ape, W.comp_norm) if main else (W.idx_comp_w, W.idx_comp_ape, W.idx_comp_norm)
+        dev = self.x.device
+        j = torch.tensor(js, device=dev)
+        if r == 4:
+            u = 4 * j[:, None] + torch.arange(-4, 4, device=dev)[None]
+            cur = u >= 4 * j[:, None]
+        else:
+            u = r * j[:, None] + torch.arange(r, device=dev)[None]
+            cur = torch.ones_like(u, dtype=torch.bool)
+        ok = u >= 0
+        ks = self.x[u.clamp_min(0)].double() @ w.double().t()        # [J, window, 2 * coff * D]
+        c = 2 if r == 4 else 1
+        kv, sc = ks[..., :c * D], ks[..., c * D:] + ape.double()[u.clamp_min(0) % r]
+        if r == 4:
+            kv = torch.where(cur[..., None], kv[..., D:], kv[..., :D])
+            sc = torch.where(cur[..., None], sc[..., D:], sc[..., :D])
+        sc = sc.masked_fill(~ok[..., None], float("-inf"))
+        y = (torch.softmax(sc, dim=1) * kv).sum(1)
+        yh = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + self.cfg.rms_norm_eps) * norm.double()
+        pos = (j * r).cpu()
+        yh = yh.float().cpu()
+        ro = rope_fwd(yh, pos, self.cs)
+        if main:
+            k = torch.cat([yh[:, :448], ro[:, 448:]], dim=1).bfloat16()
+            return rc.decode_k_records(rc.encode_k_records(k, self.comp_fmt), self.comp_fmt)
+        z = ro.bfloat16().float()
+        q8, e = quantize_blocks(z, 128, 1e-4)
+        return dequantize_blocks(q8, e, 128)
+
+    def _entries_v41(self, js, target):
+        r, W, eps = self.m.ratio, self.Wd, self.cfg.rms_norm_eps
+        dev = self.x.device
+        j = torch.tensor(js, device=dev)
+        u = r * j[:, None] + torch.arange(r, device=dev)[None]
+        ks = self.x[u].double() @ W.comp_w.double().t()               # [J, r, 512 * r]
+        if r == 1:
+            y = ks[:, 0, :512]
+        else:
+            y = (torch.softmax(ks[..., 512:], dim=1) * ks[..., :512]).sum(1)
+        latent = (y * torch.rsqrt((y * y).mean(-1, keepdim=True) + eps) * W.comp_norm.double()).bfloat16()
+        pos = (j * r).cpu()
+        if target == "main":
+            lat = latent.cpu()
+            if self.comp_fmt.name == L.V40_584.name:
+                k = rope_fwd(lat, pos, self.cs).bfloat16()
+                return rc.decode_k_records(rc.encode_k_records(k, self.comp_fmt), self.comp_fmt)
+            return rc.decode_k_records(rc.encode_values(rope_fwd(lat.float(), pos, self.cs), self.comp_fmt),
+                                       self.comp_fmt)
+        k_pre = (latent.double() @ W.idx_wk.double().t()).bfloat16().double()
+        k = (k_pre * torch.rsqrt((k_pre * k_pre).mean(-1, keepdim=True) + eps) * W.idx_k_norm.double())
+        z = rope_fwd(k.bfloat16().cpu(), pos, self.cs).bfloat16().float()
+        q8, e = quantize_blocks(z, 128, 1e-4)
+        return dequantize_blocks(q8, e, 128)
+
+    # what the pages hold
+    def cached_window(self, ps) -> torch.Tensor:
+        slots = torch.tensor([self.swa_slot(p) for p in ps], device=self.m.cache.swa.device)
+        rec = rc.gather_k_records(self.m.cache.swa, slots, L.SWA_BLOCK_SIZE, self.swa_fmt)
+        return rc.decode_k_records(rec.cpu(), self.swa_fmt)
+
+    def cached_entries(self, js, bs: int) -> torch.Tensor:
+        cache = self.m.cache.comp
+        slots = torch.tensor([self.comp_slot(j, bs) for j in js], dtype=torch.int64, device=cache.device)
+        rec = rc.gather_k_records(cache, slots, bs, self.comp_fmt)
+        return rc.decode_k_records(rec.cpu(), self.comp_fmt)
+
+    def cached_index_keys(self, n: int) -> torch.Tensor:
+        """Dequantized index keys fp32 [n, 128] of entries 0..n-1, on the cache's device."""
+        idx = self.m.cache.idx
+        row = torch.tensor(self.rows[1][0], dtype=torch.int64, device=idx.device)
+        j = torch.arange(n, device=idx.device)
+        slots = row[j // 64] * 64 + j % 64
+        b, s = rc.indexer_k_gather(idx, slots, 64)
+        return b.view(torch.float8_e4m3fn).float() * s[:, None]
+
+
+def topk_violation(logits: torch.Tensor, selected: torch.Tensor, k: int, allowed: Optional[torch.Tensor] = None):
+    """How far the selection ``selected`` (valid entry ids first, -1 after) is from a top-k of ``logits``
+    (float64 [n]; ``allowed`` bool [n]: the entries it may take): 0 for an exact top-k; else the largest
+    gap, relative to max |logit|, by which a selected entry scores below the k-th largest or an unselected
+    one above it. A selection of an invalid, repeated or disallowed entry, or of the wrong count, is inf."""
+    n = logits.shape[0]
+    allowed = torch.ones(n, dtype=torch.bool) if allowed is None else allowed
+    m = int(allowed.sum())
+    sel = selected[selected >= 0].long()
+    want = min(k, m)
+    if sel.numel() != want or (selected[:want] < 0).any() or (sel >= n).any() or sel.unique().numel() != want \
+            or (want and not allowed[sel].all()):
+        return float("inf")
+    if m <= k:
+        return 0.0
+    vals = logits.masked_fill(~allowed, float("-inf"))
+    tau = torch.topk(vals, k).values[-1]
+    scale = float(logits[allowed].abs().max().clamp_min(1e-30))
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[sel] = True
+    below = float((tau - vals[chosen].min()).clamp_min(0))
+    others = vals[~chosen & allowed]
+    above = float((others.max() - tau).clamp_min(0)) if others.numel() else 0.0
+    return max(below, above) / scale
+
+
+def index_logits(q8, wq, keys) -> torch.Tensor:
+    """float64 [n]: sum_h w_h relu(q8_h . k_j) for dequantized keys [n, 128] (on any device)."""
+    s = keys.double() @ q8.double().t().to(keys.device)            # [n, nh]
+    return (s.clamp_min(0) @ wq.double().to(keys.device)).cpu()
+
+
+def attend64(q: torch.Tensor, K: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of heads q [H, 512] over K = V [n, 512] with the sink in the denominator only."""
+    q, K, sink = q.double(), K.double(), sink.double()
+    lg = scale * q @ K.t()                                           # [H, n]
+    m = torch.maximum(lg.amax(1), sink) if K.shape[0] else sink
+    e = torch.exp(lg - m[:, None])
+    return (e @ K) / (e.sum(1) + torch.exp(sink - m))[:, None]
+
+
+def output_path(cfg, W, o: torch.Tensor, p: int, cs) -> torch.Tensor:
+    """The reference output path of one row's attention output o [H, 512] (bf16 values)."""
+    H, G = cfg.local_heads, cfg.local_groups
+    a8, sa = RO.fused_inv_rope_fp8_quant(o[None, :H].bfloat16(), torch.tensor([p]), cs, G, H // G)
+    z = torch.empty(1, G, cfg.o_lora_rank, dtype=torch.bfloat16)
+    RO.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
+    return RO.fp8_linear(z.reshape(1, -1), W.wo_b8, W.wo_b_s)[0].float()
+
+
+# ---- checking one layer's rows ----------------------------------------------------------------------
+@dataclasses.dataclass
+class RowCheck:
+    """The errors of one sampled row of one layer: {quantity: error}."""
+    pos: int
+    classes: List[str]
+    errs: Dict[str, float]
+    needle: Optional[dict] = None
+
+
+def check_row(ref: LayerReference, p: int, cap: dict, classes=()) -> RowCheck:
+    """Every quantity of the module docstring for the row at position p (``cap``: its Capture record)."""
+    m, cfg = ref.m, ref.cfg
+    H, Wn = cfg.local_heads, cfg.sliding_window
+    errs: Dict[str, float] = {}
+    q_ref = ref.q(p)
+    errs["q"] = float(_rel(cap["q"][:H], q_ref).max())
+    win = list(range(max(0, p - Wn + 1), p + 1))
+    K_win = ref.cached_window(win)
+    errs["swa"] = float(_rel(K_win, ref.window_keys(win)).max())
+    keys = [K_win]
+    r = m.ratio
+    if r > (0 if ref.v41 else 1):       # V4.0's ratio 1 and V4.1's ratio 0 are the window alone
+        n = (p + 1) // r
+        bs = L.compressed_block_size(r) if not ref.v41 else 64
+        is_c4 = (r == 4 and not ref.v41)
+        owns_topk = ref.v41 or is_c4
+        sel = list(range(n))
+        if owns_topk:
+            tk = cap["topk"]
+            sel = [int(j) for j in tk[tk >= 0].tolist()]
+            index_src = is_c4 or (ref.v41 and m.spec.owns_index)
+            if index_src and n:
+                keys_c = ref.cached_index_keys(n)
+                check_js = sorted(set(sel) | {0, n - 1} | set(range(max(0, n - 4), n)))
+                ref_k = ref.entries(check_js, "index")
+                errs["index-k"] = float(_rel(keys_c[torch.tensor(check_js, device=keys_c.device)].cpu(), ref_k).max())
+                q8, wq = ref.index_query(p)
+                lg = index_logits(q8, wq, keys_c)
+                allowed = None
+                if ref.v41 and m.spec.uses_candidates:
+                    cb = cap["cand"]
+                    blocks = set(int(b) for b in cb[cb >= 0].tolist())
+                    allowed = torch.tensor([j // cfg.candidate_block_size in blocks for j in range(n)])
+                errs["top-k"] = topk_violation(lg, tk, cfg.index_topk, allowed)
+            elif not index_src and n and len(sel) > n:
+                errs["top-k"] = float("inf")
+            if any(j < 0 or j >= n for j in sel):
+                errs["top-k"] = float("inf")
+                sel = [j for j in sel if 0 <= j < n]
+        if sel:
+            K_c = ref.cached_entries(sel, bs)
+            tol_key = "comp_fp4" if ref.comp_fmt.elem_bits == 4 else "comp"
+            e = float(_rel(K_c, ref.entries(sel, "main")).max())
+            errs[tol_key] = e
+            keys.append(K_c)
+    K = torch.cat(keys)
+    o_ref = attend64(cap["q"][:H], K, ref.W.attn_sink[:H].float(), cfg.softmax_scale)
+    # against the float64 result rounded to bf16 as the kernels' output is: only rounding flips remain
+    errs["attn"] = float(_rel(cap["o"][:H].reshape(1, -1), o_ref.bfloat16().reshape(1, -1)).max())
+    if "y" in cap:
+        errs["out"] = float(_rel(cap["y"][None], output_path(cfg, ref.W, cap["o"], p, ref.cs)[None]).max())
+    return RowCheck(p, list(classes), errs)
+
+
+# ---- the check of one (kind, length, record) -----------------------------------------------------------
+def _server(cfg, kind: str, max_len: int, device, record: Optional[str], seed=0, layers=None):
+    if cfg.is_v41:
+        from .serving_v41 import V41Stack, FLASH_LAYERS
+        if layers is None:
+            layers = FLASH_LAYERS if cfg.num_hidden_layers > max(FLASH_LAYERS) else tuple(range(cfg.num_hidden_layers))
+        return V41Stack(cfg, None, 1, max_len, device=str(device), seed=seed, layers=layers,
+                        max_step_tokens=FILL_CHUNK, record_format=record or "V40_584")
+    from .serving import SyntheticServer
+    return SyntheticServer(cfg, LayerType(kind), 1, max_len, device=str(device), seed=seed)
+
+
+def _references(srv, x, cfg) -> Dict[str, LayerReference]:
+    if cfg.is_v41:
+        from .kv_cache import v41_records
+        sf, cf = v41_records(srv.record_format)
+        return {str(k): LayerReference(srv, srv.modules[k], x, sf, cf, v41=True) for k in srv.layers}
+    return {srv.layer_type.value: LayerReference(srv, srv.layer, x)}
+
+
+def hidden_states(n: int, hidden: int, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(n, hidden, generator=g, device=device).bfloat16()
+
+
+def check_context(cfg: AttentionConfig, kind: str, length: int, device="cpu", record: Optional[str] = None,
+                  decode_steps: int = 8, chunk: int = FILL_CHUNK, full_prefill=False, seed=0, layers=None):
+    """Prefill ``length``-ish tokens and decode ``decode_steps``, check the sampled rows of every layer.
+    Returns {layer label: [RowCheck]} and the seconds spent (run, reference)."""
+    rows = position_classes(length, cfg.sliding_window, decode_steps, seed)
+    prompt = prompt_len(length, decode_steps)
+    max_len = prompt + decode_steps + 1
+    srv = _server(cfg, kind, max_len, device, record, seed, layers)
+    x = hidden_states(max_len, cfg.hidden_size, device, seed + 1)
+    t0 = time.perf_counter()
+    caps = run_rows(srv, x, list(rows), decode_steps, prompt, chunk, full_prefill)
+    _sync(device)
+    t1 = time.perf_counter()
+    refs = _references(srv, x, cfg)
+    out = {}
+    for key, ref in refs.items():
+        label = key if not cfg.is_v41 else f"{key} {cfg.v41_layer(int(key)).label}"
+        out[label] = [check_row(ref, p, caps[key][p], rows[p]) for p in rows if p in caps[key]]
+    return out, (t1 - t0, time.perf_counter() - t1)
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def tolerance(key: str, device) -> float:
+    if key == "attn" and _on_reference(device):
+        return CPU_ATTN_TOL
+    return TOL[key]
+
+
+def _on_reference(device) -> bool:
+    from . import ops
+    return ops.backend_for("sparse_mla_decode", torch.device(device)) == "reference"
+
+
+def summarize(kind: str, length: int, record: str, checks: List[RowCheck], device) -> List[dict]:
+    """One table row per quantity: the worst row's error, its tolerance, and the position classes covered."""
+    keys = sorted({k for c in checks for k in c.errs}, key=list(TOL).index)
+    out = []
+    for k in keys:
+        have = [(c.errs[k], c) for c in checks if k in c.errs]
+        err, worst = max(have, key=lambda t: t[0])
+        tol = tolerance(k, device)
+        out.append(dict(kind=kind, length=length, record=record, check=k, rows=len(have), max_err=err, tol=tol,
+                        ok=err <= tol, worst_pos=worst.pos,
+                        classes=sorted({cl for _, c in have for cl in c.classes})))
+    return out
+
+
+def format_table(rows: List[dict]) -> str:
+    lines = [f"{'layer kind':26s} {'length':>7s} {'record':20s} {'check':8s} {'rows':>4s} {'max err':>9s} "
+             f"{'tol':>7s}  ok"]
+    for r in rows:
+        lines.append(f"{r['kind']:26s} {r['length']:7d} {r['record']:20s} {r['check']:8s} {r['rows']:4d} "
+                     f"{r['max_err']:9.2e} {r['tol']:7.0e}  {'ok' if r['ok'] else 'FAILED'}")
+    return "\n".join(lines)
