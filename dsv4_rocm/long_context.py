@@ -223,6 +223,8 @@ class LayerReference:
         self.swa_fmt, self.comp_fmt, self.v41 = swa_fmt, comp_fmt, v41
         self.rows = srv._rows                   # host block tables: [swa, compressed, state][request]
         self._entries: Dict[tuple, torch.Tensor] = {}
+        self._proj: Dict[int, tuple] = {}
+        self._q: Dict[int, torch.Tensor] = {}
 
     def _x_cpu(self, idx):
         return self.x[torch.as_tensor(idx, device=self.x.device)].cpu()
@@ -234,8 +236,22 @@ class LayerReference:
     def comp_slot(self, j: int, bs: int) -> int:
         return self.rows[1][0][j // bs] * bs + j % bs
 
-    # projections of rows (the reference functions: the kernels' arithmetic in fp32)
-    def projections(self, ps: Sequence[int]):
+    # projections of rows (the reference functions: the kernels' arithmetic in fp32), computed once for all
+    # the positions ``prepare`` names (each reference call dequantizes its weights: one call, not one a row)
+    def prepare(self, rows: Sequence[int]) -> None:
+        Wn = self.cfg.sliding_window
+        need = sorted({u for p in rows for u in range(max(0, p - Wn + 1), p + 1)} - set(self._proj))
+        if need:
+            x, qr, kv = self._project(need)
+            for i, u in enumerate(need):
+                self._proj[u] = (x[i], qr[i], kv[i])
+        rows = [p for p in rows if p not in self._q]
+        if rows:
+            qs = self._queries(rows)
+            for p, q in zip(rows, qs):
+                self._q[p] = q
+
+    def _project(self, ps):
         cfg, W = self.cfg, self.W
         x = self._x_cpu(list(ps))
         qr_kv = RO.fp8_linear(x, W.wqkv8, W.wqkv_s)
@@ -243,14 +259,26 @@ class LayerReference:
                                     cfg.rms_norm_eps)
         return x, qr, kv
 
-    def q(self, p: int) -> torch.Tensor:
+    def projections(self, ps: Sequence[int]):
+        missing = [u for u in ps if u not in self._proj]
+        if missing:
+            self.prepare(missing)
+        x, qr, kv = zip(*[self._proj[u] for u in ps])
+        return torch.stack(x), torch.stack(qr), torch.stack(kv)
+
+    def _queries(self, ps):
         cfg, W = self.cfg, self.W
-        _, qr, _ = self.projections([p])
-        q = RO.fp8_linear(qr, W.wq_b8, W.wq_b_s).view(1, cfg.local_heads, 512)
-        pos = torch.tensor([p])
+        _, qr, _ = self.projections(ps)
+        q = RO.fp8_linear(qr, W.wq_b8, W.wq_b_s).view(len(ps), cfg.local_heads, 512)
+        pos = torch.tensor(list(ps))
         if self.v41:
-            return rope_fwd(q, pos, self.cs).bfloat16()[0]
-        return rope_fwd(rmsnorm(q, None, cfg.rms_norm_eps), pos, self.cs).bfloat16()[0]
+            return rope_fwd(q, pos, self.cs).bfloat16()
+        return rope_fwd(rmsnorm(q, None, cfg.rms_norm_eps), pos, self.cs).bfloat16()
+
+    def q(self, p: int) -> torch.Tensor:
+        if p not in self._q:
+            self.prepare([p])
+        return self._q[p]
 
     def window_keys(self, ps: Sequence[int]) -> torch.Tensor:
         """Decoded records fp32 [n, 512] of the window tokens ``ps``, encoded from the reference's keys."""
@@ -274,8 +302,9 @@ class LayerReference:
         of compressed entries ``js``, computed from the hidden states (float64 projections and pooling)."""
         js = [int(j) for j in js]
         need = [j for j in js if (target, j) not in self._entries]
-        for a in range(0, len(need), 4096):
-            part = need[a:a + 4096]
+        per = max(1, 16384 // (8 if self.m.ratio == 4 else max(self.m.ratio, 1)))   # entries a chunk: 16K rows
+        for a in range(0, len(need), per):
+            part = need[a:a + per]
             vals = self._entries_v41(part, target) if self.v41 else self._entries_v40(part, target)
             for j, v in zip(part, vals):
                 self._entries[(target, j)] = v
@@ -423,8 +452,9 @@ class RowCheck:
     needle: Optional[dict] = None
 
 
-def check_row(ref: LayerReference, p: int, cap: dict, classes=()) -> RowCheck:
-    """Every quantity of the module docstring for the row at position p (``cap``: its Capture record)."""
+def check_row(ref: LayerReference, p: int, cap: dict, classes=(), planted=()) -> RowCheck:
+    """Every quantity of the module docstring for the row at position p (``cap``: its Capture record).
+    ``planted``: entries whose records were written by hand (the needle), left out of the cache checks."""
     m, cfg = ref.m, ref.cfg
     H, Wn = cfg.local_heads, cfg.sliding_window
     errs: Dict[str, float] = {}
@@ -447,7 +477,7 @@ def check_row(ref: LayerReference, p: int, cap: dict, classes=()) -> RowCheck:
             index_src = is_c4 or (ref.v41 and m.spec.owns_index)
             if index_src and n:
                 keys_c = ref.cached_index_keys(n)
-                check_js = sorted(set(sel) | {0, n - 1} | set(range(max(0, n - 4), n)))
+                check_js = sorted((set(sel) | {0, n - 1} | set(range(max(0, n - 4), n))) - set(planted))
                 ref_k = ref.entries(check_js, "index")
                 errs["index-k"] = float(_rel(keys_c[torch.tensor(check_js, device=keys_c.device)].cpu(), ref_k).max())
                 q8, wq = ref.index_query(p)
@@ -466,8 +496,9 @@ def check_row(ref: LayerReference, p: int, cap: dict, classes=()) -> RowCheck:
         if sel:
             K_c = ref.cached_entries(sel, bs)
             tol_key = "comp_fp4" if ref.comp_fmt.elem_bits == 4 else "comp"
-            e = float(_rel(K_c, ref.entries(sel, "main")).max())
-            errs[tol_key] = e
+            real = [i for i, j in enumerate(sel) if j not in planted]
+            if real:
+                errs[tol_key] = float(_rel(K_c[real], ref.entries([sel[i] for i in real], "main")).max())
             keys.append(K_c)
     K = torch.cat(keys)
     o_ref = attend64(cap["q"][:H], K, ref.W.attn_sink[:H].float(), cfg.softmax_scale)
@@ -519,6 +550,7 @@ def check_context(cfg: AttentionConfig, kind: str, length: int, device="cpu", re
     refs = _references(srv, x, cfg)
     out = {}
     for key, ref in refs.items():
+        ref.prepare([p for p in rows if p in caps[key]])
         label = key if not cfg.is_v41 else f"{key} {cfg.v41_layer(int(key)).label}"
         out[label] = [check_row(ref, p, caps[key][p], rows[p]) for p in rows if p in caps[key]]
     return out, (t1 - t0, time.perf_counter() - t1)
@@ -560,4 +592,173 @@ def format_table(rows: List[dict]) -> str:
     for r in rows:
         lines.append(f"{r['kind']:26s} {r['length']:7d} {r['record']:20s} {r['check']:8s} {r['rows']:4d} "
                      f"{r['max_err']:9.2e} {r['tol']:7.0e}  {'ok' if r['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+# ---- the needle ------------------------------------------------------------------------------------
+NEEDLE_CLASSES = ("compressed cache", "in the window", "page first entry", "page last entry", "newest entry")
+NEEDLE_MARGIN = 30.0        # the needle's attention logit exceeds every other key's by this, in every head
+NEEDLE_COS = 0.99           # the attention output of every head is this close (cosine) to the needle's value
+
+
+def needle_entry(cls: str, p: int, window: int) -> int:
+    """The compressed entry (C4) a needle of class ``cls`` is planted in, for a query at position p."""
+    n = (p + 1) // 4
+    if cls == "compressed cache":
+        return max(0, (p - window) // 8)                 # far before the window
+    if cls == "in the window":
+        return max(0, (p - window // 2) // 4)             # all its tokens inside p's window
+    if cls == "page first entry":
+        return (n // 2) // 64 * 64 if n >= 128 else 0
+    if cls == "page last entry":
+        return (n // 2) // 64 * 64 - 1 if n >= 128 else min(63, n - 1)
+    if cls == "newest entry":
+        return n - 1
+    raise ValueError(f"needle class must be one of {NEEDLE_CLASSES}, got {cls!r}")
+
+
+def _plant(ref: LayerReference, p: int, j: int, n: int):
+    """Write entry j's index key and compressed record so that the row at p scores it first in the indexer
+    and attends to it alone; returns (the saved bytes to restore, the needle's decoded value)."""
+    m, cfg = ref.m, ref.cfg
+    H = cfg.local_heads
+    dev = m.cache.comp.device
+    slot = torch.tensor([ref.comp_slot(j, 64)], dtype=torch.int64, device=dev)
+    saved = (rc.gather_k_records(m.cache.comp, slot, 64).clone(), rc.indexer_k_gather(m.cache.idx, slot, 64))
+    # index key: along sum_h w_h q8_h (the heads of positive weight if that scores <= 0), scaled past the rest
+    q8, wq = ref.index_query(p)
+    keys = ref.cached_index_keys(n)
+    lg = index_logits(q8, wq, keys)
+    d = (wq.double()[:, None] * q8.double()).sum(0)
+    if float(index_logits(q8, wq, d[None].float())) <= 0:
+        d = (wq.double().clamp_min(0)[:, None] * q8.double()).sum(0)
+    one = float(index_logits(q8, wq, d[None].float()))
+    if one <= 0:
+        raise RuntimeError(f"needle at entry {j}: no index key direction scores above 0 for the row at {p}")
+    d = d * (4 * float(lg.abs().max()) + 1.0) / one
+    kb, e = quantize_blocks(d[None].float(), 128, 1e-4)
+    rc.indexer_k_insert(kb.to(dev), torch.exp2(e[:, 0].float()).to(dev), m.cache.idx, slot, 64)
+    # value: along the sum of the heads' unit queries, scaled so that every head's logit clears the others'
+    q = ref.q(p)[:H].double()
+    u = (q / q.norm(dim=1, keepdim=True)).sum(0)
+    u = u / u.norm()
+    qu = cfg.softmax_scale * (q @ u)
+    if (qu <= 0).any():
+        raise RuntimeError(f"needle at entry {j}: the heads' queries of the row at {p} share no direction")
+    win = list(range(max(0, p - cfg.sliding_window + 1), p + 1))
+    others = torch.cat([ref.cached_window(win), ref.cached_entries(list(range(n)), 64)]).double()
+    top = (cfg.softmax_scale * q @ others.t()).amax(1)
+    c = float(((top + NEEDLE_MARGIN) / qu).max())
+    k = (c * u).float()[None].bfloat16()
+    rc.insert_k_records(rc.encode_k_records(k).to(dev), m.cache.comp, slot, 64)
+    return (slot, saved), rc.decode_k_records(rc.encode_k_records(k))[0]
+
+
+def _restore(ref: LayerReference, saved) -> None:
+    slot, (rec, (kb, ks)) = saved
+    m = ref.m
+    rc.insert_k_records(rec, m.cache.comp, slot, 64)
+    rc.indexer_k_insert(kb, ks, m.cache.idx, slot, 64)
+
+
+def needle(cfg: AttentionConfig, length: int, device="cpu", classes=NEEDLE_CLASSES, chunk: int = FILL_CHUNK,
+           seed: int = 0) -> List[dict]:
+    """A C4 layer filled to ``length`` tokens; for each class a needle planted in one compressed entry (its
+    index key and its record), then one decode step: the indexer's top-k must hold the entry, every head's
+    output must be the needle's value (cosine >= NEEDLE_COS) and the row must pass ``check_row``."""
+    steps = 2 * len(classes) + 2
+    max_len = length + steps + 1
+    srv = _server(cfg, "c4a", max_len, device, None, seed)
+    x = hidden_states(max_len, cfg.hidden_size, device, seed + 1)
+    mods = [srv.layer]
+    for a in range(0, length, chunk):
+        _step_fill(srv, x[a:min(length, a + chunk)], mods)
+    ref = LayerReference(srv, srv.layer, x)
+    out = []
+    for cls in classes:
+        if (srv.done[0] + 1) % 4 == 0:                  # a step closing an entry would overwrite the newest one
+            _forward(srv, x[srv.done[0]:srv.done[0] + 1])
+        p = srv.done[0]
+        n = (p + 1) // 4
+        j = needle_entry(cls, p, cfg.sliding_window)
+        ref.prepare([p])
+        saved, value = _plant(ref, p, j, n)
+        cap = Capture(srv.layer, [p])
+        try:
+            y = _forward(srv, x[p:p + 1])
+        finally:
+            cap.close()
+        row = cap.rows[p]
+        row["y"] = y["c4a"][0].float().cpu()
+        tk = row["topk"]
+        chosen = [int(v) for v in tk[tk >= 0].tolist()]
+        o = row["o"][:cfg.local_heads].double()
+        cos = float((o @ value.double() / (o.norm(dim=1) * value.double().norm()).clamp_min(1e-30)).min())
+        rc_ = check_row(ref, p, row, ["needle: " + cls], planted={j})
+        _restore(ref, saved)
+        bad = [k for k, v in rc_.errs.items() if not v <= tolerance(k if k != "comp_fp4" else k, device)]
+        out.append(dict(cls=cls, length=length, pos=p, entry=j, selected=j in chosen, min_cos=cos,
+                        attn_err=rc_.errs["attn"], errs=rc_.errs,
+                        ok=(j in chosen) and cos >= NEEDLE_COS and not bad, failed=bad))
+    return out
+
+
+def format_needles(rows: List[dict]) -> str:
+    lines = [f"{'needle class':18s} {'length':>7s} {'query':>7s} {'entry':>6s} {'in top-k':>8s} {'min cos':>8s} "
+             f"{'attn err':>9s}  ok"]
+    for r in rows:
+        lines.append(f"{r['cls']:18s} {r['length']:7d} {r['pos']:7d} {r['entry']:6d} {str(r['selected']):>8s} "
+                     f"{r['min_cos']:8.5f} {r['attn_err']:9.2e}  {'ok' if r['ok'] else 'FAILED ' + ','.join(r['failed'])}")
+    return "\n".join(lines)
+
+
+# ---- drift -----------------------------------------------------------------------------------------
+def drift(cfg: AttentionConfig, kind: str, length: int, steps: int, device="cpu", every: int = 100,
+          chunk: int = FILL_CHUNK, seed: int = 0) -> dict:
+    """Prefill ``length`` tokens, decode ``steps`` steps; the rows of the first three, every ``every``-th
+    and the last three steps checked (``check_row``). Returns the per-step errors and whether the last
+    steps are within the tolerances as the first are."""
+    max_len = length + steps + 1
+    srv = _server(cfg, kind, max_len, device, None, seed)
+    x = hidden_states(max_len, cfg.hidden_size, device, seed + 1)
+    mods = _modules(srv)
+    for a in range(0, length, chunk):
+        _step_fill(srv, x[a:min(length, a + chunk)], mods)
+    offs = sorted(set(range(3)) | set(range(0, steps, every)) | set(range(max(0, steps - 3), steps)))
+    want = [length + o for o in offs]
+    key = srv.layer_type.value
+    cap = Capture(srv.layer, want)
+    ys = {}
+    t0 = time.perf_counter()
+    try:
+        for p in range(length, length + steps):
+            y = _forward(srv, x[p:p + 1])[key]
+            if p in cap.want:
+                ys[p] = y[0].float().cpu()
+        _sync(device)
+    finally:
+        cap.close()
+    t_run = time.perf_counter() - t0
+    ref = LayerReference(srv, srv.layer, x)
+    ref.prepare(want)
+    checks = []
+    for p in want:
+        row = cap.rows[p]
+        row["y"] = ys[p]
+        checks.append(check_row(ref, p, row, ["drift"]))
+    first, last = checks[0], checks[-1]
+    keys = list(first.errs)
+    ok = all(c.errs[k] <= tolerance(k, device) for c in checks for k in c.errs)
+    return dict(kind=kind, length=length, steps=steps, checked=len(checks), seconds=t_run,
+                first={k: first.errs[k] for k in keys}, last={k: last.errs.get(k) for k in keys},
+                worst={k: max(c.errs.get(k, 0.0) for c in checks) for k in keys}, ok=ok)
+
+
+def format_drift(rows: List[dict]) -> str:
+    lines = [f"{'drift':8s} {'length':>7s} {'steps':>6s} {'checked':>7s} {'check':8s} {'first':>9s} {'last':>9s} "
+             f"{'worst':>9s}  ok"]
+    for r in rows:
+        for k in r["first"]:
+            lines.append(f"{r['kind']:8s} {r['length']:7d} {r['steps']:6d} {r['checked']:7d} {k:8s} "
+                         f"{r['first'][k]:9.2e} {r['last'][k]:9.2e} {r['worst'][k]:9.2e}  {'ok' if r['ok'] else 'FAILED'}")
     return "\n".join(lines)
