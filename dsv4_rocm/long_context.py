@@ -33,8 +33,8 @@ compressed-block edge (the token closing an entry of every ratio), page wrap (th
 and of a compressed page, and the last before it), the last prompt token and every decode step, the last
 one being the last token of the context.
 """
+import contextlib
 import dataclasses
-import math
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -45,7 +45,6 @@ from .config import AttentionConfig, LayerType, get_config
 from .reference import cache as rc
 from .reference import indexer as RI
 from .reference import output as RO
-from .reference.compressor import pool, rms_normalize
 from .reference.norm import fused_q_kv_rmsnorm, rmsnorm
 from .reference.quant import dequantize_blocks, quantize_blocks
 from .reference.rope import rope_fwd
@@ -53,8 +52,8 @@ from .reference.rope import rope_fwd
 LENGTHS = (32768, 65536, 131072)
 V40_KINDS = ("swa", "c4a", "c128a")
 V41_RECORDS = ("V40_584", "V41_528", "V41_528+V41_FP4_288")
-FILL_CHUNK = 8192
-# tolerances (docs/numerics.md): errors are relative (norm of the difference / norm of the reference) per
+FILL_CHUNK = 4096
+# tolerances (docs/numerics.md#long-contexts): errors are relative (norm of the difference / norm of the reference) per
 # row or record, the table shows the worst
 TOL = {
     "q": 1e-2,          # one bf16 rounding apart at most in a few elements (fp8 GEMM accumulation order)
@@ -215,19 +214,24 @@ class LayerReference:
     def __init__(self, srv, module, x: torch.Tensor, swa_fmt=L.V40_584, comp_fmt=L.V40_584, v41=False):
         self.srv, self.m, self.cfg = srv, module, module.cfg
         self.x = x
-        self.xc = None
-        self.W = module.w.to("cpu")
+        self.dev = x.device                     # where the reference functions run (their results go to the CPU)
+        self.W = module.w
         src = srv.modules[module.spec.kv_source] if v41 and module.ratio else module
         self.Wd = src.w                         # the kv source's, on the device, for the entries' projections
-        self.cs = module.cos_sin_cache.cpu()
+        self.cs = module.cos_sin_cache
         self.swa_fmt, self.comp_fmt, self.v41 = swa_fmt, comp_fmt, v41
         self.rows = srv._rows                   # host block tables: [swa, compressed, state][request]
         self._entries: Dict[tuple, torch.Tensor] = {}
         self._proj: Dict[int, tuple] = {}
         self._q: Dict[int, torch.Tensor] = {}
+        self._iq: Dict[int, tuple] = {}
+        self._keys: Optional[torch.Tensor] = None
 
-    def _x_cpu(self, idx):
-        return self.x[torch.as_tensor(idx, device=self.x.device)].cpu()
+    def _x_rows(self, idx):
+        return self.x[torch.as_tensor(idx, device=self.x.device)]
+
+    def _pos(self, ps):
+        return torch.as_tensor(list(ps), dtype=torch.int64, device=self.dev)
 
     # slots, from the host block tables (independent of the step's metadata kernels)
     def swa_slot(self, p: int) -> int:
@@ -248,12 +252,17 @@ class LayerReference:
         rows = [p for p in rows if p not in self._q]
         if rows:
             qs = self._queries(rows)
-            for p, q in zip(rows, qs):
+            for p, q in zip(rows, qs.cpu()):
                 self._q[p] = q
+            if self.W.idx_wq_b8 is not None:
+                q8, wq = self._index_queries(rows)
+                q8, wq = q8.float().cpu(), wq.float().cpu()
+                for i, p in enumerate(rows):
+                    self._iq[p] = (q8[i], wq[i])
 
     def _project(self, ps):
         cfg, W = self.cfg, self.W
-        x = self._x_cpu(list(ps))
+        x = self._x_rows(list(ps))
         qr_kv = RO.fp8_linear(x, W.wqkv8, W.wqkv_s)
         qr, kv = fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], W.q_norm, W.kv_norm,
                                     cfg.rms_norm_eps)
@@ -270,7 +279,7 @@ class LayerReference:
         cfg, W = self.cfg, self.W
         _, qr, _ = self.projections(ps)
         q = RO.fp8_linear(qr, W.wq_b8, W.wq_b_s).view(len(ps), cfg.local_heads, 512)
-        pos = torch.tensor(list(ps))
+        pos = self._pos(ps)
         if self.v41:
             return rope_fwd(q, pos, self.cs).bfloat16()
         return rope_fwd(rmsnorm(q, None, cfg.rms_norm_eps), pos, self.cs).bfloat16()
@@ -283,18 +292,22 @@ class LayerReference:
     def window_keys(self, ps: Sequence[int]) -> torch.Tensor:
         """Decoded records fp32 [n, 512] of the window tokens ``ps``, encoded from the reference's keys."""
         _, _, kv = self.projections(ps)
-        k = rope_fwd(kv, torch.as_tensor(list(ps)), self.cs).bfloat16()
-        return rc.decode_k_records(rc.encode_k_records(k, self.swa_fmt), self.swa_fmt)
+        k = rope_fwd(kv, self._pos(ps), self.cs).bfloat16()
+        return rc.decode_k_records(rc.encode_k_records(k, self.swa_fmt), self.swa_fmt).cpu()
 
     def index_query(self, p: int):
         """(q8 fp32 values [nh, 128], folded weights [nh]) of the row's indexer query."""
+        if p not in self._iq:
+            self.prepare([p])
+        return self._iq[p]
+
+    def _index_queries(self, ps):
         cfg, W = self.cfg, self.W
-        x, qr, _ = self.projections([p])
+        x, qr, _ = self.projections(ps)
         nh = cfg.index_n_heads
-        qi = RO.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(1, nh, 128)
+        qi = RO.fp8_linear(qr, W.idx_wq_b8, W.idx_wq_b_s).view(len(ps), nh, 128)
         wi = (x.float() @ W.idx_wproj.float().t()).bfloat16()
-        q8, wq = RI.fused_indexer_q_rope_quant(torch.tensor([p]), qi, self.cs, wi, 128 ** -0.5, nh ** -0.5)
-        return q8[0].float(), wq[0].float()
+        return RI.fused_indexer_q_rope_quant(self._pos(ps), qi, self.cs, wi, 128 ** -0.5, nh ** -0.5)
 
     # compressed entries, float64 pooling from the hidden states
     def entries(self, js: Sequence[int], target: str) -> torch.Tensor:
@@ -335,15 +348,15 @@ class LayerReference:
         sc = sc.masked_fill(~ok[..., None], float("-inf"))
         y = (torch.softmax(sc, dim=1) * kv).sum(1)
         yh = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + self.cfg.rms_norm_eps) * norm.double()
-        pos = (j * r).cpu()
-        yh = yh.float().cpu()
+        pos = j * r
+        yh = yh.float()
         ro = rope_fwd(yh, pos, self.cs)
         if main:
             k = torch.cat([yh[:, :448], ro[:, 448:]], dim=1).bfloat16()
-            return rc.decode_k_records(rc.encode_k_records(k, self.comp_fmt), self.comp_fmt)
+            return rc.decode_k_records(rc.encode_k_records(k, self.comp_fmt), self.comp_fmt).cpu()
         z = ro.bfloat16().float()
         q8, e = quantize_blocks(z, 128, 1e-4)
-        return dequantize_blocks(q8, e, 128)
+        return dequantize_blocks(q8, e, 128).cpu()
 
     def _entries_v41(self, js, target):
         r, W, eps = self.m.ratio, self.Wd, self.cfg.rms_norm_eps
@@ -356,19 +369,19 @@ class LayerReference:
         else:
             y = (torch.softmax(ks[..., 512:], dim=1) * ks[..., :512]).sum(1)
         latent = (y * torch.rsqrt((y * y).mean(-1, keepdim=True) + eps) * W.comp_norm.double()).bfloat16()
-        pos = (j * r).cpu()
+        pos = j * r
         if target == "main":
-            lat = latent.cpu()
+            lat = latent
             if self.comp_fmt.name == L.V40_584.name:
                 k = rope_fwd(lat, pos, self.cs).bfloat16()
-                return rc.decode_k_records(rc.encode_k_records(k, self.comp_fmt), self.comp_fmt)
+                return rc.decode_k_records(rc.encode_k_records(k, self.comp_fmt), self.comp_fmt).cpu()
             return rc.decode_k_records(rc.encode_values(rope_fwd(lat.float(), pos, self.cs), self.comp_fmt),
-                                       self.comp_fmt)
+                                       self.comp_fmt).cpu()
         k_pre = (latent.double() @ W.idx_wk.double().t()).bfloat16().double()
         k = (k_pre * torch.rsqrt((k_pre * k_pre).mean(-1, keepdim=True) + eps) * W.idx_k_norm.double())
-        z = rope_fwd(k.bfloat16().cpu(), pos, self.cs).bfloat16().float()
+        z = rope_fwd(k.bfloat16(), pos, self.cs).bfloat16().float()
         q8, e = quantize_blocks(z, 128, 1e-4)
-        return dequantize_blocks(q8, e, 128)
+        return dequantize_blocks(q8, e, 128).cpu()
 
     # what the pages hold
     def cached_window(self, ps) -> torch.Tensor:
@@ -383,7 +396,15 @@ class LayerReference:
         return rc.decode_k_records(rec.cpu(), self.comp_fmt)
 
     def cached_index_keys(self, n: int) -> torch.Tensor:
-        """Dequantized index keys fp32 [n, 128] of entries 0..n-1, on the cache's device."""
+        """Dequantized index keys fp32 [n, 128] of entries 0..n-1, on the cache's device (read once for the
+        largest n asked; an entry's key never changes once written, except by ``_plant``, which forgets)."""
+        if self._keys is None or self._keys.shape[0] < n:
+            self._keys = self._read_index_keys(max(n, self._want_keys))
+        return self._keys[:n]
+
+    _want_keys = 0
+
+    def _read_index_keys(self, n: int) -> torch.Tensor:
         idx = self.m.cache.idx
         row = torch.tensor(self.rows[1][0], dtype=torch.int64, device=idx.device)
         j = torch.arange(n, device=idx.device)
@@ -433,13 +454,16 @@ def attend64(q: torch.Tensor, K: torch.Tensor, sink: torch.Tensor, scale: float)
     return (e @ K) / (e.sum(1) + torch.exp(sink - m))[:, None]
 
 
-def output_path(cfg, W, o: torch.Tensor, p: int, cs) -> torch.Tensor:
-    """The reference output path of one row's attention output o [H, 512] (bf16 values)."""
-    H, G = cfg.local_heads, cfg.local_groups
-    a8, sa = RO.fused_inv_rope_fp8_quant(o[None, :H].bfloat16(), torch.tensor([p]), cs, G, H // G)
-    z = torch.empty(1, G, cfg.o_lora_rank, dtype=torch.bfloat16)
+def output_path(cfg, W, o: torch.Tensor, ps: Sequence[int], cs) -> torch.Tensor:
+    """The reference output path of rows' attention outputs o [R, H, 512] (bf16 values) at positions ps:
+    fp32 [R, hidden] (one call for all rows: each call dequantizes the weights)."""
+    H, G, R = cfg.local_heads, cfg.local_groups, o.shape[0]
+    dev = cs.device
+    a8, sa = RO.fused_inv_rope_fp8_quant(o[:, :H].to(dev).bfloat16(), torch.tensor(list(ps), device=dev), cs, G,
+                                         H // G)
+    z = torch.empty(R, G, cfg.o_lora_rank, dtype=torch.bfloat16, device=dev)
     RO.fp8_einsum("bhr,hdr->bhd", (a8, sa), (W.wo_a8, W.wo_a_s), z)
-    return RO.fp8_linear(z.reshape(1, -1), W.wo_b8, W.wo_b_s)[0].float()
+    return RO.fp8_linear(z.reshape(R, -1), W.wo_b8, W.wo_b_s).float().cpu()
 
 
 # ---- checking one layer's rows ----------------------------------------------------------------------
@@ -501,11 +525,12 @@ def check_row(ref: LayerReference, p: int, cap: dict, classes=(), planted=()) ->
                 errs[tol_key] = float(_rel(K_c[real], ref.entries([sel[i] for i in real], "main")).max())
             keys.append(K_c)
     K = torch.cat(keys)
-    o_ref = attend64(cap["q"][:H], K, ref.W.attn_sink[:H].float(), cfg.softmax_scale)
+    o_ref = attend64(cap["q"][:H], K, ref.W.attn_sink[:H].float().cpu(), cfg.softmax_scale)
     # against the float64 result rounded to bf16 as the kernels' output is: only rounding flips remain
     errs["attn"] = float(_rel(cap["o"][:H].reshape(1, -1), o_ref.bfloat16().reshape(1, -1)).max())
     if "y" in cap:
-        errs["out"] = float(_rel(cap["y"][None], output_path(cfg, ref.W, cap["o"], p, ref.cs)[None]).max())
+        y_ref = cap["y_ref"] if "y_ref" in cap else output_path(cfg, ref.W, cap["o"][None], [p], ref.cs)[0]
+        errs["out"] = float(_rel(cap["y"][None], y_ref[None]).max())
     return RowCheck(p, list(classes), errs)
 
 
@@ -534,6 +559,15 @@ def hidden_states(n: int, hidden: int, device, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, hidden, generator=g, device=device).bfloat16()
 
 
+def _reference_outputs(ref: LayerReference, caps: Dict[int, dict], ps: Sequence[int]) -> None:
+    """Each captured row's reference layer output ("y_ref"), from its attention output, in one call."""
+    ps = [p for p in ps if "y" in caps[p]]
+    if ps:
+        y = output_path(ref.cfg, ref.W, torch.stack([caps[p]["o"] for p in ps]), ps, ref.cs)
+        for p, v in zip(ps, y):
+            caps[p]["y_ref"] = v
+
+
 def check_context(cfg: AttentionConfig, kind: str, length: int, device="cpu", record: Optional[str] = None,
                   decode_steps: int = 8, chunk: int = FILL_CHUNK, full_prefill=False, seed=0, layers=None):
     """Prefill ``length``-ish tokens and decode ``decode_steps``, check the sampled rows of every layer.
@@ -550,7 +584,10 @@ def check_context(cfg: AttentionConfig, kind: str, length: int, device="cpu", re
     refs = _references(srv, x, cfg)
     out = {}
     for key, ref in refs.items():
-        ref.prepare([p for p in rows if p in caps[key]])
+        got = [p for p in rows if p in caps[key]]
+        ref.prepare(got)
+        _reference_outputs(ref, caps[key], got)
+        ref._want_keys = (max(got) + 1) // max(ref.m.ratio, 1) if got else 0
         label = key if not cfg.is_v41 else f"{key} {cfg.v41_layer(int(key)).label}"
         out[label] = [check_row(ref, p, caps[key][p], rows[p]) for p in rows if p in caps[key]]
     return out, (t1 - t0, time.perf_counter() - t1)
@@ -586,11 +623,24 @@ def summarize(kind: str, length: int, record: str, checks: List[RowCheck], devic
     return out
 
 
+def format_summary(rows: List[dict]) -> str:
+    """One line per (layer kind, length, record): the worst error / tolerance ratio over its checks."""
+    groups: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["kind"], r["length"], r["record"]), []).append(r)
+    lines = [f"{'layer kind':34s} {'length':>7s} {'record':20s} {'checks':>6s} {'worst err/tol':>13s}  ok"]
+    for (kind, length, record), rs in groups.items():
+        w = max(rs, key=lambda r: r["max_err"] / r["tol"])
+        lines.append(f"{kind:34s} {length:7d} {record:20s} {len(rs):6d} {w['max_err'] / w['tol']:9.2f} {w['check']:>3s}"
+                     f"  {'ok' if all(r['ok'] for r in rs) else 'FAILED'}")
+    return "\n".join(lines)
+
+
 def format_table(rows: List[dict]) -> str:
-    lines = [f"{'layer kind':26s} {'length':>7s} {'record':20s} {'check':8s} {'rows':>4s} {'max err':>9s} "
+    lines = [f"{'layer kind':34s} {'length':>7s} {'record':20s} {'check':8s} {'rows':>4s} {'max err':>9s} "
              f"{'tol':>7s}  ok"]
     for r in rows:
-        lines.append(f"{r['kind']:26s} {r['length']:7d} {r['record']:20s} {r['check']:8s} {r['rows']:4d} "
+        lines.append(f"{r['kind']:34s} {r['length']:7d} {r['record']:20s} {r['check']:8s} {r['rows']:4d} "
                      f"{r['max_err']:9.2e} {r['tol']:7.0e}  {'ok' if r['ok'] else 'FAILED'}")
     return "\n".join(lines)
 
@@ -638,6 +688,7 @@ def _plant(ref: LayerReference, p: int, j: int, n: int):
     d = d * (4 * float(lg.abs().max()) + 1.0) / one
     kb, e = quantize_blocks(d[None].float(), 128, 1e-4)
     rc.indexer_k_insert(kb.to(dev), torch.exp2(e[:, 0].float()).to(dev), m.cache.idx, slot, 64)
+    ref._keys = None
     # value: along the sum of the heads' unit queries, scaled so that every head's logit clears the others'
     q = ref.q(p)[:H].double()
     u = (q / q.norm(dim=1, keepdim=True)).sum(0)
@@ -659,6 +710,7 @@ def _restore(ref: LayerReference, saved) -> None:
     m = ref.m
     rc.insert_k_records(rec, m.cache.comp, slot, 64)
     rc.indexer_k_insert(kb, ks, m.cache.idx, slot, 64)
+    ref._keys = None
 
 
 def needle(cfg: AttentionConfig, length: int, device="cpu", classes=NEEDLE_CLASSES, chunk: int = FILL_CHUNK,
@@ -741,10 +793,13 @@ def drift(cfg: AttentionConfig, kind: str, length: int, steps: int, device="cpu"
     t_run = time.perf_counter() - t0
     ref = LayerReference(srv, srv.layer, x)
     ref.prepare(want)
+    for p in want:
+        cap.rows[p]["y"] = ys[p]
+    _reference_outputs(ref, cap.rows, want)
+    ref._want_keys = (max(want) + 1) // 4
     checks = []
     for p in want:
         row = cap.rows[p]
-        row["y"] = ys[p]
         checks.append(check_row(ref, p, row, ["drift"]))
     first, last = checks[0], checks[-1]
     keys = list(first.errs)
@@ -762,3 +817,111 @@ def format_drift(rows: List[dict]) -> str:
             lines.append(f"{r['kind']:8s} {r['length']:7d} {r['steps']:6d} {r['checked']:7d} {k:8s} "
                          f"{r['first'][k]:9.2e} {r['last'][k]:9.2e} {r['worst'][k]:9.2e}  {'ok' if r['ok'] else 'FAILED'}")
     return "\n".join(lines)
+
+
+# ---- the main job's --long preset ----------------------------------------------------------------------
+def _ints(text: str) -> List[int]:
+    return [int(t) for t in str(text).split(",") if t.strip()]
+
+
+@contextlib.contextmanager
+def _kernel(which: str, device):
+    """The sparse-attention kernel of a pass (``--long-kernels``): "default" (what the platform runs: the
+    warp-specialized kernel on Hopper) or "portable" (the Triton kernel AMD runs); yields its name."""
+    from . import ops
+    if ops.backend_for("sparse_mla_decode", torch.device(device)) != "triton":
+        yield ops.backend_for("sparse_mla_decode", torch.device(device))
+        return
+    from .platform import detect
+    from .triton import sparse_mla_decode as D
+    if which == "portable":
+        with D.portable_kernel():
+            yield "triton"
+        return
+    yield {"ws": "hopper-ws", "triton": "triton"}[D.default_kernel(detect(torch.device(device)).arch)]
+
+
+def long_job(a) -> int:
+    """``python -m dsv4_rocm run --long``: the check table of every V4.0 layer kind (``--layers``) and every
+    V4.1 layer kind of the stack (``--long-v41-records``) at each length of ``--long-lengths``, for each
+    sparse-attention kernel of ``--long-kernels`` (the V4.1 stack on the first), the needle at ``--long-needle-lengths`` and the drift run.
+    Prints the tables (last), writes them to ``--long-out`` (text and JSON); exit status 1 if a check failed."""
+    import json
+    import os
+    device = a.device
+    cfg = get_config(a.config)
+    cfg = cfg.with_tp(cfg.num_heads // a.heads)
+    v41 = cfg if cfg.is_v41 else get_config("tiny-v4.1" if a.config == "tiny" else "v4.1-flash")
+    v41 = v41.with_tp(max(1, v41.num_heads // a.heads))
+    kinds = [] if cfg.is_v41 else [k for k in a.layers.split(",") if k in V40_KINDS]
+    records = [] if a.long_v41_records == "none" else [r for r in a.long_v41_records.split(",") if r]
+    lengths, needles = _ints(a.long_lengths), _ints(a.long_needle_lengths)
+    kernels = [k for k in a.long_kernels.split(",") if k]
+    t_start = time.perf_counter()
+    log = []
+
+    if a.long_out:
+        os.makedirs(a.long_out, exist_ok=True)
+        progress = open(os.path.join(a.long_out, "long_context_progress.jsonl"), "w")
+
+    def note(line, *records):
+        """A progress line, and (with --long-out) the rows so far, so that a run cut short keeps them."""
+        log.append(line)
+        print(line, flush=True)
+        if a.long_out:
+            for r in records:
+                progress.write(json.dumps(r, default=str) + "\n")
+            progress.flush()
+    note(f"dsv4_rocm run --long: {cfg.name} ({cfg.local_heads} local heads) and {v41.name}, device {device}, "
+         f"lengths {lengths}, decode steps {a.long_decode_steps}")
+    rows: List[dict] = []
+    seen = set()
+    for kern in kernels:
+        with _kernel(kern, device) as attn:
+            if attn in seen:        # off Hopper both passes would run the same kernel
+                continue
+            seen.add(attn)
+            # a second kernel runs the same code at every length: the longest context (largest offsets) covers it
+            for length in (lengths if kern == kernels[0] else lengths[-1:]):
+                for kind in kinds:
+                    res, (tr, tf) = check_context(cfg, kind, length, device, decode_steps=a.long_decode_steps)
+                    new = [r for label, checks in res.items()
+                           for r in summarize(f"{label} [{attn}]", length, "V40_584", checks, device)]
+                    rows += new
+                    note(f"  {kind} {length}: run {tr:.1f} s, reference {tf:.1f} s ({attn})"
+                         + ("" if all(r["ok"] for r in new) else " FAILED"), *new)
+                if kern != kernels[0]:
+                    continue        # the V4.1 stack on the first kernel only
+                for rec in records:
+                    res, (tr, tf) = check_context(v41, "stack", length, device, rec, decode_steps=a.long_decode_steps)
+                    new = [r for label, checks in res.items()
+                           for r in summarize(f"{label} [{attn}]", length, rec, checks, device)]
+                    rows += new
+                    note(f"  v4.1 stack {rec} {length}: run {tr:.1f} s, reference {tf:.1f} s ({attn})"
+                         + ("" if all(r["ok"] for r in new) else " FAILED"), *new)
+    nd = []
+    if "c4a" in kinds:
+        for length in needles:
+            new = needle(cfg, length, device)
+            nd += new
+            note(f"  needle {length}: " + ("ok" if all(r["ok"] for r in new) else "FAILED"), *new)
+    dr = []
+    if a.long_drift_steps and kinds:
+        for kind in [k for k in a.long_drift_kinds.split(",") if k in kinds]:
+            dr.append(drift(cfg, kind, a.long_drift_length, a.long_drift_steps, device))
+            note(f"  drift {kind} {a.long_drift_length} x {a.long_drift_steps} steps: {dr[-1]['seconds']:.1f} s "
+                 + ("ok" if dr[-1]["ok"] else "FAILED"), dr[-1])
+    ok = all(r["ok"] for r in rows) and all(r["ok"] for r in nd) and all(r["ok"] for r in dr)
+    text = "\n\n".join(t for t in (format_table(rows), format_needles(nd) if nd else "",
+                                   format_drift(dr) if dr else "") if t)
+    text += "\n\n" + format_summary(rows)
+    text += f"\n\nlong-context check: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t_start:.0f} s"
+    if a.long_out:
+        progress.close()
+        with open(os.path.join(a.long_out, "long_context.txt"), "w") as f:
+            f.write("\n".join(log) + "\n\n" + text + "\n")
+        with open(os.path.join(a.long_out, "long_context.json"), "w") as f:
+            json.dump(dict(device=str(device), config=cfg.name, rows=rows, needle=nd, drift=dr, ok=ok), f, indent=1,
+                      default=str)
+    print("\n" + text)
+    return 0 if ok else 1
