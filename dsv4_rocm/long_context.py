@@ -675,13 +675,13 @@ def _plant(ref: LayerReference, p: int, j: int, n: int):
     dev = m.cache.comp.device
     slot = torch.tensor([ref.comp_slot(j, 64)], dtype=torch.int64, device=dev)
     saved = (rc.gather_k_records(m.cache.comp, slot, 64).clone(), rc.indexer_k_gather(m.cache.idx, slot, 64))
-    # index key: along sum_h w_h q8_h (the heads of positive weight if that scores <= 0), scaled past the rest
+    # index key d with q8_h . d = sign(w_h) for every head (the least-norm solution; 64 heads in 128 dims):
+    # its logit is the sum of the positive weights, scaled past every other entry's
     q8, wq = ref.index_query(p)
     keys = ref.cached_index_keys(n)
     lg = index_logits(q8, wq, keys)
-    d = (wq.double()[:, None] * q8.double()).sum(0)
-    if float(index_logits(q8, wq, d[None].float())) <= 0:
-        d = (wq.double().clamp_min(0)[:, None] * q8.double()).sum(0)
+    Q = q8.double()
+    d = torch.linalg.lstsq(Q, torch.sign(wq.double())[:, None], driver="gelsd").solution[:, 0]
     one = float(index_logits(q8, wq, d[None].float()))
     if one <= 0:
         raise RuntimeError(f"needle at entry {j}: no index key direction scores above 0 for the row at {p}")
@@ -689,13 +689,13 @@ def _plant(ref: LayerReference, p: int, j: int, n: int):
     kb, e = quantize_blocks(d[None].float(), 128, 1e-4)
     rc.indexer_k_insert(kb.to(dev), torch.exp2(e[:, 0].float()).to(dev), m.cache.idx, slot, 64)
     ref._keys = None
-    # value: along the sum of the heads' unit queries, scaled so that every head's logit clears the others'
+    # value u with q_h . u = 1 for every head (least-norm; H heads in 512 dims), scaled so that every head's
+    # logit clears the others' by NEEDLE_MARGIN
     q = ref.q(p)[:H].double()
-    u = (q / q.norm(dim=1, keepdim=True)).sum(0)
-    u = u / u.norm()
+    u = torch.linalg.lstsq(q, torch.ones(H, 1, dtype=torch.float64), driver="gelsd").solution[:, 0]
     qu = cfg.softmax_scale * (q @ u)
     if (qu <= 0).any():
-        raise RuntimeError(f"needle at entry {j}: the heads' queries of the row at {p} share no direction")
+        raise RuntimeError(f"needle at entry {j}: no key scores above 0 in every head of the row at {p}")
     win = list(range(max(0, p - cfg.sliding_window + 1), p + 1))
     others = torch.cat([ref.cached_window(win), ref.cached_entries(list(range(n)), 64)]).double()
     top = (cfg.softmax_scale * q @ others.t()).amax(1)
