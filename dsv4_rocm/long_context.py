@@ -498,6 +498,9 @@ def check_row(ref: LayerReference, p: int, cap: dict, classes=(), planted=()) ->
         if owns_topk:
             tk = cap["topk"]
             sel = [int(j) for j in tk[tk >= 0].tolist()]
+            if any(j >= n for j in sel):        # an entry not visible to the row (not yet written)
+                errs["top-k"] = float("inf")
+                sel = [j for j in sel if j < n]
             index_src = is_c4 or (ref.v41 and m.spec.owns_index)
             if index_src and n:
                 keys_c = ref.cached_index_keys(n)
@@ -511,12 +514,7 @@ def check_row(ref: LayerReference, p: int, cap: dict, classes=(), planted=()) ->
                     cb = cap["cand"]
                     blocks = set(int(b) for b in cb[cb >= 0].tolist())
                     allowed = torch.tensor([j // cfg.candidate_block_size in blocks for j in range(n)])
-                errs["top-k"] = topk_violation(lg, tk, cfg.index_topk, allowed)
-            elif not index_src and n and len(sel) > n:
-                errs["top-k"] = float("inf")
-            if any(j < 0 or j >= n for j in sel):
-                errs["top-k"] = float("inf")
-                sel = [j for j in sel if 0 <= j < n]
+                errs["top-k"] = max(errs.get("top-k", 0.0), topk_violation(lg, tk, cfg.index_topk, allowed))
         if sel:
             K_c = ref.cached_entries(sel, bs)
             tol_key = "comp_fp4" if ref.comp_fmt.elem_bits == 4 else "comp"

@@ -32,7 +32,7 @@ def test_every_v40_kind_at_every_position_class(kind):
 
 @pytest.mark.parametrize("record", LC.V41_RECORDS)
 def test_v41_kinds_over_every_record(record):
-    res, _ = LC.check_context(TINY41, "stack", 300, "cpu", record, decode_steps=4, chunk=128, layers=(0, 1, 3, 5))
+    res, _ = LC.check_context(TINY41, "stack", 264, "cpu", record, decode_steps=4, chunk=264, layers=(0, 1, 3, 5))
     rows, ok = _all_ok(res)
     assert ok, LC.format_table(rows)
     assert {r["check"] for r in rows if r["kind"].startswith("5 ")} >= {"top-k", "index-k", "attn"}
@@ -41,10 +41,10 @@ def test_v41_kinds_over_every_record(record):
 def test_fill_caches_leave_the_caches_of_forward():
     """The prefix written by fill_caches is byte for byte what forward writes (V4.0 C4 and a V4.1 stack)."""
     for cfg, kind, layers in ((TINY, "c4a", None), (TINY41, "stack", (0, 1, 3, 5))):
-        x = LC.hidden_states(200, cfg.hidden_size, "cpu", 3)
-        a = LC._server(cfg, kind, 201, "cpu", None, 0, layers)
-        b = LC._server(cfg, kind, 201, "cpu", None, 0, layers)
-        for lo, hi in ((0, 70), (70, 133), (133, 200)):
+        x = LC.hidden_states(140, cfg.hidden_size, "cpu", 3)
+        a = LC._server(cfg, kind, 141, "cpu", None, 0, layers)
+        b = LC._server(cfg, kind, 141, "cpu", None, 0, layers)
+        for lo, hi in ((0, 70), (70, 133), (133, 140)):
             LC._step_fill(a, x[lo:hi], LC._modules(a))
             LC._forward(b, x[lo:hi])
         for ma, mb in zip(LC._modules(a), LC._modules(b)):
@@ -95,6 +95,8 @@ def test_needle_fails_on_a_planted_index_bug(bug, monkeypatch):
 
 
 @pytest.mark.parametrize("bug", ["dropped index", "global index + 1 entry", "c128 index + 1"])
+# (a C128 index swapped with the other entry of its page would go unseen: a row attends every visible entry,
+# and the set is the same; a shift reads an unwritten entry and loses the first)
 def test_long_check_fails_on_a_planted_index_bug(bug, monkeypatch):
     kind = "c128a" if bug.startswith("c128") else "c4a"
     if bug == "dropped index":
@@ -111,7 +113,7 @@ def test_long_check_fails_on_a_planted_index_bug(bug, monkeypatch):
 
         def shifted(positions, ratio, nd, t2r, bt, bs, slots, out_idx, out_lens, *a, **k):
             orig(positions, ratio, nd, t2r, bt, bs, slots, out_idx, out_lens, *a, **k)
-            out_idx.copy_(torch.where(out_idx >= 0, out_idx ^ 1, out_idx))
+            out_idx.copy_(torch.where(out_idx >= 0, out_idx + 1, out_idx))
         monkeypatch.setattr(ops, "build_c128a_topk_metadata", shifted)
     res, _ = LC.check_context(TINY, kind, 300, "cpu", decode_steps=4, chunk=128)
     rows, ok = _all_ok(res)
@@ -119,7 +121,7 @@ def test_long_check_fails_on_a_planted_index_bug(bug, monkeypatch):
 
 
 def test_short_decode_drift():
-    r = LC.drift(TINY, "c4a", 200, 30, "cpu", every=10, chunk=128)
+    r = LC.drift(TINY, "c4a", 150, 24, "cpu", every=8, chunk=150)
     assert r["checked"] >= 6 and r["ok"], LC.format_drift([r])
 
 
