@@ -117,6 +117,7 @@ class Capture:
     def __init__(self, module, positions: Sequence[int]):
         self.module, self.want = module, set(int(p) for p in positions)
         self.rows: Dict[int, dict] = {}
+        self._own = "forward_mqa" in vars(module)        # an instance attribute already (another capture)
         self._orig = module.forward_mqa
         module.forward_mqa = self._hook
 
@@ -136,7 +137,10 @@ class Capture:
                                     cand=None if cand is None else cand[t].cpu().clone())
 
     def close(self):
-        self.module.forward_mqa = self._orig
+        if self._own:
+            self.module.forward_mqa = self._orig
+        else:
+            del self.module.forward_mqa
 
 
 def _step_fill(srv, x_rows, modules):
