@@ -94,10 +94,12 @@ def _parser():
     r.add_argument("--long-drift-steps", type=int, default=1024, help="--long: decode steps of the drift run (0: none)")
     r.add_argument("--long-drift-kinds", default="c4a", help="--long: layer kinds of the drift run")
     r.add_argument("--long-v41-records", default=",".join(V41_RECORD_NAMES),
-                   help="--long: records of the V4.1 stack checked ('none' to skip it)")
+                   help="--long: records of the V4.1 stack checked, the first at every length, the others at the "
+                        "longest ('none' to skip the stack)")
     r.add_argument("--long-kernels", default="default,portable",
                    help="--long: sparse-attention kernels the V4.0 kinds run on: default (the platform's: the "
-                        "warp-specialized kernel on Hopper) and/or portable (the Triton kernel AMD runs)")
+                        "warp-specialized kernel on Hopper) and/or portable (the Triton kernel AMD runs; a second "
+                        "kernel at the longest length)")
     r.add_argument("--long-out", default=None, help="--long: directory for long_context.txt and .json")
     b = sub.add_parser("bench", help="time the kernels against the measured floor and FlashMLA (needs a GPU)")
     b.add_argument("--device", default="cuda", help="cuda | cuda:N")

@@ -845,8 +845,9 @@ def _kernel(which: str, device):
 
 def long_job(a) -> int:
     """``python -m dsv4_rocm run --long``: the check table of every V4.0 layer kind (``--layers``) and every
-    V4.1 layer kind of the stack (``--long-v41-records``) at each length of ``--long-lengths``, for each
-    sparse-attention kernel of ``--long-kernels`` (the V4.1 stack on the first), the needle at ``--long-needle-lengths`` and the drift run.
+    V4.1 layer kind of the stack (``--long-v41-records``: the first at each length of ``--long-lengths``, the
+    others at the longest) at each length, for each sparse-attention kernel of ``--long-kernels`` (the second
+    at the longest length; the V4.1 stack on the first), the needle at ``--long-needle-lengths`` and the drift run.
     Prints the tables (last), writes them to ``--long-out`` (text and JSON); exit status 1 if a check failed."""
     import json
     import os
@@ -895,6 +896,8 @@ def long_job(a) -> int:
                 if kern != kernels[0]:
                     continue        # the V4.1 stack on the first kernel only
                 for rec in records:
+                    if rec != records[0] and length != lengths[-1]:
+                        continue    # the other records at the longest context only (same kernels, other formats)
                     res, (tr, tf) = check_context(v41, "stack", length, device, rec, decode_steps=a.long_decode_steps)
                     new = [r for label, checks in res.items()
                            for r in summarize(f"{label} [{attn}]", length, rec, checks, device)]
