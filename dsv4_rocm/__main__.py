@@ -84,6 +84,24 @@ def _parser():
                    help="DeepSeek-V4.1: the records of the sliding-window and compressed caches: V40_584 (default; "
                         "vLLM's fp8_ds_mla on ROCm and Hopper), V41_528 (its fp8_ds_mla on Blackwell) or "
                         "V41_528+V41_FP4_288 (its nvfp4_ds_mla)")
+    r.add_argument("--long", action="store_true",
+                   help="the long-context check instead of the trace: sampled rows of every layer kind at each "
+                        "--long-lengths against a float64 reference, the C4 needle, the decode drift (bounded time; "
+                        "prints the check table last)")
+    r.add_argument("--long-lengths", default="32768,65536,131072", help="--long: context lengths (comma-separated)")
+    r.add_argument("--long-decode-steps", type=_positive, default=8, help="--long: decode steps checked per length")
+    r.add_argument("--long-needle-lengths", default="65536,131072", help="--long: contexts of the needle ('' for none)")
+    r.add_argument("--long-drift-length", type=_positive, default=65536, help="--long: context of the drift run")
+    r.add_argument("--long-drift-steps", type=int, default=1024, help="--long: decode steps of the drift run (0: none)")
+    r.add_argument("--long-drift-kinds", default="c4a", help="--long: layer kinds of the drift run")
+    r.add_argument("--long-v41-records", default=",".join(V41_RECORD_NAMES),
+                   help="--long: records of the V4.1 stack checked, the first at every length, the others at the "
+                        "longest ('none' to skip the stack)")
+    r.add_argument("--long-kernels", default="default,portable",
+                   help="--long: sparse-attention kernels the V4.0 kinds run on: default (the platform's: the "
+                        "warp-specialized kernel on Hopper) and/or portable (the Triton kernel AMD runs; a second "
+                        "kernel at the longest length)")
+    r.add_argument("--long-out", default=None, help="--long: directory for long_context.txt and .json")
     b = sub.add_parser("bench", help="time the kernels against the measured floor and FlashMLA (needs a GPU)")
     b.add_argument("--device", default="cuda", help="cuda | cuda:N")
     b.add_argument("--json", default=None, help="write the report to this JSON file")
@@ -175,9 +193,31 @@ def cmd_run(a):
     elif a.record is not None:
         raise UsageError(f"--record {a.record}: {a.config} is a DeepSeek-V4 config, whose caches hold V40_584 records; "
                          "--record picks a DeepSeek-V4.1 stack's")
+    if a.long:
+        _check_long_flags(a)
     a.device, a.heads, a.layers = device, heads, ",".join(a.layers)
     from .main_job import main_job
     return main_job(a)
+
+
+def _check_long_flags(a):
+    """--long's lists: whole numbers >= 2 for the lengths, known record names (UsageError otherwise)."""
+    for flag in ("long_lengths", "long_needle_lengths"):
+        text = getattr(a, flag)
+        try:
+            vals = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            vals = [0]
+        if any(v < 2 for v in vals) or (flag == "long_lengths" and not vals):
+            raise UsageError(f"--{flag.replace('_', '-')} {text!r}: give comma-separated whole numbers of at least 2")
+    recs = a.long_v41_records.split(",")
+    bad = [r for r in recs if r not in V41_RECORD_NAMES] if a.long_v41_records != "none" else []
+    if bad:
+        raise UsageError(f"--long-v41-records {a.long_v41_records!r}: {bad[0]!r} is not one of "
+                         f"{', '.join(V41_RECORD_NAMES)} (or 'none')")
+    bad = [k for k in a.long_kernels.split(",") if k not in ("default", "portable")]
+    if bad or not a.long_kernels:
+        raise UsageError(f"--long-kernels {a.long_kernels!r}: give default and/or portable, comma-separated")
 
 
 def _default_layers(cfg):

@@ -129,6 +129,26 @@ class DeepseekV4Attention(torch.nn.Module):
         self._mark("indexer")
         return self._attend_and_project(q, kv, positions, step)
 
+    def fill_caches(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                    step: Optional[StepMetadata] = None) -> None:
+        """Write this step's tokens into every cache ``forward`` writes (SWA records, compressor state and
+        entries, the indexer's keys), by the same kernels in the same order, without the indexer's scores,
+        attention or the output path: a prefix of a long context whose outputs nobody reads
+        (dsv4_rocm.long_context). The caches end exactly as after ``forward`` of the same step."""
+        step = _current_step(step)
+        x = hidden_states
+        self._check_inputs(positions, x, step)
+        self._check_step(step, indexer=False)
+        _, kv, q = self._projections(x)
+        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
+            q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
+            L.SWA_BLOCK_SIZE)
+        if self.ratio > 1:
+            self._compress(x, self.w.comp_w, self.w.comp_ape, self.w.comp_norm, positions, step, self.cache.comp_state,
+                           self._comp, step.compressed_slots[self.ratio], 512)
+        if self.ratio == 4:
+            self._index_keys(x, positions, step)
+
     def _attend_and_project(self, q, kv, positions, step: StepMetadata) -> torch.Tensor:
         """Sparse attention (``forward_mqa``) into the padded output, then the output path."""
         o_padded = torch.empty(q.shape[0], self.padded_heads, 512, dtype=torch.bfloat16, device=q.device)
@@ -244,8 +264,7 @@ class DeepseekV4Attention(torch.nn.Module):
         cfg, w = self.cfg, self.w
         T, nh, K = x.shape[0], cfg.index_n_heads, cfg.index_topk
         idx_kv = self._idx
-        self._compress(x, w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm, positions, step, self.cache.idx_state,
-                       idx_kv, step.compressed_slots[4], 128, ratio=4)
+        self._index_keys(x, positions, step)
         q8, wq = self._indexer_query(x, qr, positions)
         topk = torch.empty(T, K, dtype=torch.int32, device=x.device)
         n_entries = -(-self.max_model_len // 4)
@@ -261,6 +280,12 @@ class DeepseekV4Attention(torch.nn.Module):
         if nd < T:
             self._indexer_prefill(q8, wq, idx_kv, step, topk, K, first_request=ndr)
         return topk
+
+    def _index_keys(self, x, positions, step: StepMetadata) -> None:
+        """The indexer's compressor: its state, and the index keys of the tokens that close a window."""
+        w = self.w
+        self._compress(x, w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm, positions, step, self.cache.idx_state,
+                       self._idx, step.compressed_slots[4], 128, ratio=4)
 
     def _indexer_query(self, x, qr, positions):
         """The indexer's query heads and weights, RoPE'd and quantized: (q fp8 [T, nh, 128], w fp32 [T, nh])."""

@@ -140,6 +140,32 @@ class DeepseekV41Attention(DeepseekV4Attention):
         self._mark("indexer")
         return self._attend_and_project(q, kv, positions, step)
 
+    def fill_caches(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                    step: Optional[StepMetadata] = None) -> None:
+        """Write this step's tokens into every cache ``forward`` writes (its SWA records; a kv source's
+        compressor ring, entries and index keys), by the same kernels in the same order, without the
+        indexer's scores, attention or the output path (dsv4_rocm.long_context's prefix of a long context)."""
+        step = _current_step(step)
+        x = hidden_states
+        self._check_inputs(positions, x, step)
+        if self.ratio and self.ratio not in step.v41_lens:
+            raise ValueError(f"the step was not built for ratio {self.ratio} (StepMetadata.build(ratios=...))")
+        self._check_step(step, indexer=False)
+        _, kv, q = self._projections(x)
+        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
+            q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
+            L.SWA_BLOCK_SIZE, False, kv_mxfp8=self._swa_fmt.name == L.V41_528.name, kv_layout=self._swa_fmt.layout)
+        if self.spec.owns_kv:
+            latent = self._compress(x, positions, step)
+            if self.spec.owns_index:
+                self._index_keys(latent, positions, step)
+
+    def _index_keys(self, latent, positions, step: StepMetadata) -> None:
+        """A kv source's index keys: k_norm(wk(latent)), RoPE'd and quantized into its indexer-K cache."""
+        k_pre = _bf16_linear(latent, self.w.idx_wk)
+        ops.indexer_k_norm_rope_store(k_pre, positions, self.cos_sin_cache, self.w.idx_k_norm, self.eps,
+                                      self.cache.idx, step.compressed_slots[self.ratio], self.ratio, False)
+
     def _compress(self, x, positions, step: StepMetadata) -> torch.Tensor:
         """The kv source's compressor: the bf16 latent of every group-closing token (other rows unspecified),
         its record in the compressed cache."""
@@ -163,9 +189,7 @@ class DeepseekV41Attention(DeepseekV4Attention):
         T, nh, K = x.shape[0], cfg.index_n_heads, cfg.index_topk
         idx, lens = self.cache.idx, step.v41_lens[r]
         if self.spec.owns_kv:
-            k_pre = _bf16_linear(latent, w.idx_wk)
-            ops.indexer_k_norm_rope_store(k_pre, positions, self.cos_sin_cache, w.idx_k_norm, self.eps, idx,
-                                          step.compressed_slots[r], r, False)
+            self._index_keys(latent, positions, step)
         qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(T, nh, 128)
         wi = _bf16_linear(x, w.idx_wproj)
         q8, wq = ops.fused_indexer_q_rope_quant(positions, qi, self.cos_sin_cache, wi, 128 ** -0.5, nh ** -0.5)

@@ -157,6 +157,9 @@ def _graph_decode_ms(srv, xs, device, reps=20, layers=None):
 
 
 def main_job(a) -> int:
+    if getattr(a, "long", False):           # the long-context preset (dsv4_rocm/long_context.py)
+        from .long_context import long_job
+        return long_job(a)
     device = a.device
     cfg = get_config(a.config)
     cfg = cfg.with_tp(cfg.num_heads // a.heads)

@@ -37,6 +37,7 @@ same outputs, its split partials merged by ``_combine_kernel``); ``DEFAULT_SM90_
 layout, both caches of one format and layout: ``sparse_mla_decode_ws.reads``); calls over other formats (a
 V41_FP4_288 extra cache, FNUZ-flavour records) run this file's kernel on Hopper too.
 """
+import contextlib
 import functools
 import warnings
 from typing import NamedTuple
@@ -454,11 +455,31 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stri
 DEFAULT_SM90_KERNEL = "ws"
 
 
+_PORTABLE_ONLY = False      # inside ``portable_kernel()``: this file's kernel on every target
+
+
 def default_kernel(arch: str) -> str:
     """Which decode kernel a target runs by default: on Hopper DEFAULT_SM90_KERNEL (the warp-specialized
-    kernel of ``sparse_mla_decode_ws.py`` only where Triton has Gluon), this file's kernel everywhere else;
-    ``config=dict(kernel=...)`` forces either."""
+    kernel of ``sparse_mla_decode_ws.py`` only where Triton has Gluon), this file's kernel everywhere else
+    (and inside ``portable_kernel()``); ``config=dict(kernel=...)`` forces either."""
+    if _PORTABLE_ONLY:
+        return "triton"
     return "ws" if arch == "sm_90" and DEFAULT_SM90_KERNEL == "ws" and _ws is not None else "triton"
+
+
+@contextlib.contextmanager
+def portable_kernel():
+    """Inside the block every call of the public op runs this file's kernel, the one AMD runs, on Hopper
+    too: a check of both kernels on one Hopper GPU (dsv4_rocm/long_context.py). The cached launch plans
+    are dropped on entry and exit, so no plan of the other kernel is reused."""
+    global _PORTABLE_ONLY
+    prev, _PORTABLE_ONLY = _PORTABLE_ONLY, True
+    _plan.cache_clear()
+    try:
+        yield
+    finally:
+        _PORTABLE_ONLY = prev
+        _plan.cache_clear()
 
 
 def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
