@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .. import layout as L
+from ._compat import by_triton
 from ._decode_tiles import DECODE_POINTERS, e2m1_to_scaled_bf16_ptx, e4m3_to_scaled_bf16_ptx, program_tiles
 from ._fp8 import INTERPRETED, decode, e2m1_to_scaled_bf16_model, e4m3_to_scaled_bf16_model
 from ._launch import cdiv, counters, device_cache, device_facts, launch, scratch
@@ -492,7 +493,15 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
     else:
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
+    cfg.update(by_triton(_NEWER_TRITON_TILES).get(arch, {}))
     return dict(cfg, kernel="triton", split_combine="launch")
+
+
+# What a newer Triton changes in the tiles above (``_compat.by_triton``: the entry of the newest version not
+# newer than the running one). From 3.8 on, ptxas spills the 64-key NVIDIA tile at its 255 registers (352 to
+# 1176 B for the 64-head kernel, more with 128 heads split; fewer stages spill more), and 32-key tiles do not
+# (compile matrix). 3.6's tiles are the ones measured on the H100 and stay as they are.
+_NEWER_TRITON_TILES = {(3, 6): {}, (3, 8): {"sm_90": dict(BLOCK_N=32), "sm_100": dict(BLOCK_N=32)}}
 
 
 def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
@@ -694,13 +703,18 @@ _POINTERS = dict(DECODE_POINTERS, count_ptr="*i32")
 # store; at 255 registers ptxas then spills loop-invariant wgmma descriptors (reloaded from L1 each tile)
 _FP4_SPILLS = "fp4 nibble interleave: ptxas spills loop-invariant wgmma descriptors (docs/platforms.md)"
 
+# From Triton 3.8 on, the 128-head split kernel that merges in kernel (not the default: split_combine="launch")
+# needs 6 scalar registers beyond gfx942's 106; they sit in VGPR lanes (v_writelane / v_readlane), never in
+# memory. Fewer warps or 32-key tiles spill more there (12 SGPRs; 99 VGPRs to scratch). None under 3.6.
+_SPLIT_SGPR_SPILLS = {(3, 6): "", (3, 8): "Triton >= 3.8: the in-kernel merge's scalar state on gfx942 (docs/platforms.md)"}
+
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
     dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True),
     dict(name="sparse_mla_decode[split, combine in kernel]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
-         fp8_convert=True),
+         fp8_convert=True, sgpr_spills=by_triton(_SPLIT_SGPR_SPILLS)),
     # the V4.1 records: one format in both sets (one loop), and the fp4 extra cache (a loop per set)
     dict(name="sparse_mla_decode[V41_528]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.V41_528, L.V41_528)), options=_matrix_options,
