@@ -30,8 +30,10 @@ def test_tables_keep_tritons_36_choices():
     from dsv4_rocm.triton import sparse_mla_decode as d, top_k_per_row as t
     for v in [(3, 6), (3, 7)]:
         assert by_triton(d._NEWER_TRITON_TILES, v) == {}
-        assert by_triton(d._SPLIT_SGPR_SPILLS, v) == ""
+        assert by_triton(d._SPLIT_SGPR_SPILLS, v) == "" and by_triton(d._SM100_SPILLS, v) == ""
     assert by_triton(d._NEWER_TRITON_TILES, (3, 8))["sm_90"] == dict(BLOCK_N=32)
+    assert set(by_triton(d._SPLIT_SGPR_SPILLS, (3, 9))) == {"gfx942"} and set(by_triton(d._SM100_SPILLS, (3, 9))) == {
+        "sm_100a"}
     if TRITON_VERSION < (3, 8):
         assert t._options("sm_90", 16) == dict(num_warps=16)
         assert d.default_config("sm_90", 64, "triton")["BLOCK_N"] == 64

@@ -1,7 +1,8 @@
 """What differs between the Tritons this package supports, in one place.
 
-Supported: Triton 3.6 (torch 2.11 to 2.13; the GPU machines' compiler, whose code generation every
-measured number in BENCHMARKS.md comes from), 3.7, 3.8 (torch 2.14, vLLM 0.33.0) and 3.9 (torch 2.15).
+Supported: Triton 3.6 (torch 2.11, and CI's CPU torch 2.13; the GPU machines' compiler, whose code generation
+every measured number in BENCHMARKS.md comes from), 3.7 (torch 2.12 and 2.13), 3.8 (torch 2.14, vLLM
+0.33.0's) and 3.9 (torch 2.15).
 Kernels keep one source; the differences are:
 
 * Gluon names: the CTA barrier is ``gl.thread_barrier()`` up to 3.7 and ``gl.barrier()`` from 3.8 (with

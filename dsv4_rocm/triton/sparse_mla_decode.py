@@ -498,10 +498,11 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
 
 
 # What a newer Triton changes in the tiles above (``_compat.by_triton``: the entry of the newest version not
-# newer than the running one). From 3.8 on, ptxas spills the 64-key NVIDIA tile at its 255 registers (352 to
-# 1176 B for the 64-head kernel, more with 128 heads split; fewer stages spill more), and 32-key tiles do not
-# (compile matrix). 3.6's tiles are the ones measured on the H100 and stay as they are.
-_NEWER_TRITON_TILES = {(3, 6): {}, (3, 8): {"sm_90": dict(BLOCK_N=32), "sm_100": dict(BLOCK_N=32)}}
+# newer than the running one). From 3.8 on, ptxas spills the 64-key sm_90 tile at its 255 registers (352 B for
+# the 64-head kernel under 3.8, 1176 B under 3.9, more with 128 heads split; one stage spills more), and the
+# 32-key tile does not (compile matrix). sm_100: _SM100_SPILLS. 3.6's tiles are the ones measured on the H100
+# and stay as they are.
+_NEWER_TRITON_TILES = {(3, 6): {}, (3, 8): {"sm_90": dict(BLOCK_N=32)}}
 
 
 def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
@@ -703,10 +704,17 @@ _POINTERS = dict(DECODE_POINTERS, count_ptr="*i32")
 # store; at 255 registers ptxas then spills loop-invariant wgmma descriptors (reloaded from L1 each tile)
 _FP4_SPILLS = "fp4 nibble interleave: ptxas spills loop-invariant wgmma descriptors (docs/platforms.md)"
 
-# From Triton 3.8 on, the 128-head split kernel that merges in kernel (not the default: split_combine="launch")
-# needs 6 scalar registers beyond gfx942's 106; they sit in VGPR lanes (v_writelane / v_readlane), never in
-# memory. Fewer warps or 32-key tiles spill more there (12 SGPRs; 99 VGPRs to scratch). None under 3.6.
-_SPLIT_SGPR_SPILLS = {(3, 6): "", (3, 8): "Triton >= 3.8: the in-kernel merge's scalar state on gfx942 (docs/platforms.md)"}
+# What a newer Triton's compile of these kernels keeps spilling (by target; none under 3.6). From 3.8 on:
+# * gfx942, the 128-head split kernel that merges in kernel (not the default: split_combine="launch"): 6
+#   scalar registers beyond the 106 of a wave sit in VGPR lanes (v_writelane / v_readlane), never in memory;
+#   4 warps or 32-key tiles spill more (12 SGPRs; 99 VGPRs to scratch);
+# * sm_100a, the split, V4.1 and FNUZ-window kernels: ptxas spills 420-504 B at 255 registers with the
+#   64 x 64 tile, and every other tile tried spills too (32 keys, 1 or 2 stages: 420-644 B; no integer
+#   dequantization: 560 B; 16 warps: no tcgen05). Untimed: no Blackwell machine here.
+_SPLIT_SGPR_SPILLS = {(3, 6): "", (3, 8): {"gfx942": "Triton >= 3.8: the in-kernel merge's scalar state "
+                                                     "(docs/platforms.md#triton-versions)"}}
+_SM100_SPILLS = {(3, 6): "", (3, 8): {"sm_100a": "Triton >= 3.8: no sm_100 tile tried compiles without spills "
+                                                 "(docs/platforms.md#triton-versions)"}}
 
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
@@ -714,11 +722,11 @@ COMPILE_SPECS = [
          constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True),
     dict(name="sparse_mla_decode[split, combine in kernel]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
-         fp8_convert=True, sgpr_spills=by_triton(_SPLIT_SGPR_SPILLS)),
+         fp8_convert=True, sgpr_spills=by_triton(_SPLIT_SGPR_SPILLS), ptxas_spills=by_triton(_SM100_SPILLS)),
     # the V4.1 records: one format in both sets (one loop), and the fp4 extra cache (a loop per set)
     dict(name="sparse_mla_decode[V41_528]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.V41_528, L.V41_528)), options=_matrix_options,
-         matrix=True, fp8_convert=True),
+         matrix=True, fp8_convert=True, ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_decode[V41_528 + V41_FP4_288, split]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, True, (L.V41_528, L.V41_FP4_288)),
          options=_matrix_options, matrix=True, fp8_convert=True, ptxas_spills=_FP4_SPILLS),
@@ -726,7 +734,7 @@ COMPILE_SPECS = [
     dict(name="sparse_mla_decode[V40_584 FNUZ window]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.with_fnuz(L.V40_584),
                                                                                         L.V40_584)),
-         options=_matrix_options, matrix=True, fp8_convert=True),
+         options=_matrix_options, matrix=True, fp8_convert=True, ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_combine", fn=_combine_kernel,
          pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
          floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, BLOCK_H=MERGE_H, PARTS=True),
