@@ -710,7 +710,7 @@ _FP4_SPILLS = "fp4 nibble interleave: ptxas spills loop-invariant wgmma descript
 #   4 warps or 32-key tiles spill more (12 SGPRs; 99 VGPRs to scratch);
 # * sm_100a, the split, V4.1 and FNUZ-window kernels: ptxas spills 420-504 B at 255 registers with the
 #   64 x 64 tile, and every other tile tried spills too (32 keys, 1 or 2 stages: 420-644 B; no integer
-#   dequantization: 560 B; 16 warps: no tcgen05). Untimed: no Blackwell machine here.
+#   dequantization: 560 B; 16 warps or 32-head blocks: no tcgen05). Untimed: no Blackwell machine here.
 _SPLIT_SGPR_SPILLS = {(3, 6): "", (3, 8): {"gfx942": "Triton >= 3.8: the in-kernel merge's scalar state "
                                                      "(docs/platforms.md#triton-versions)"}}
 _SM100_SPILLS = {(3, 6): "", (3, 8): {"sm_100a": "Triton >= 3.8: no sm_100 tile tried compiles without spills "
