@@ -32,8 +32,9 @@ def test_tables_keep_tritons_36_choices():
         assert by_triton(d._NEWER_TRITON_TILES, v) == {}
         assert by_triton(d._SPLIT_SGPR_SPILLS, v) == "" and by_triton(d._SM100_SPILLS, v) == ""
     assert by_triton(d._NEWER_TRITON_TILES, (3, 8))["sm_90"] == dict(BLOCK_N=32)
-    assert set(by_triton(d._SPLIT_SGPR_SPILLS, (3, 9))) == {"gfx942"} and set(by_triton(d._SM100_SPILLS, (3, 9))) == {
-        "sm_100a"}
+    assert set(by_triton(d._SPLIT_SGPR_SPILLS, (3, 9))) == {"gfx942"}
+    assert set(by_triton(d._SM100_SPILLS, (3, 8))) == {"sm_100a"}            # sm_90a's 32-key tile is clean there
+    assert set(by_triton(d._SM100_SPILLS, (3, 9))) == {"sm_100a", "sm_90a"}
     if TRITON_VERSION < (3, 8):
         assert t._options("sm_90", 16) == dict(num_warps=16)
         assert d.default_config("sm_90", 64, "triton")["BLOCK_N"] == 64

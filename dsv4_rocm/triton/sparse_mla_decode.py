@@ -708,18 +708,22 @@ _FP4_SPILLS = "fp4 nibble interleave: ptxas spills loop-invariant wgmma descript
 # * gfx942, the 128-head split kernel that merges in kernel (not the default: split_combine="launch"): 6
 #   scalar registers beyond the 106 of a wave sit in VGPR lanes (v_writelane / v_readlane), never in memory;
 #   4 warps or 32-key tiles spill more (12 SGPRs; 99 VGPRs to scratch);
-# * sm_100a, the split, V4.1 and FNUZ-window kernels: ptxas spills 420-504 B at 255 registers with the
-#   64 x 64 tile, and every other tile tried spills too (32 keys, 1 or 2 stages: 420-644 B; no integer
-#   dequantization: 560 B; 16 warps or 32-head blocks: no tcgen05). Untimed: no Blackwell machine here.
+# * sm_100a, every variant: ptxas spills 420-504 B at 255 registers with the 64 x 64 tile, and every other
+#   tile tried spills too (32 keys, 1 or 2 stages: 420-644 B; no integer dequantization: 560 B; 16 warps or
+#   32-head blocks: no tcgen05). Untimed: no Blackwell machine here.
+# From 3.9 on, sm_90a as well: its 32-key tile spills 560 B there (16 keys: 608 B; one stage: 844 B; the
+# 64-key tile: 1176 B). Hopper's default decode is the Gluon kernel, which compiles without spills.
 _SPLIT_SGPR_SPILLS = {(3, 6): "", (3, 8): {"gfx942": "Triton >= 3.8: the in-kernel merge's scalar state "
                                                      "(docs/platforms.md#triton-versions)"}}
-_SM100_SPILLS = {(3, 6): "", (3, 8): {"sm_100a": "Triton >= 3.8: no sm_100 tile tried compiles without spills "
-                                                 "(docs/platforms.md#triton-versions)"}}
+_NVIDIA_WHY = "Triton >= %s: no tile tried compiles without spills (docs/platforms.md#triton-versions)"
+_SM100_SPILLS = {(3, 6): "", (3, 8): {"sm_100a": _NVIDIA_WHY % "3.8"},
+                 (3, 9): {"sm_100a": _NVIDIA_WHY % "3.8", "sm_90a": _NVIDIA_WHY % "3.9"}}
 
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
     dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
-         constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True),
+         constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True,
+         ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_decode[split, combine in kernel]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
          fp8_convert=True, sgpr_spills=by_triton(_SPLIT_SGPR_SPILLS), ptxas_spills=by_triton(_SM100_SPILLS)),
