@@ -40,3 +40,17 @@ def test_tables_keep_tritons_36_choices():
         assert d.default_config("sm_90", 64, "triton")["BLOCK_N"] == 64
     else:
         assert t._options("sm_90", 16) == dict(num_warps=16, maxnreg=128)
+
+
+def test_hopper_gluon_kernel_is_offered_where_it_compiles():
+    """3.6 to 3.8 compile the warp-specialized kernel (compile matrix); 3.9 does not, and Hopper then runs the
+    Triton kernels, which the compile matrix then checks alone."""
+    from dsv4_rocm.triton import sparse_mla_decode as d, sparse_mla_decode_ws as ws, sparse_mla_prefill as p
+    assert _compat.GLUON_WS == (TRITON_VERSION < (3, 9))
+    if not _compat.GLUON_WS:
+        assert d._ws is None and p._ws is None and ws.COMPILE_SPECS == []
+        assert d.default_kernel("sm_90") == "triton"
+        with pytest.raises(ValueError, match="GLUON_WS"):
+            d.default_config("sm_90", 64, "ws")
+    else:
+        assert d._ws is not None and len(ws.COMPILE_SPECS) == 5

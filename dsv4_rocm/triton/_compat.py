@@ -8,6 +8,10 @@ Kernels keep one source; the differences are:
 * Gluon names: the CTA barrier is ``gl.thread_barrier()`` up to 3.7 and ``gl.barrier()`` from 3.8 (with
   ``cluster=False``, its default, both emit the same ``debug_barrier``). Kernels call ``thread_barrier``
   from here.
+* The Hopper warp-specialized kernel (``sparse_mla_decode_ws.py``) compiles under 3.6 to 3.8 (168
+  registers a thread, no spills, for sm_90a) but not under 3.9, whose ``gl.warp_specialize`` rejects its
+  partitions at compile time: ``GLUON_WS`` is False there and Hopper runs the Triton kernel (decode and
+  prefill), as it does on every Triton without Gluon.
 * Tile and warp choices: a newer compiler allocates registers differently, and a configuration that is
   spill-free under 3.6 can spill under 3.8 or 3.9. ``by_triton(table)`` picks a kernel's entry for the
   running Triton from a table keyed by the oldest version it applies to; 3.6's entry is the one measured
@@ -16,6 +20,9 @@ Kernels keep one source; the differences are:
 import triton
 
 TRITON_VERSION = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
+
+
+GLUON_WS = TRITON_VERSION < (3, 9)
 
 
 def by_triton(table: dict, version: tuple = None):

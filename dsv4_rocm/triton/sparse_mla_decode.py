@@ -46,15 +46,17 @@ import triton
 import triton.language as tl
 
 from .. import layout as L
-from ._compat import by_triton
+from ._compat import GLUON_WS, by_triton
 from ._decode_tiles import DECODE_POINTERS, e2m1_to_scaled_bf16_ptx, e4m3_to_scaled_bf16_ptx, program_tiles
 from ._fp8 import INTERPRETED, decode, e2m1_to_scaled_bf16_model, e4m3_to_scaled_bf16_model
 from ._launch import cdiv, counters, device_cache, device_facts, launch, scratch
 
-try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
-    from . import sparse_mla_decode_ws as _ws
-except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Triton kernel runs everywhere)
-    _ws = None
+_ws = None
+if GLUON_WS:                              # the Hopper kernel is written in Gluon (Triton 3.6 to 3.8: _compat)
+    try:
+        from . import sparse_mla_decode_ws as _ws
+    except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Triton kernel runs everywhere)
+        _ws = None
 
 LOG2E = 1.4426950408889634
 
@@ -481,7 +483,8 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     kernel = kernel or default_kernel(arch)
     if kernel == "ws":
         if _ws is None:
-            raise ValueError("config kernel='ws' needs Triton's Gluon (triton >= 3.6), which this Triton lacks")
+            raise ValueError("config kernel='ws' needs Triton's Gluon at 3.6 to 3.8 (triton/_compat.py GLUON_WS), "
+                             "which this Triton is not")
         return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config(num_heads))
     if kernel != "triton":
         raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")

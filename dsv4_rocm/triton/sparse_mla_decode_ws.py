@@ -113,7 +113,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .. import layout as L
-from ._compat import thread_barrier
+from ._compat import GLUON_WS, thread_barrier
 from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx
 
 MAX_PARTS = 16        # parts of one split unit: the combine kernel's MAX_SPLITS
@@ -1106,3 +1106,5 @@ COMPILE_SPECS = [
          options=lambda arch: dict(num_warps=prefill_config()["num_warps"]), matrix=True, targets=("sm_90a",),
          wgmma_pipelined=True),
 ]
+if not GLUON_WS:        # Triton 3.9's warp_specialize rejects these partitions (_compat): not offered there
+    COMPILE_SPECS = []
