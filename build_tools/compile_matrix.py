@@ -63,13 +63,18 @@ class TritonKernel:
     fp8_encode: bool = False             # must encode fp8 with the hardware convert
     exact_fp32: bool = False             # compiled with fp fusion off: no fma may appear in the PTX
     fp8_mma: bool = False                # its matrix instructions must take fp8 (e4m3) operands
-    sgpr_spills: str = ""                # why SGPR spills (to VGPR lanes, not memory) are accepted; "" = none are
-    ptxas_spills: str = ""               # why ptxas spills (NVIDIA targets) are accepted; "" = none are
+    sgpr_spills: object = ""             # why SGPR spills (to VGPR lanes, not memory) are accepted; "" = none are
+    ptxas_spills: object = ""            # why ptxas spills (NVIDIA targets) are accepted; "" = none are
+    # (either reason may be a dict {target: reason}: accepted on those targets only)
     targets: tuple = ()                  # the targets it is written for (a Gluon kernel: one arch); () = all
     wgmma_pipelined: bool = False        # ptxas must keep its wgmma asynchronous (no C75xx serialization note)
 
     def applies_to(self, target: str) -> bool:
         return not self.targets or target in self.targets
+
+    def accepted(self, reason, target: str) -> str:
+        """The reason spills are accepted on ``target`` ("" where they are not)."""
+        return reason.get(target, "") if isinstance(reason, dict) else reason
 
     def signature(self):
         sig = {}
@@ -228,7 +233,7 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
             row["problems"].append("s_trap")
         if rep["vgpr_spill"] or rep["scratch"]:
             row["problems"].append(f"VGPR spills {rep['vgpr_spill']}, scratch {rep['scratch']} B")
-        if rep["sgpr_spill"] and not k.sgpr_spills:
+        if rep["sgpr_spill"] and not k.accepted(k.sgpr_spills, target):
             row["problems"].append(f"SGPR spills {rep['sgpr_spill']}")
     else:
         ptx = c.asm["ptx"]
@@ -253,7 +258,7 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
         fp8_mma = r"wgmma\.mma_async\S*\.e4m3\.e4m3" if arch == 90 else r"tcgen05\.mma\S*kind::f8f6f4"
         if k.fp8_mma and not re.search(fp8_mma, ptx):
             row["problems"].append(f"no fp8 {mma}")
-        if spill and not k.ptxas_spills:
+        if spill and not k.accepted(k.ptxas_spills, target):
             row["problems"].append(f"{spill} B spilled")
     if row["smem"] > limit:
         row["problems"].append(f"LDS/shared {row['smem']} > {limit}")

@@ -88,3 +88,9 @@ def test_background_run_fails_by_task_name_when_its_process_dies(tmp_path):
     for b in (bg, other):
         with pytest.raises(RuntimeError, match="without hip-sm_90a"):
             b.result("hip-sm_90a")
+
+
+def test_accepted_spills_may_name_targets():
+    k = KERNELS["compute_swa_indices_and_lens"]
+    assert k.accepted("why", "gfx942") == "why" and k.accepted("", "sm_90a") == ""
+    assert k.accepted({"sm_100a": "why"}, "sm_100a") == "why" and k.accepted({"sm_100a": "why"}, "sm_90a") == ""

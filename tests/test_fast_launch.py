@@ -1,6 +1,7 @@
 """The direct launch (dsv4_rocm/triton/_launch.py ``Kernel``) picks exactly the compiled kernel Triton's own
 launcher picks, for random arguments of every kind, on an NVIDIA and an AMD target; it steps aside where
-Triton's launcher must run (hooks, debug, keyword tensors, switch off).
+Triton's launcher must run (hooks, debug, keyword tensors, switch off), and on every Triton but 3.6, whose
+launcher internals its key copies: there each launch is Triton's own (the test of that runs on every Triton).
 
 No GPU is needed: ``bench.host.simulated_gpu`` gives Triton a stand-in driver and compiles nothing, so
 Triton's binder and cache key run as on a GPU and each distinct key gets its own stand-in kernel."""
@@ -13,9 +14,12 @@ import triton.language as tl
 
 from dsv4_rocm.bench.host import _NullKernel, simulated_gpu
 from dsv4_rocm.triton import _launch
+from dsv4_rocm.triton._compat import TRITON_VERSION
 from dsv4_rocm.triton._launch import Kernel, launch
 
-pytestmark = pytest.mark.skipif(not _launch._TRITON_SUPPORTED, reason="the direct launch needs Triton 3.6")
+needs_36 = pytest.mark.skipif(not _launch._TRITON_SUPPORTED,
+                              reason=f"the direct launch is written for Triton 3.6; Triton {triton.__version__} "
+                                     "launches through its own launcher (test_other_tritons_launch_through_triton)")
 
 
 @triton.jit(do_not_specialize=["n_dns"], do_not_specialize_on_alignment=["p_dnsa", "n_dnsa"])
@@ -78,6 +82,7 @@ def _which(before, after):
     return moved[0]
 
 
+@needs_36
 @pytest.mark.parametrize("backend,kernel", [("cuda", "triton"), ("hip", "triton"), ("cuda", "gluon")])
 def test_direct_launch_picks_tritons_kernel(backend, kernel):
     if kernel == "gluon" and _probe_gluon is None:
@@ -116,6 +121,7 @@ def test_direct_launch_picks_tritons_kernel(backend, kernel):
         assert len({id(v) for v in probe.device_caches[0][0].values()}) > 20   # many distinct kernels
 
 
+@needs_36
 def test_direct_launch_steps_aside():
     """Hooks, TRITON_DEBUG, a tensor passed as a keyword or the switch off: Triton's launcher every time."""
     from triton import knobs
@@ -159,6 +165,7 @@ def test_direct_launch_steps_aside():
             JITFunction.run = run
 
 
+@needs_36
 def test_forget_kernels():
     t = torch.empty(64, dtype=torch.float32)
     with simulated_gpu("cuda"):
@@ -166,3 +173,40 @@ def test_forget_kernels():
         k[(1,)](t, t, 16, 3, 5, 1.0, True, None, C=1)
         assert any(v.kernels for v in k._variants.values())
     assert not k._variants                                   # leaving the simulation forgets its kernels
+
+
+def test_direct_launch_is_on_for_triton_36_only():
+    assert _launch._TRITON_SUPPORTED == (TRITON_VERSION == (3, 6))
+    assert Kernel(_probe_kernel).supported == (TRITON_VERSION == (3, 6))
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip"])
+def test_other_tritons_launch_through_triton(backend, monkeypatch):
+    """On a Triton other than 3.6 (this one, or 3.6 told it is another) every launch is Triton's own and runs
+    the kernel Triton's launcher picks."""
+    if _launch._TRITON_SUPPORTED:
+        monkeypatch.setattr(_launch, "_TRITON_SUPPORTED", False)
+    from triton.runtime.jit import JITFunction
+    run = JITFunction.run
+    calls = []
+
+    def counting(self, *a, **kw):
+        calls.append(kw.get("warmup"))
+        return run(self, *a, **kw)
+    rng = random.Random(1)
+    with simulated_gpu(backend):
+        JITFunction.run = counting
+        try:
+            k = Kernel(_probe_kernel)          # not launch(): that keeps the Kernel made before the patch
+            assert not k.supported
+            for i in range(40):
+                args = _args(rng, rng.choice(LAYOUTS), None)
+                tritons = _probe_kernel.run(*args, grid=(1,), warmup=True, C=1)
+                before = _launched(_probe_kernel)
+                k[(1,)](*args, C=1)
+                assert _which(before, _launched(_probe_kernel)) is tritons
+                k.bind(C=1)[(1,)](*args)
+                assert _which(before, _launched(_probe_kernel)) is tritons
+        finally:
+            JITFunction.run = run
+    assert calls.count(False) == 80 and calls.count(True) == 40       # every launch through Triton's run

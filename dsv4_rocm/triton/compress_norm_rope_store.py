@@ -513,7 +513,10 @@ def _compress_norm_rope_store_kernel(
     list index, or the token). STAGE 2: y from scratch, then the finish."""
     pid = tl.program_id(0)
     if USE_LIST:
-        tok = tl.load(list_ptr + pid + tl.arange(0, 1), mask=pid < tl.load(count_ptr), other=-1)
+        # the mask broadcast to the block by hand (what the compiler does with a scalar mask): Triton 3.9's
+        # interpreter rejects a scalar mask on a block load
+        tok = tl.load(list_ptr + pid + tl.arange(0, 1), mask=tl.broadcast_to(pid < tl.load(count_ptr), (1,)),
+                      other=-1)
     else:
         tok = pid * CHUNK + tl.arange(0, CHUNK)          # < num_tokens < 2^31
     inb = (tok >= 0) & (tok < num_tokens)

@@ -14,10 +14,16 @@ the (C - 1)-th largest key is taken whole; at most 4 rounds, each a pass over th
 (T, above): the keys > T are taken, and the first C - 1 - above keys == T in block order. A last pass
 writes the taken blocks in block order (a running count per tile), then the newest block.
 """
+import torch
 import triton
 import triton.language as tl
 
+from ._compat import by_triton
 from ._launch import launch
+
+# NVIDIA, from Triton 3.8 on: without a register bound ptxas held this kernel at 48 registers and spilled 8 B on
+# sm_90a; .maxnreg 128 compiles it without spills (64 registers). 3.6 needs none and keeps its code (_compat).
+_NVIDIA_OPTIONS = by_triton({(3, 6): {}, (3, 8): dict(maxnreg=128)})
 from .top_k_per_row import _high_mask, _order_key
 
 TB = 128        # blocks a tile
@@ -97,12 +103,14 @@ def select_candidate_blocks(logits, lens, candidate_blocks, block_size: int) -> 
     rows, C = candidate_blocks.shape
     launch(_select_candidate_blocks_kernel)[(rows,)](
         logits, logits.stride(0), logits.shape[1], lens, candidate_blocks, candidate_blocks.stride(0), rows,
-        C=C, BS=block_size, TB=TB, CB=CB, num_warps=4, num_stages=1)
+        C=C, BS=block_size, TB=TB, CB=CB, num_warps=4, num_stages=1,
+        **(_NVIDIA_OPTIONS if logits.is_cuda and torch.version.hip is None else {}))
 
 
 COMPILE_SPECS = [
     dict(name="select_candidate_blocks", fn=_select_candidate_blocks_kernel,
          pointers=dict(x_ptr="*fp32", lens_ptr="*i32", out_ptr="*i32"), floats=(),
          constexprs=lambda arch: dict(C=2048, BS=8, TB=TB, CB=CB),
-         options=lambda arch: dict(num_warps=4, num_stages=1), matrix=False),
+         options=lambda arch: dict(num_warps=4, num_stages=1, **({} if arch.startswith("gfx") else _NVIDIA_OPTIONS)),
+         matrix=False),
 ]

@@ -47,14 +47,17 @@ import triton
 import triton.language as tl
 
 from .. import layout as L
+from ._compat import GLUON_WS, by_triton
 from ._decode_tiles import DECODE_POINTERS, e2m1_to_scaled_bf16_ptx, e4m3_to_scaled_bf16_ptx, program_tiles
 from ._fp8 import INTERPRETED, decode, e2m1_to_scaled_bf16_model, e4m3_to_scaled_bf16_model
 from ._launch import cdiv, counters, device_cache, device_facts, launch, scratch
 
-try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
-    from . import sparse_mla_decode_ws as _ws
-except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Triton kernel runs everywhere)
-    _ws = None
+_ws = None
+if GLUON_WS:                              # the Hopper kernel is written in Gluon (Triton 3.6 to 3.8: _compat)
+    try:
+        from . import sparse_mla_decode_ws as _ws
+    except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Triton kernel runs everywhere)
+        _ws = None
 
 LOG2E = 1.4426950408889634
 
@@ -501,7 +504,8 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     kernel = kernel or default_kernel(arch)
     if kernel == "ws":
         if _ws is None:
-            raise ValueError("config kernel='ws' needs Triton's Gluon (triton >= 3.6), which this Triton lacks")
+            raise ValueError("config kernel='ws' needs Triton's Gluon at 3.6 to 3.8 (triton/_compat.py GLUON_WS), "
+                             "which this Triton is not")
         return dict(kernel="ws", BLOCK_H=64, split_combine="launch", **_ws.default_config(num_heads))
     if kernel != "triton":
         raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")
@@ -513,7 +517,16 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
     else:
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, DEQ_INT=True)
+    cfg.update(by_triton(_NEWER_TRITON_TILES).get(arch, {}))
     return dict(cfg, kernel="triton", split_combine="launch")
+
+
+# What a newer Triton changes in the tiles above (``_compat.by_triton``: the entry of the newest version not
+# newer than the running one). From 3.8 on, ptxas spills the 64-key sm_90 tile at its 255 registers (352 B for
+# the 64-head kernel under 3.8, 1176 B under 3.9, more with 128 heads split; one stage spills more), and the
+# 32-key tile does not (compile matrix). sm_100: _SM100_SPILLS. 3.6's tiles are the ones measured on the H100
+# and stay as they are.
+_NEWER_TRITON_TILES = {(3, 6): {}, (3, 8): {"sm_90": dict(BLOCK_N=32)}}
 
 
 def _num_splits(programs: int, max_tiles: int, sm_count: int, waves: int = 1) -> int:
@@ -715,17 +728,33 @@ _POINTERS = dict(DECODE_POINTERS, count_ptr="*i32")
 # store; at 255 registers ptxas then spills loop-invariant wgmma descriptors (reloaded from L1 each tile)
 _FP4_SPILLS = "fp4 nibble interleave: ptxas spills loop-invariant wgmma descriptors (docs/platforms.md)"
 
+# What a newer Triton's compile of these kernels keeps spilling (by target; none under 3.6). From 3.8 on:
+# * gfx942, the 128-head split kernel that merges in kernel (not the default: split_combine="launch"): 6
+#   scalar registers beyond the 106 of a wave sit in VGPR lanes (v_writelane / v_readlane), never in memory;
+#   4 warps or 32-key tiles spill more (12 SGPRs; 99 VGPRs to scratch);
+# * sm_100a, every variant: ptxas spills 420-504 B at 255 registers with the 64 x 64 tile, and every other
+#   tile tried spills too (32 keys, 1 or 2 stages: 420-644 B; no integer dequantization: 560 B; 16 warps or
+#   32-head blocks: no tcgen05). Untimed: no Blackwell machine here.
+# From 3.9 on, sm_90a as well: its 32-key tile spills 560 B there (16 keys: 608 B; one stage: 844 B; the
+# 64-key tile: 1176 B). Hopper's default decode is the Gluon kernel, which compiles without spills.
+_SPLIT_SGPR_SPILLS = {(3, 6): "", (3, 8): {"gfx942": "Triton >= 3.8: the in-kernel merge's scalar state "
+                                                     "(docs/platforms.md#triton-versions)"}}
+_NVIDIA_WHY = "Triton >= %s: no tile tried compiles without spills (docs/platforms.md#triton-versions)"
+_SM100_SPILLS = {(3, 6): "", (3, 8): {"sm_100a": _NVIDIA_WHY % "3.8"},
+                 (3, 9): {"sm_100a": _NVIDIA_WHY % "3.8", "sm_90a": _NVIDIA_WHY % "3.9"}}
+
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
 COMPILE_SPECS = [
     dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
-         constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True),
+         constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True,
+         ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_decode[split, combine in kernel]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
-         fp8_convert=True),
+         fp8_convert=True, sgpr_spills=by_triton(_SPLIT_SGPR_SPILLS), ptxas_spills=by_triton(_SM100_SPILLS)),
     # the V4.1 records: one format in both sets (one loop), and the fp4 extra cache (a loop per set)
     dict(name="sparse_mla_decode[V41_528]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.V41_528, L.V41_528)), options=_matrix_options,
-         matrix=True, fp8_convert=True),
+         matrix=True, fp8_convert=True, ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_decode[V41_528 + V41_FP4_288, split]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, True, (L.V41_528, L.V41_FP4_288)),
          options=_matrix_options, matrix=True, fp8_convert=True, ptxas_spills=_FP4_SPILLS),
@@ -733,7 +762,7 @@ COMPILE_SPECS = [
     dict(name="sparse_mla_decode[V40_584 FNUZ window]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.with_fnuz(L.V40_584),
                                                                                         L.V40_584)),
-         options=_matrix_options, matrix=True, fp8_convert=True),
+         options=_matrix_options, matrix=True, fp8_convert=True, ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_combine", fn=_combine_kernel,
          pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
          floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, BLOCK_H=MERGE_H, PARTS=True),

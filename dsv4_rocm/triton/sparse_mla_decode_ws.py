@@ -76,7 +76,7 @@ liveness flags, alpha, row factors and barriers 1.2 KB = 204 KB of the 227 KB; V
 scale slots.
 
 Barriers. An mbarrier arrive is made by one thread of its partition, after a partition barrier
-(``gl.thread_barrier``, a named barrier of the partition's warps) that orders every thread's
+(``thread_barrier`` of ``_compat``: Gluon's CTA barrier, a named barrier of the partition's warps) that orders every thread's
 shared-memory work before it; waits are by every thread of the waiting partition. Phases count fills: the
 n-th fill is waited for with parity n & 1, and a wait for parity (n & 1) ^ 1 before the n-th fill passes a
 fresh barrier at once.
@@ -117,6 +117,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .. import layout as L
+from ._compat import GLUON_WS, thread_barrier
 from ._decode_tiles import DECODE_POINTERS, e4m3_to_scaled_bf16_ptx
 
 MAX_PARTS = 16        # parts of one split unit: the combine kernel's MAX_SPLITS
@@ -549,11 +550,11 @@ def _loader_start(sa, la, ka, idx_rows, addr_rows, k_scal, BLOCK_N: gl.constexpr
     _copy_indices(ka, idx_rows.index(1), t1, b1, s1, n_tiles > 1, Mm, BLOCK_N, LOAD_WARPS)
     async_copy.commit_group()
     async_copy.wait_group(0)
-    gl.thread_barrier()
+    thread_barrier()
     cm0, ce0 = _clamp_lengths(la, nm0, ne0)
     _tile_addresses(ka, idx_rows.index(0), addr_rows.index(0), _scale_dst(addr_rows, k_scal, 0, KV_BF16, FMT), t0,
                     cm0, ce0, Mm, L2_AHEAD, BLOCK_N, MAIN_BS, EXTRA_BS, KV_BF16, FMT, PROBE)
-    gl.thread_barrier()
+    thread_barrier()
     return Mm, M, A, n_tiles, t0, nm0, ne0, t1, nm1, ne1
 
 
@@ -592,7 +593,7 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
         # tile i + 1's index row (copied during tile i - 1, or before the loop) has landed in every thread's
         # view; every thread is done reading the rows the next writes replace (tile i - 1's)
         async_copy.wait_group(0)
-        gl.thread_barrier()
+        thread_barrier()
         _copy_indices(ka, idx_rows.index((i + 2) % 3), t2, b2, s2, ok2, Mm, BLOCK_N, LOAD_WARPS)
         async_copy.commit_group()
         cm1, ce1 = _clamp_lengths(la, nm1, ne1)
@@ -609,7 +610,7 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
             _store_chunk(c0a, c0b, c0c, c0d, word0, addr_rows, i % 2, scal_slot, k_slot, bias_slot, 0, RAW_KEYS,
                          BLOCK_N, LOAD_WARPS, FMT)
         # tile i + 1's address rows are written by every thread
-        gl.thread_barrier()
+        thread_barrier()
         c0a, c0b, c0c, c0d, word0 = _gather_chunk(ka, addr_rows, (i + 1) % 2, t1, 0, Mm, RAW_KEYS, PROBE,
                                                   LOAD_WARPS, FMT)
         if live:
@@ -619,7 +620,7 @@ def _loader(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.constexp
         # proxy): fence, then one arrive once every loader thread has fenced its stores
         async_copy.wait_group(0)
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(k_ready.index(ks), count=1)
         t0, nm0, ne0 = t1, nm1, ne1
         t1, nm1, ne1 = t2, nm2, ne2
@@ -673,7 +674,7 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
         # tile i - 1's rows (and tile i + 1's index row, in the same group) have landed in every thread's view
         async_copy.wait_group(1)
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
         if i > 0:
             mbarrier.arrive(k_ready.index((i - 1) % K_STAGES), count=1)
         cm1, ce1 = _clamp_lengths(la, nm1, ne1)
@@ -681,12 +682,12 @@ def _loader_rows(sa, la, ka, bufs, bars, BLOCK_N: gl.constexpr, K_STAGES: gl.con
                         addr_rows.index(2 * ((i + 1) % 2) + 1), t1, cm1, ce1, Mm, L2_AHEAD, BLOCK_N, 1, 1, True,
                         FMT, PROBE)
         # tile i + 1's address rows, read by its copies at the next iteration, are written by every thread
-        gl.thread_barrier()
+        thread_barrier()
         t0, nm0, ne0 = t1, nm1, ne1
         t1, nm1, ne1 = t2, nm2, ne2
     async_copy.wait_group(0)
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
     if n_tiles > 0:
         mbarrier.arrive(k_ready.index((n_tiles - 1) % K_STAGES), count=1)
 
@@ -714,7 +715,7 @@ def _next_q(oa, q_smem, A, i, t, n_tiles, sa, M, hb, num_tokens):
     """At a unit's last tile, once its S has completed (or when it has none): copy the next unit's Q,
     whose latency then hides behind this tile's softmax, P.V and epilogue."""
     if (t == M - 1) & (i + 1 < n_tiles):
-        gl.thread_barrier()
+        thread_barrier()
         _copy_q(oa, q_smem, A + i + 1, sa, M, hb, num_tokens)
 
 
@@ -781,7 +782,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                 # the unit's Q, copied after the previous unit's last S (or before the loop), has landed
                 async_copy.wait_group(0)
                 fence_async_shared()
-                gl.thread_barrier()
+                thread_barrier()
             else:
                 # offsets made here (an opaque 0 keeps loop-invariant code motion from holding them, and their
                 # products with the strides, in registers across the loop)
@@ -793,7 +794,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                 for j in gl.static_range(8):
                     q_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_row[:, None] + (64 * j + qc)[None, :]))
                 fence_async_shared()
-                gl.thread_barrier()
+                thread_barrier()
                 # ask L2 for the next unit's Q (eight 128-byte lines per head row)
                 pr = z + gl.arange(0, 64, layout=gl.SliceLayout(1, PQ))
                 pc = z + gl.arange(0, 8, layout=gl.SliceLayout(0, PQ))
@@ -837,7 +838,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
             p_smem.index(_opaque_zero(i)).store(p16)
             alpha_smem.store(alpha)
             fence_async_shared()
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(p_ready, count=1)
             # the accumulator layout of S is the A-operand layout of P.V (16-bit operands): no data movement
             pa = gl.convert_layout(p16, P_L, assert_trivial=True)
@@ -851,7 +852,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
         else:
             if Q_ASYNC:
                 _next_q(oa, q_smem, A, i, t, n_tiles, sa, M, hb, num_tokens)
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(k_free.index(ks), count=1)
         if (i == n_tiles - 1) | (t == M - 1):
             empty = l_i == 0.0
@@ -877,7 +878,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
             mbarrier.wait(o_free, (n_parts & 1) ^ 1)
             _stall(i, 4, PROBE)
             o_scale.store(factor)
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(o_ready, count=1)
             f_o = gl.convert_layout(factor, gl.SliceLayout(1, O_L), assert_trivial=True)
             _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, f_o, acc, O_L, 0, HEADS, split)
@@ -916,16 +917,16 @@ def _consumer1(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
                 acc = warpgroup_mma(p_smem.index(0), k_slot.slice(256, 256, dim=1), acc * alpha[:, None],
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(p_free, count=1)
             n_live += 1
-        gl.thread_barrier()
+        thread_barrier()
         mbarrier.arrive(k_free.index(ks), count=1)
         if (i == n_tiles - 1) | (t == M - 1):
             mbarrier.wait(o_ready, n_parts & 1)
             _stall(i, 7, PROBE)
             factor = o_scale.load(gl.SliceLayout(1, O_L))
-            gl.thread_barrier()
+            thread_barrier()
             mbarrier.arrive(o_free, count=1)
             split = (u * M) // W != (u * M + M - 1) // W
             _epilogue_rows(oa, num_tokens, p, u, bi, si, hb, M, W, factor, acc, O_L, 256, HEADS, split)
@@ -1145,3 +1146,5 @@ COMPILE_SPECS = [
          options=lambda arch: dict(num_warps=prefill_config()["num_warps"]), matrix=True, targets=("sm_90a",),
          wgmma_pipelined=True),
 ]
+if not GLUON_WS:        # Triton 3.9's warp_specialize rejects these partitions (_compat): not offered there
+    COMPILE_SPECS = []

@@ -25,12 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ._compat import GLUON_WS
 from ._launch import cdiv, device_cache, device_facts, launch
 
-try:                                      # the Hopper kernel is written in Gluon (Triton >= 3.6)
-    from . import sparse_mla_decode_ws as _ws
-except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Triton kernel runs everywhere)
-    _ws = None
+_ws = None
+if GLUON_WS:                              # the Hopper kernel is written in Gluon (Triton 3.6 to 3.8: _compat)
+    try:
+        from . import sparse_mla_decode_ws as _ws
+    except Exception:  # noqa: BLE001  (no Gluon, or a Gluon of another API: the Triton kernel runs everywhere)
+        _ws = None
 
 LOG2E = 1.4426950408889634
 

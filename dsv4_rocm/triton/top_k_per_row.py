@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 
 from ..platform import detect
+from ._compat import by_triton
 from ._launch import cdiv, counters, emulated_target, launch, next_power_of_2, scratch
 
 RANGES, REQUEST_LENS, ROW_LENS = 0, 1, 2   # how a row's valid columns are given (``_row_range``)
@@ -561,9 +562,14 @@ def _short_constexprs(width, digit, mode, off64):
 
 def _options(arch, warps):
     """num_warps, and on NVIDIA with 8 warps or fewer .maxnreg 255: these kernels run one CTA per SM, and
-    without the bound ptxas spills to stay at 128 registers for an occupancy they cannot use."""
-    if arch.startswith("gfx") or warps > 8:
+    without the bound ptxas spills to stay at 128 registers for an occupancy they cannot use. With more
+    warps, from Triton 3.8 on, the bound the register file allows (128 at 16 warps): without it ptxas keeps
+    the split pass-2 kernel at 64 registers and spills (64 B at k = 512); 3.6 needs none (``_compat``)."""
+    if arch.startswith("gfx"):
         return dict(num_warps=warps)
+    if warps > 8:
+        cap = by_triton({(3, 6): None, (3, 8): 65536 // (32 * warps)})
+        return dict(num_warps=warps) if cap is None else dict(num_warps=warps, maxnreg=cap)
     return dict(num_warps=warps, maxnreg=255)
 
 
