@@ -56,12 +56,13 @@ FILL_CHUNK = 4096
 # tolerances (docs/numerics.md#long-contexts): errors are relative (norm of the difference / norm of the reference) per
 # row or record, the table shows the worst
 TOL = {
-    "q": 1e-2,          # one bf16 rounding apart at most in a few elements (fp8 GEMM accumulation order)
+    "q": 2e-2,          # the projections quantize their inputs to e4m3: an input one bf16 step off flips about
+                        # 1 in 16 roundings by one e4m3 step (6-12%), 1-2% of q after the GEMM
     "swa": 2e-2,        # a record is bytes of fp8 / e2m1: an input one bf16 ulp apart moves a few elements a step
     "comp": 2e-2,
     "comp_fp4": 6e-2,   # one e2m1 step is up to a third of an element
-    "index-k": 2e-2,
-    "top-k": 2e-2,      # relative to the row's largest |logit|
+    "index-k": 4e-2,    # two e4m3 roundings in a row (the projection's input, then the key's record)
+    "top-k": 4e-2,      # relative to the row's largest |logit|: the keys' error carried into the logits
     "attn": 2e-2,       # bf16 output; P rounded to bf16 in the GPU kernels
     "out": 3e-2,        # fp8 activation quantization of the attention output may flip a step
 }

@@ -144,17 +144,20 @@ MIN_RAN = {"tests/kernels/test_deepseek_v4_cpu_kernels.py": 45,
            "tests/v1/attention/test_deepseek_v4_rocm_adaptive.py": 8,
            "tests/v1/attention/test_indexer_deepseek_v4_slot_mapping.py": 7}
 
-_state = {"swapped": [], "differs": [], "c_ops": [], "stand_ins": []}
+_state = {"swapped": [], "differs": [], "c_ops": [], "stand_ins": [], "libs": []}
 
 
 def _stand_in_for_compiled_modules():
-    """Empty modules for vLLM's compiled files that are not there (a carry without them)."""
+    """Empty modules for vLLM's compiled files that are not there (a carry without them), and the CUTLASS
+    capability queries those files would answer: vLLM asks them while its DeepSeek-V4 modules import, so
+    they must be defined before the plugin loader imports those modules."""
     spec = importlib.util.find_spec("vllm")
     root = spec.submodule_search_locations[0]
     for name, pattern in COMPILED_STAND_INS.items():
         if name not in sys.modules and not glob.glob(os.path.join(root, pattern)):
             sys.modules[name] = types.ModuleType(name)
             _state["stand_ins"].append(name)
+    _state["libs"] += _answer_capability_queries()
 
 
 @contextlib.contextmanager
@@ -187,7 +190,7 @@ def _define_c_ops():
         lib.define(schema)
         lib.impl(name, getattr(vllm_cpu_call_forms, name), "CPU")
     _state["c_ops"] += list(missing)
-    return [lib] + _define_namespace_ops()
+    return [lib]
 
 
 def _has_op(namespace: str, name: str) -> bool:
@@ -198,9 +201,9 @@ def _has_op(namespace: str, name: str) -> bool:
     return True
 
 
-def _define_namespace_ops():
-    """vLLM's CUTLASS capability queries, answering False; the namespace ops vLLM calls are the plugin's
-    (``torch_ops.register_missing``, run by vLLM's plugin loader before this)."""
+def _answer_capability_queries():
+    """vLLM's CUTLASS capability queries, answering False where vLLM's build lacks them (the namespace ops
+    vLLM calls are the plugin's: ``torch_ops.register_missing``, run by vLLM's plugin loader)."""
     libs = {}
     for name in CAPABILITY_QUERIES:
         if _has_op("_C", name):
