@@ -48,15 +48,20 @@ def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
     return cs[..., :half], cs[..., half:]
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool):
-    """x: [..., D] (any float dtype); positions broadcast against x.shape[:len(positions.shape)].
-    Returns fp32 with the last 64 dims rotated."""
+def _pairs(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """An fp32 copy of x and the rotary pairs of its last 64 dims (even e, odd o) with their cos and sin,
+    broadcast over the dims between positions' and the pairs'."""
     x = x.float().clone()
     c, s = _cos_sin(positions, cos_sin_cache)
     while c.dim() < x.dim():
         c, s = c.unsqueeze(-2), s.unsqueeze(-2)
-    e = x[..., -ROPE_DIM::2].clone()
-    o = x[..., -ROPE_DIM + 1::2].clone()
+    return x, x[..., -ROPE_DIM::2].clone(), x[..., -ROPE_DIM + 1::2].clone(), c, s
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool):
+    """x: [..., D] (any float dtype); positions broadcast against x.shape[:len(positions.shape)].
+    Returns fp32 with the last 64 dims rotated."""
+    x, e, o, c, s = _pairs(x, positions, cos_sin_cache)
     if inverse:
         x[..., -ROPE_DIM::2] = e * c + o * s
         x[..., -ROPE_DIM + 1::2] = o * c - e * s
@@ -85,12 +90,7 @@ def rope_fwd_fma(x, positions, cos_sin_cache):
     """Forward rotation with vLLM's q rounding (its RoPE reference: ``e c - o s`` and ``e s + o c`` as one
     fused multiply-add each over the other product rounded, fma(e, c, -(o s)), fma(e, s, o c)); fp32
     result. The q path of ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` rotates so (docs/numerics.md)."""
-    x = x.float().clone()
-    c, s = _cos_sin(positions, cos_sin_cache)
-    while c.dim() < x.dim():
-        c, s = c.unsqueeze(-2), s.unsqueeze(-2)
-    e = x[..., -ROPE_DIM::2].clone()
-    o = x[..., -ROPE_DIM + 1::2].clone()
+    x, e, o, c, s = _pairs(x, positions, cos_sin_cache)
     c, s = c.expand_as(e), s.expand_as(e)
     x[..., -ROPE_DIM::2] = fma32(e, c, -(o * s))
     x[..., -ROPE_DIM + 1::2] = fma32(e, s, o * c)
