@@ -44,13 +44,14 @@ def loop_compressed_slots(num_tokens, qsl, seq, bt, bs, r, world=1, rank=0, inte
 
 
 def loop_compressed_slots_033(num_tokens, slots, qsl, seq, bt, bs, r, dcp=1, inter=1):
-    """vLLM 0.33's rule: only tokens with a slot of their own; under DCP the rank-local position compressed."""
+    """vLLM 0.33's rule: only tokens with a slot of their own (not the padding mark -1); under DCP the rank-local
+    position compressed."""
     out = [-1] * num_tokens
     for b in range(bt.shape[0]):
         qs, qe = int(qsl[b]), int(qsl[b + 1])
         for i in range(qe - qs):
             p = int(seq[b]) - (qe - qs) + i
-            if (p + 1) % r or int(slots[qs + i]) < 0:
+            if (p + 1) % r or int(slots[qs + i]) == -1:
                 continue
             j = ((p // (inter * dcp)) * inter + p % inter) // r
             out[qs + i] = int(bt[b, j // bs]) * bs + j % bs
@@ -96,7 +97,8 @@ def loop_c128a(pos, r, nd, t2r, bt, bs, sm, width, cap):
 
 def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width, left=None, right=None):
     """combine_topk_swa_indices token by token: the window of a token at p is [p - max(l, W - 1), p + r] cut at
-    position 0 (l, r: its in-image visibility, 0 without), its rows outside the gathered ones -1."""
+    position 0 and at the first gathered position (l, r: its in-image visibility, 0 without), its rows past
+    the gathered ones -1."""
     rows, lens = [[-1] * width for _ in range(topk.shape[0])], [0] * topk.shape[0]
     base = int(qsl[0])
     for b in range(seq.shape[0]):
@@ -106,9 +108,9 @@ def loop_combine(topk, qsl, seq, gl, W, r, k, Mrows, N, width, left=None, right=
             p = int(seq[b]) - (qe - qs) + t - qs
             lv = 0 if left is None else max(int(left[t]), 0)
             rv = 0 if right is None else max(int(right[t]), 0)
-            start = max(p - max(lv, W - 1), 0)
+            start = max(p - max(lv, W - 1), 0, gstart)
             tl_ = min((p + 1) // r, k)
-            sw = min(p + rv + 1 - start, width - tl_)
+            sw = max(min(p + rv + 1 - start, width - tl_), 0)
             loc = [int(x) for x in topk[t, :tl_]]
             rows[t][:tl_] = [b * Mrows + x if x >= 0 else -1 for x in loc]
             rows[t][tl_:tl_ + sw] = [b * Mrows + N + q - gstart if 0 <= q - gstart < int(gl[b])
@@ -255,6 +257,43 @@ def test_compressed_slot_mapping_shows_vllm_033_parameters():
     names = tuple(inspect.signature(ops.get_compressed_slot_mapping).parameters)
     assert names[:10] == ("num_tokens", "slot_mapping", "query_start_loc", "seq_lens", "block_table", "block_size",
                           "compress_ratio", "out", "dcp_world_size", "cp_interleave")
+
+
+def num_states_case():
+    """vLLM's test_indexer_builder_deepseek_v4_compressed_slot_mapping_uses_num_states, at the op: C4 with 256-
+    token pages (64 states each), 240 tokens cached, a 40-token chunk: states 60..69 cross from page 5 into
+    page 7. The builder passes a dummy slot_mapping of -123s: only -1 (vLLM's PAD_SLOT_ID) is padding, so
+    every token keeps its state."""
+    args = (40, torch.full((40,), -123, dtype=torch.int64), i32([0, 40]), i32([280]), i32([[5, 7]]), 64, 4)
+    want = [-1] * 40
+    for i in range(40):
+        p = 240 + i
+        if (p + 1) % 4 == 0:
+            want[i] = (5 if p // 4 < 64 else 7) * 64 + (p // 4) % 64
+    return args, want
+
+
+def test_compressed_slot_mapping_only_minus_one_is_padding():
+    """A slot other than -1, even negative, is the token's own (vLLM's kernel compares with PAD_SLOT_ID);
+    it used to count as padding (< 0), leaving vLLM's indexer builder with no compressed slot at all."""
+    args, want = num_states_case()
+    assert [w for w in want if w >= 0] == [5 * 64 + j for j in range(60, 64)] + [7 * 64 + j for j in range(6)]
+    out = torch.full((44,), POISON, dtype=torch.int64)
+    assert ops.get_compressed_slot_mapping(*args, out=out).tolist() == want and (out[40:] == -1).all()
+    assert M.get_compressed_slot_mapping(*args[:1], *args[2:], slot_mapping=args[1],
+                                         cp_over_positions=True).tolist() == want
+    slots = args[1].clone()
+    slots[[3, 19]] = -1                                       # padding: positions 243 and 259 write nothing
+    want[3] = want[19] = -1
+    assert ops.get_compressed_slot_mapping(args[0], slots, *args[2:]).tolist() == want
+
+
+@pytest.mark.gpu
+def test_compressed_slot_mapping_only_minus_one_is_padding_on_gpu():
+    args, want = num_states_case()
+    ka = _to(args, "cuda")
+    got = kernel_of("get_compressed_slot_mapping")(ka[0], *ka[2:], slot_mapping=ka[1], cp_over_positions=True)
+    assert got.cpu().tolist() == want
 
 
 def test_compressed_slot_mapping_vllm_storage_block_boundary():
@@ -656,6 +695,72 @@ def test_combine_vllm_image_span_cases_on_gpu(ratio, topk, with_image):
     assert got_lens.cpu().tolist() == lens and idx.cpu().tolist() == rows
 
 
+REPLAY_W = 8
+REPLAY_CASES = [(r, k, q) for r, k in ((1, 0), (4, 16)) for q in (24, 20)]
+
+
+def replay_case(ratio, topk, query_len):
+    """vLLM's bounded SWA replay case (V4.1): request 0 (seq 40) replays from position 16, so its gather
+    holds only positions >= 16: a 24-token chunk gathers exactly its own tokens (16..39), a 20-token chunk
+    its own and 4 context positions (16..39 again, fewer than W - 1 = 7); request 1 (seq 12, no replay)
+    gathers all 12. Window W = 8; top-k indices below N. Rows written here position by position: the window
+    of a token at p is [max(p - 7, 16), p] for request 0, [max(p - 7, 0), p] for request 1."""
+    seq_lens, query_lens, replay = [40, 12], [query_len, 12], [16, 0]
+    gl = [q + min(max(s - q - r, 0), REPLAY_W - 1) for s, q, r in zip(seq_lens, query_lens, replay)]
+    N = (max(seq_lens) + ratio - 1) // ratio
+    Mrows = N + max(gl) + 8
+    T = sum(query_lens)
+    loc = torch.randint(0, N, (T, max(topk, 1)), generator=torch.Generator().manual_seed(0), dtype=I32)
+    width = M.combined_width(topk, REPLAY_W)
+    rows, lens, t = [], [], 0
+    for b, (s, q) in enumerate(zip(seq_lens, query_lens)):
+        gstart = s - gl[b]
+        for p in range(s - q, s):
+            first = max(p - (REPLAY_W - 1), 0, replay[b])
+            k = min((p + 1) // ratio, topk)
+            row = [b * Mrows + int(x) for x in loc[t, :k]] + [b * Mrows + N + x - gstart for x in range(first, p + 1)]
+            lens.append(len(row))
+            rows.append(row + [-1] * (width - len(row)))
+            t += 1
+    args = (loc, i32([0, query_len, query_len + 12]), i32(seq_lens), i32(gl), REPLAY_W, ratio, topk, Mrows, N)
+    return args, rows, lens
+
+
+@pytest.mark.parametrize("ratio,topk,query_len", REPLAY_CASES)
+def test_combine_window_stops_at_the_replay_start(ratio, topk, query_len):
+    """vLLM 0.33's bounded SWA replay: gather_lens below query_len + min(prefix_len, W - 1) (nothing gathered
+    below the replay start) is accepted, and the window stops at the first gathered position: no row below
+    it, the length shortened (it used to be rejected by the op's gather_lens check, and the oracle wrote -1
+    in place keeping the length). vLLM's test_v41_combine_topk_swa_stops_at_replay_start, both forms."""
+    args, rows, lens = replay_case(ratio, topk, query_len)
+    for fn in (M.combine_topk_swa_indices, ops.combine_topk_swa_indices):
+        idx, got_lens = fn(*args)
+        assert got_lens.tolist() == lens and idx.tolist() == rows, fn
+    T, width = len(rows), len(rows[0])
+    out = (torch.full((T + 2, width), POISON, dtype=I32), torch.full((T + 2,), POISON, dtype=I32))
+    idx, got_lens = ops.combine_topk_swa_indices(*args, out)
+    assert idx[:T].tolist() == rows and got_lens[:T].tolist() == lens and (idx[T:] == -1).all()
+    p0 = 40 - query_len                                       # request 0's first token; its window starts at 16
+    assert lens[0] == min((p0 + 1) // ratio, topk) + p0 - 16 + 1
+
+
+def test_combine_gather_below_query_len_rejected():
+    """The chunk's own tokens must be gathered: gather_lens below query_len is a ValueError naming it."""
+    args, _, _ = replay_case(4, 16, 24)
+    bad = list(args)
+    bad[3] = i32([23, 12])
+    with pytest.raises(ValueError, match="gather_lens must lie in \\[query_len, seq_lens\\]"):
+        ops.combine_topk_swa_indices(*bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,topk,query_len", REPLAY_CASES)
+def test_combine_window_stops_at_the_replay_start_on_gpu(ratio, topk, query_len):
+    args, rows, lens = replay_case(ratio, topk, query_len)
+    idx, got_lens = kernel_of("combine_topk_swa_indices")(*_to(args, "cuda"))
+    assert got_lens.cpu().tolist() == lens and idx.cpu().tolist() == rows
+
+
 def test_combine_swa_only_layer():
     """SWA-only layers: topk 0, compress_ratio 1, N 0, a zero-width topk buffer."""
     idx, lens = ops.combine_topk_swa_indices(torch.empty(3, 0, dtype=I32), i32([0, 3]), i32([3]), i32([3]), 128, 1, 0,
@@ -877,7 +982,10 @@ def test_combine_random_chunks(seed, W, ratio, k):
     c1 = int(torch.randint(c0, b["R"] + 1, (), generator=g))
     qsl, seq = b["qsl"][c0:c1 + 1], b["seq"][c0:c1]
     ql = (qsl[1:] - qsl[:-1]).long()
-    gl = (ql + torch.clamp(seq.long() - ql, max=W - 1)).to(I32)
+    # vLLM's bounded SWA replay: nothing gathered below a request's replay start (0: the whole window)
+    replay = torch.where(torch.rand(ql.shape, generator=g) < 0.5, 0,
+                         torch.randint(0, int(seq.max()) + 1 if seq.numel() else 1, ql.shape, generator=g))
+    gl = (ql + torch.clamp(seq.long() - ql - replay, min=0, max=W - 1)).to(I32)
     toks = slice(int(qsl[0]), int(qsl[-1]))
     pad = int(torch.randint(0, 3, (), generator=g))
     real = torch.arange(b["T"]) < b["Treal"]                 # combine has no padding flag: every token is real
@@ -1271,6 +1379,15 @@ def interpreter_main(seeds=range(40)):
         idx, got_lens = kernel_of("combine_topk_swa_indices")(*args, **kw)
         assert got_lens.tolist() == lens and idx.tolist() == rows, (ratio, topk, with_image)
         counts["image spans"] = counts.get("image spans", 0) + 1
+    for ratio, topk, query_len in REPLAY_CASES:         # vLLM's bounded SWA replay cases, through the kernel
+        args, rows, lens = replay_case(ratio, topk, query_len)
+        idx, got_lens = kernel_of("combine_topk_swa_indices")(*args)
+        assert got_lens.tolist() == lens and idx.tolist() == rows, (ratio, topk, query_len)
+        counts["replay start"] = counts.get("replay start", 0) + 1
+    args, want = num_states_case()                      # vLLM's num_states case: only -1 is padding
+    got = kernel_of("get_compressed_slot_mapping")(args[0], *args[2:], slot_mapping=args[1], cp_over_positions=True)
+    assert got.tolist() == want
+    counts["slot -123 is not padding"] = 1
     for case in GLOBAL_BOUNDS.values():
         check_kernel_case("compute_global_topk_indices_and_lens", (i32(case[0]), i32(case[1]), i32(case[2]), 64,
                                                                    torch.ones(len(case[0]), dtype=torch.bool)), {},

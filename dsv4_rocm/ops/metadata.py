@@ -152,7 +152,8 @@ def get_compressed_slot_mapping(*args, **kwargs) -> torch.Tensor:
 
     * 0.33: ``(num_tokens, slot_mapping, query_start_loc, seq_lens, block_table, block_size, compress_ratio,
       out=None, dcp_world_size=1, cp_interleave=1)``: a token whose own ``slot_mapping`` entry is padding
-      (< 0; a replayed token, or one another decode-context-parallel rank owns) writes nothing; under DCP the
+      (-1, vLLM's PAD_SLOT_ID; a replayed token, or one another decode-context-parallel rank owns) writes
+      nothing (any other value counts as the token's own slot); under DCP the
       rank-local position is compressed (dsv4_rocm.reference.metadata).
     * earlier: ``(num_tokens, query_start_loc, seq_lens, block_table, block_size, compress_ratio, out=None,
       cp_world_size=1, cp_rank=0, cp_kv_cache_interleave_size=1)``: CP distributes compressed entries.
@@ -345,7 +346,9 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     row of ``indices`` is reset, rows past T to -1, and the whole buffers are returned) or
     ``combined_indices=`` / ``combined_lens=`` (earlier vLLM: their first T rows are written and returned).
     ``left_visible`` / ``right_visible`` (int [T], vLLM 0.33's in-image bidirectional visibility) widen a
-    token's window to the image positions it sees before and after it (dsv4_rocm.reference.metadata)."""
+    token's window to the image positions it sees before and after it. No window reaches below the gathered
+    rows (position seq_len - gather_len): vLLM's bounded SWA replay passes gather_lens that stop at the
+    request's replay start (dsv4_rocm.reference.metadata)."""
     C.tensor("topk_indices", topk_indices, dtype=C.INDEX, dim=2)
     _rows("topk_indices", topk_indices)
     T, K = topk_indices.shape
@@ -390,10 +393,11 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     if value_checks(gather_lens) and R:
         ql = (query_start_loc[1:] - query_start_loc[:-1]).long().cpu()
         sl, gl = seq_lens.long().cpu(), gather_lens.long().cpu()
-        need = ql + torch.clamp(sl - ql, max=window_size - 1)
-        if bool(((gl < need) | (gl > sl)).any()):
-            raise ValueError("gather_lens must lie in [query_len + min(prefix_len, window_size - 1), seq_lens]: "
-                             "the window of every token must be among the gathered rows")
+        # below query_len + min(prefix_len, W - 1) is vLLM's bounded SWA replay (nothing gathered below the
+        # replay start): the windows stop at the first gathered position
+        if bool(((gl < ql) | (gl > sl)).any()):
+            raise ValueError("gather_lens must lie in [query_len, seq_lens]: every token of the chunk must be "
+                             "among the gathered rows")
         if N + int(gl.max()) > M:
             raise ValueError(f"N + gather_lens = {N + int(gl.max())} exceeds M = {M} workspace rows")
     res = _run("combine_topk_swa_indices", topk_indices.device, topk_indices, query_start_loc, seq_lens, gather_lens,

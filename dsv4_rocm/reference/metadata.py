@@ -90,7 +90,8 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
 
     Requests are the rows of ``block_table``. Token t of request b at position p writes compressed entry
     j = p // r iff (p + 1) % r == 0, and, with ``slot_mapping`` (vLLM 0.33), iff its own slot
-    ``slot_mapping[t]`` is not padding (< 0, or t past its entries): a token vLLM replays, or one another
+    ``slot_mapping[t]`` is not padding (-1, vLLM's PAD_SLOT_ID, or t past its entries; any other value,
+    even negative, is a slot of its own: only the padding mark is read): a token vLLM replays, or one another
     context-parallel rank owns, writes nothing. Context parallelism (W = cp_world_size ranks, interleave I):
 
     * over entries (earlier vLLM): the logical block of j is ``j // (bs * W)``; j lives on rank
@@ -117,7 +118,7 @@ def get_compressed_slot_mapping(num_tokens: int, query_start_loc, seq_lens, bloc
         own = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)
         n = min(num_tokens, slot_mapping.shape[0])
         own[:n] = slot_mapping[:n].long()
-        ok = ok & (own >= 0)
+        ok = ok & (own != -1)
     pos = torch.where(ok, pos, torch.zeros_like(pos))
     ok = ok & ((pos + 1) % compress_ratio == 0)
     W, I = cp_world_size, cp_kv_cache_interleave_size
@@ -323,11 +324,13 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     The chunk holds requests b < len(seq_lens); ``query_start_loc`` (len + 1 entries) is taken relative to
     its first entry, so row t of ``topk_indices`` is the chunk's t-th token. Request b owns workspace rows
     [b*M, (b+1)*M): rows [0, N) its compressed entries, rows N + g for g < gather_lens[b] its raw tokens
-    at positions seq_len - gather_len + g. Token t of request b at position p sees the window
-    [p - max(l, W - 1), p + r] cut at position 0, l = left_visible[t] and r = right_visible[t] (the
-    positions of its image span it sees before and after it, vLLM's in-image bidirectional visibility; 0
-    and 0 without them: the causal window min(p + 1, W)). With topk_len = min((p+1) // r, topk), swa_start
-    the window's first position and swa_len its length, the row is
+    at positions gather_start + g, gather_start = seq_len - gather_len. Token t of request b at position p
+    sees the window [p - max(l, W - 1), p + r] cut at position 0 and at gather_start (no window key exists
+    below the gathered rows: vLLM's bounded SWA replay gathers only from the request's replay start on),
+    l = left_visible[t] and r = right_visible[t] (the positions of its image span it sees before and after
+    it, vLLM's in-image bidirectional visibility; 0 and 0 without them: the causal window min(p + 1, W)).
+    With topk_len = min((p+1) // r, topk), swa_start the window's first position and swa_len its length
+    (>= 0), the row is
         [ b*M + topk_indices[t, i] for i < topk_len | b*M + N + (swa_start + i - gather_start)
           for i < swa_len | -1 ... ]
     of ``combined_width(topk, W, max_image_tokens)`` columns, and lens = topk_len + swa_len (a window
@@ -351,11 +354,14 @@ def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_len
     left = zero if left_visible is None else left_visible[:T].long().clamp(min=0)
     right = zero if right_visible is None else right_visible[:T].long().clamp(min=0)
     tlen = torch.where(ok, torch.clamp(torch.div(pos + 1, compress_ratio, rounding_mode="floor"), max=topk), zero)
-    start = torch.clamp(pos - torch.clamp(left, min=window_size - 1), min=0)
-    slen = torch.where(ok, torch.minimum(pos + right + 1 - start, ci.shape[1] - tlen), zero)
     r = torch.where(ok, req, zero)
     gl = gather_lens.long()[r] if R else zero
-    first = start - (seq_lens.long()[r] - gl if R else zero)
+    gather_start = seq_lens.long()[r] - gl if R else zero
+    # the window stops at the first gathered position (under vLLM's bounded SWA replay nothing below the
+    # request's replay start is gathered, and gather_lens says so)
+    start = torch.maximum(torch.clamp(pos - torch.clamp(left, min=window_size - 1), min=0), gather_start)
+    slen = torch.where(ok, torch.clamp(torch.minimum(pos + right + 1 - start, ci.shape[1] - tlen), min=0), zero)
+    first = start - gather_start
     base = (r * M).unsqueeze(1)
     c = torch.arange(ci.shape[1], device=dev).unsqueeze(0)
     loc = torch.full((T, ci.shape[1]), -1, dtype=torch.int64, device=dev)

@@ -4,9 +4,10 @@ the chunk's bf16 workspace.
 Math (dsv4_rocm/reference/metadata.py): request b < R owns workspace rows [b*M, (b+1)*M): [0, N) its
 compressed entries, N + g (g < gather_lens[b]) its raw tokens from position seq_len - gather_len on.
 Token t (query_start_loc is taken relative to its first entry) of request b at position p sees the window
-[start, p + right], start = max(p - max(left, W - 1), 0), with left / right = left_visible[t] /
+[start, p + right], start = max(p - max(left, W - 1), 0, seq_len - gather_len) (nothing below the gathered
+rows: vLLM's bounded SWA replay gathers from the replay start on), with left / right = left_visible[t] /
 right_visible[t] clamped at 0 (vLLM's in-image visibility; 0 without them: the causal window). With
-topk_len = min((p+1) // r, topk) and swa_len = min(p + right + 1 - start, width - topk_len), it gets
+topk_len = min((p+1) // r, topk) and swa_len = max(min(p + right + 1 - start, width - topk_len), 0), it gets
 
     [ b*M + l_i  (i < topk_len, l_i = topk_indices[t, i], -1 when l_i < 0; l_i >= N passes, as in vLLM)
     | b*M + N + g_i  (i < swa_len, g_i = start + i - (seq_len - gather_len), -1 unless
@@ -55,9 +56,10 @@ def _combine_kernel(ci_ptr, ci_row, cl_ptr, topk_ptr, topk_row, topk_width, qsl_
     else:
         left = 0
         right = 0
-    start = tl.maximum(pos - tl.maximum(left, window - 1), 0)
-    slen = tl.where(ok, tl.minimum(pos + right + 1 - start, width - tlen), 0)
-    first = start - (sl - gl)
+    gather_start = sl - gl
+    start = tl.maximum(tl.maximum(pos - tl.maximum(left, window - 1), 0), gather_start)
+    slen = tl.where(ok, tl.maximum(tl.minimum(pos + right + 1 - start, width - tlen), 0), 0)
+    first = start - gather_start
     rows = b * ws_rows
     for c0 in range(0, width, BLOCK):
         c = c0 + tl.arange(0, BLOCK)

@@ -2,7 +2,7 @@
 
 Math (dsv4_rocm/reference/metadata.py): token t of request b sits at position
 p = seq_lens[b] - query_len[b] + (t - query_start_loc[b]); it writes compressed entry j = p // r iff
-(p + 1) % r == 0 (and, with vLLM 0.33's slot_mapping, iff slot_mapping[t] >= 0), at slot
+(p + 1) % r == 0 (and, with vLLM 0.33's slot_mapping, iff slot_mapping[t] is not its padding mark -1), at slot
 ``block_table[b, j // (bs*W)] * bs + local offset`` (W context-parallel ranks over entries, entries of
 other ranks -> -1), or, with CP over positions (vLLM 0.33's dcp), of the rank-local position's entry;
 every other token -> -1.
@@ -37,7 +37,7 @@ def _compressed_slot_mapping_kernel(out_ptr, out_len, num_tokens, slot_ptr, n_sl
     pos, ok = token_position(qsl_ptr, seq_lens_ptr, r, t, ok, 0)
     if HAS_SLOTS:                                   # vLLM 0.33: a token without a slot of its own writes nothing
         own = tl.load(slot_ptr + t, mask=ok & (t < n_slots), other=-1).to(tl.int64)
-        ok = ok & (own >= 0)
+        ok = ok & (own != -1)
     pos = tl.where(ok, pos, 0)
     ok = ok & ((pos + 1) % ratio == 0)
     if CP_OVER_POSITIONS:

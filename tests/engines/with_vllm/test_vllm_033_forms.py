@@ -5,7 +5,10 @@ them with the same arguments and compares every output element:
 
 * ``combine_topk_swa_indices`` with ``out=(indices, lens)`` and in-image visibility (``left_visible``,
   ``right_visible``, ``max_image_tokens``), on chunks whose image spans follow vLLM's own visibility rule;
-* ``get_compressed_slot_mapping`` with ``slot_mapping`` second (replayed tokens' slots -1) and under
+* ``combine_topk_swa_indices`` under bounded SWA replay (gather_lens stopping at the replay start) against
+  V4.1's copy of it;
+* ``get_compressed_slot_mapping`` with ``slot_mapping`` second (replayed tokens' slots -1, other negative
+  slots not padding) and under
   decode context parallelism (``dcp_world_size``, ``cp_interleave``), on random batches;
 * ``fused_inv_rope_fp8_quant(..., quantize=False)``: the bf16 rows and the empty scale tensor.
 
@@ -79,6 +82,34 @@ def test_combine_topk_swa_indices_033_form_equals_vllms_kernel(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_combine_topk_swa_indices_with_replay_equals_vllms_v41_kernel(seed):
+    """vLLM's bounded SWA replay (V4.1's combine): gather_lens stop at each request's replay start, below
+    query_len + min(prefix_len, W - 1) where the replay start lies inside the window; the window stops at the
+    first gathered position."""
+    from vllm.models.deepseek_v41.common.ops.cache_utils import combine_topk_swa_indices as vllm_combine
+    g = torch.Generator().manual_seed(seed)
+    W, k, ratio, R = 8, 4, 4, 3
+    qlens = torch.randint(1, 30, (R,), generator=g)
+    seq = qlens + torch.randint(0, 20, (R,), generator=g)
+    replay = (torch.rand(R, generator=g) * (seq - qlens + 1).float()).long()     # in [0, prefix_len]
+    gl = (qlens + torch.clamp(seq - qlens - replay, min=0, max=W - 1)).to(I32)
+    qsl = (torch.cat([torch.zeros(1, dtype=torch.long), qlens.cumsum(0)]) + 5).to(I32)
+    seq = seq.to(I32)
+    T = int(qsl[-1] - qsl[0])
+    N = 12
+    M = N + int(gl.max()) + 3
+    loc = torch.randint(0, N, (T, k), generator=g, dtype=I32)          # in range: V4.1's kernel drops the others
+    width = -(-(k + W) // 128) * 128
+    bufs = [(torch.full((T + 2, width), 77, dtype=I32), torch.full((T + 2,), 77, dtype=I32)) for _ in range(2)]
+    theirs = vllm_combine(loc, qsl, seq, gl, W, ratio, k, M, N, bufs[0])
+    ours = ops.combine_topk_swa_indices(loc, qsl, seq, gl, W, ratio, k, M, N, bufs[1])
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1][:T], theirs[1][:T])
+    kernel = K_COMBINE(loc, qsl, seq, gl, W, ratio, k, M, N, combined_indices=torch.full_like(bufs[0][0], 77),
+                       combined_lens=torch.full_like(bufs[0][1], 77))
+    assert torch.equal(kernel[0], theirs[0][:T]) and torch.equal(kernel[1], theirs[1][:T])
+
+
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dcp, inter", [(1, 1), (2, 4), (2, 8)])
 def test_get_compressed_slot_mapping_033_form_equals_vllms_kernel(seed, dcp, inter):
     """Random batches (a decode-sized and a prefill-sized request per batch) with replayed tokens (slot -1)
@@ -92,6 +123,7 @@ def test_get_compressed_slot_mapping_033_form_equals_vllms_kernel(seed, dcp, int
     T = int(qsl[-1])
     pos = torch.cat([torch.arange(int(s) - int(q), int(s)) for s, q in zip(seq, qlens)])
     slots = torch.randint(0, 10 ** 6, (T,), generator=g)
+    slots[torch.rand(T, generator=g) < 0.1] = -123                       # not padding: only -1 is
     slots[torch.rand(T, generator=g) < 0.2] = -1                         # replayed tokens
     slots[(pos // inter) % dcp != 0] = -1                                # rank 0 of dcp ranks
     bt = torch.randint(0, 500, (2, 64), generator=g, dtype=I32)
