@@ -25,7 +25,8 @@ COMPAT_TESTS=(
   tests/test_compile_matrix.py tests/test_amd_tier.py tests/test_fast_launch.py
   tests/test_cache_fnuz.py tests/test_cache_fnuz_padding.py tests/test_compressor.py
   tests/test_dequantize_and_gather_k_cache.py tests/test_dequantize_global_slots_k_cache.py tests/test_fp8_einsum.py
-  tests/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py tests/test_fused_inv_rope_fp8_quant.py
+  tests/test_fused_deepseek_v4_kv_rope_insert.py tests/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py
+  tests/test_fused_inv_rope_fp8_quant.py
   tests/test_fused_q_kv_rmsnorm.py tests/test_fused_save_compress_norm.py tests/test_indexer.py
   tests/test_indexer_k_cache.py tests/test_indexer_k_norm_rope_store.py tests/test_mask_candidate_logits.py
   tests/test_merge_attn_states.py tests/test_output.py tests/test_qnorm_rope_and_insert_full_bf16_k_cache.py
