@@ -34,7 +34,10 @@ format (vLLM picks the kernel by the cache's last dimension; docs/cache_format.m
     V41_528      UE8M0 fp8 of all 512 rotated dims (fp32, no bf16 rounding) in blocks of 32
     V41_FP4_288  e2m1 of all 512 rotated dims, one e4m3 scale per 16 (reference.quant, NVFP4-style blocks)
 
-in the format's page layout (``layout.data_offset`` / ``record_scale_offset``).
+in the format's page layout (``layout.data_offset`` / ``record_scale_offset``). A cache of plain
+[448 NoPE | 64 RoPE] rows (vLLM's FlashInfer caches: bfloat16, or float8_e4m3fn 512 wide; ``is_plain_row_cache``)
+gets row = bf(RoPE(latent)) (NoPE dims the latent's own values), or its e4m3 bytes of
+fp32(row) * fp32(1 / fp8_scale), saturating at +-448 (-0 as 0x00, a non-finite value 0x7F).
 
 Exact fp32 arithmetic, shared with the kernels: the softmax and sums of ``reference.compressor.pool`` (a
 pair: m = max, e_u = exp_neg(s_u - m), (e0 kv0 + e1 kv1) / (e0 + e1)), its RMSNorm (pairwise sum of

@@ -11,6 +11,10 @@ dsv4_rocm/triton/compress_norm_rope_store.py, so the bytes are those of every ot
     V41_528      UE8M0 fp8 of all 512 rotated dims in blocks of 32, 16 scales
     V41_FP4_288  e2m1 of all 512 rotated dims, an e4m3 scale per 16
 the V4.1 records where ``layout.data_offset`` / ``record_scale_offset`` put them (page-split or interleaved).
+MODE (a constexpr) 1 and 2 write vLLM's plain [448 NoPE | 64 RoPE] rows instead, row slot % bs of page
+slot // bs at the tensor's row and page strides: 1 the bf16 row bf(RoPE(x)), 2 its e4m3 bytes of
+fp32(bf(RoPE(x))) * fp32(1 / fp8_scale) by compress_norm_rope_store._e4m3 (OCP bytes on every target,
+saturating, -0 as 0x00), a non-finite value 0x7F.
 
 Grid: one program per ROWS tokens, each token's record made in turn (a decode step writes a record for
 half the tokens or fewer, a prefill chunk one per r tokens).
