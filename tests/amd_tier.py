@@ -235,7 +235,21 @@ def case_rope_quant_insert(target):
             assert written > 1000, written
             lines.append(_bytes_equal(pages[0], pages[1], f"{fmt.name} ratio {ratio} compressed pages ({written} "
                                                           "written)"))
-    return lines, {"_rope_quant_insert_kernel": dict(FNUZ=target == "gfx942", RATIO=2, FMT=L.with_layout(_FP4))}
+    # vLLM's plain-row caches (FlashInfer): bf16 rows and per-tensor e4m3 rows (the target's convert)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        latent, pos, slots = _v41_writes(g, 20, 3, 2, 512, cs.shape[0])
+        latent = latent.nan_to_num(0.0)                                    # rows: no NaN payloads
+        backing = [torch.full((3, 65 * 512 * (2 if dtype == torch.bfloat16 else 1)), 0xA5, dtype=torch.uint8)
+                   for _ in range(2)]
+        rows = [b.view(dtype).as_strided((3, 64, 512), (65 * 512, 512, 1)) for b in backing]   # padded pages
+        scale = torch.tensor([0.37])
+        K.rope_quant_insert(latent, pos, cs, rows[0], slots, 2, scale)
+        rv.rope_quant_insert(latent, pos, cs, rows[1], slots, 2, scale)
+        written = int((backing[1] != 0xA5).sum())
+        assert written > 1000, written
+        lines.append(_bytes_equal(backing[0], backing[1], f"{dtype} rows ({written} bytes written)"))
+    return lines, {"_rope_quant_insert_kernel": dict(FNUZ=target == "gfx942", RATIO=2, FMT=L.with_layout(_FP4),
+                                                     MODE=2)}
 
 
 def case_fused_deepseek_v4_kv_rope_insert(target):

@@ -1,6 +1,7 @@
 """DeepSeek-V4.1 compressor, first half (fused_save_compress_norm): the oracle against the formula written
-out by hand, chunk invariance of the latents and the ring, padding, the rows of other chunks (prev_rows),
-rejected calls; the Triton kernel under the interpreter (its fp32 arithmetic bit for bit, the ring and the
+out by hand, chunk invariance of the latents and the ring, padding (vLLM's padded steps, whose
+token_to_req_indices stops at the actual tokens, included), the rows of other chunks (prev_rows), rejected
+calls; the Triton kernel under the interpreter (its fp32 arithmetic bit for bit, the ring and the
 rows it writes exactly) and on a GPU (every latent bit and ring byte equal to the oracle's)."""
 import pytest
 import torch
@@ -171,6 +172,44 @@ def test_prev_rows_ignored_at_ratio1():
     assert bits_equal(got, want)
 
 
+def _padded(ring, t2r, kvs, pos, extra, seed):
+    """vLLM's padded step (cudagraph or PCP width): slot_mapping, kv_score and positions padded by ``extra``
+    rows (slot -1, random values), token_to_req_indices only the actual tokens."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.cat([ring, torch.full((extra,), -1, dtype=ring.dtype)])
+    kvp = torch.cat([kvs, torch.randn(extra, kvs.shape[1], generator=g)])
+    posp = torch.cat([pos, torch.randint(0, 50, (extra,), generator=g)])
+    return slots, kvp, posp, t2r.clone()
+
+
+@pytest.mark.parametrize("prev", [False, True], ids=["ring", "prev_rows"])
+def test_short_token_to_req_indices_is_padding(prev):
+    """token_to_req_indices holding only the actual tokens (vLLM's padded steps: slot_mapping, kv_score and
+    positions cover the padded count, the padding has slot -1): the latents and ring of the unpadded call,
+    padding rows untouched."""
+    starts, lens = [9, 4, 21, 2], [1, 5, 3, 4]
+    qsl, pos, t2r, ring, kvs, state, w = _inputs(2, starts, lens, 13)
+    m = pos.shape[0]
+    rows = _prev(len(starts), 13) if prev else None
+    want, want_st = _run(2, kvs, pos, state, ring, qsl, t2r, w, prev=rows)
+    slots, kvp, posp, t2r_m = _padded(ring, t2r, kvs, pos, 6, 13)
+    got, st = _run(2, kvp, posp, state, slots, qsl, t2r_m, w, prev=rows)
+    assert bits_equal(got[:m], want) and torch.isnan(got[m:].float()).all()
+    assert torch.equal(st, want_st)
+    assert int((~torch.isnan(want.float()).all(1)).sum()) >= 5
+
+
+def test_short_token_to_req_indices_needs_padding_past_it():
+    """A token past token_to_req_indices with a slot has no request: rejected (value checks), nothing written."""
+    qsl, pos, t2r, ring, kvs, state, w = _inputs(2, [1, 6], [4, 3], 14)
+    slots, kvp, posp, t2r_m = _padded(ring, t2r, kvs, pos, 3, 14)
+    slots[-2] = 9
+    lat, st = torch.zeros(kvp.shape[0], 512, dtype=torch.bfloat16), state.clone()
+    with pytest.raises(ValueError, match="token_to_req_indices has 7 entries for the 10 tokens"):
+        ops.fused_save_compress_norm(kvp, posp, st, slots, qsl, t2r_m, w, 1e-6, 2, lat)
+    assert torch.equal(st, state) and not lat.any()
+
+
 def test_rejected_calls_write_nothing():
     qsl, pos, t2r, ring, kvs, state, w = _inputs(2, [1], [4], 4)
     lat = torch.zeros(4, 512, dtype=torch.bfloat16)
@@ -256,6 +295,22 @@ def interpreter_main():
     ulp = ((lat.float() - ref_lat.float()).abs() / ref_lat.float().abs().clamp_min(1e-30))[rows].max()
     print(f"prev_rows: rows {int(rows.sum())} same {same_rows} ring same "
           f"{torch.equal(st, ref_st) and torch.equal(st, state)} max rel diff {float(ulp):.3g}")
+    # vLLM's padded step: token_to_req_indices holds the actual tokens only, slot_mapping 5 more (slot -1);
+    # the kernel must not read past token_to_req_indices, and writes the unpadded call's latents and ring
+    qsl, pos, t2r, ring, kvs, state, w = _inputs(2, [9, 4, 20, 2, 0], [1, 5, 1, 12, 3], 15)
+    ref_lat = torch.full((kvs.shape[0], 512), float("nan"), dtype=torch.bfloat16)
+    ref_st = state.clone()
+    rv.fused_save_compress_norm(kvs, pos, ref_st, ring, qsl, t2r, w, 1e-6, 2, ref_lat)
+    slots, kvp, posp, t2r_m = _padded(ring, t2r, kvs, pos, 5, 15)
+    lat = torch.full((kvp.shape[0], 512), float("nan"), dtype=torch.bfloat16)
+    st = state.clone()
+    K.fused_save_compress_norm(kvp, posp, st, slots, qsl, t2r_m, w, 1e-6, 2, lat)
+    m = kvs.shape[0]
+    rows = ~torch.isnan(ref_lat.float()).all(1)
+    same_rows = torch.equal(rows, ~torch.isnan(lat[:m].float()).all(1)) and bool(torch.isnan(lat[m:].float()).all())
+    ulp = ((lat[:m].float() - ref_lat.float()).abs() / ref_lat.float().abs().clamp_min(1e-30))[rows].max()
+    print(f"padded: rows {int(rows.sum())} same {same_rows} ring same {torch.equal(st, ref_st)} max rel diff "
+          f"{float(ulp):.3g}")
 
 
 def test_kernel_under_the_interpreter():
@@ -265,14 +320,14 @@ def test_kernel_under_the_interpreter():
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "fp32 values differing 0"
-    assert [l.split(":")[0] for l in lines[1:]] == ["ratio 1", "ratio 2", "prev_rows"]
+    assert [l.split(":")[0] for l in lines[1:]] == ["ratio 1", "ratio 2", "prev_rows", "padded"]
     for line in lines[1:]:
         assert "same True ring same True" in line and float(line.split()[-1]) <= 2 ** -7, line
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("ratio", [1, 2, "2 prev_rows"])
+@pytest.mark.parametrize("ratio", [1, 2, "2 prev_rows", "2 padded"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kernel_equals_oracle_bits_on_gpu(ratio, seed, gpu):
     g = torch.Generator().manual_seed(50 + seed)
@@ -280,10 +335,13 @@ def test_kernel_equals_oracle_bits_on_gpu(ratio, seed, gpu):
     starts = torch.randint(0, 3000, (R,), generator=g).tolist()
     lens = [1] * 6 + torch.randint(1, 300, (R - 6,), generator=g).tolist()
     prev = _prev(R, seed, rows=20) if ratio == "2 prev_rows" else None
-    ratio = 2 if prev is not None else ratio
+    padded = ratio == "2 padded"
+    ratio = 2 if prev is not None or padded else ratio
     qsl, pos, t2r, ring, kvs, state, w = _inputs(ratio, starts, lens, seed)
     slots = ring.clone()
     slots[torch.rand(slots.shape, generator=g) < 0.05] = -1
+    if padded:                                   # token_to_req_indices stops at the actual tokens
+        slots, kvs, pos, t2r = _padded(slots, t2r, kvs, pos, 37, seed)
     ref = _run(ratio, kvs, pos, state if ratio == 2 else None, slots, qsl, t2r, w, prev=prev)
     got = _run(ratio, kvs, pos, state if ratio == 2 else None, slots, qsl, t2r, w, device=gpu, prev=prev)
     assert bits_equal(got[0], ref[0])

@@ -39,12 +39,12 @@ def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, que
     """kv_score fp32 [T, 512 * r] (rows 16-byte aligned), positions int [>= n], slot_mapping int [n] (r = 2:
     ring slots of ``state_cache`` fp32 [blocks, capacity, 1024]; r = 1: any slots, negative = padding, and
     state_cache / query_start_loc / token_to_req_indices / prev_rows / prev_row_indices are unused and may be
-    None), query_start_loc int32 [R + 1], token_to_req_indices int [>= n], rms_norm_weight [512], latent_out
-    bf16 [T, 512] contiguous: writes the latents of the group-closing tokens and saves the ring
-    (reference.compressor_v41). With ``prev_rows`` fp32 [rows, 1024] (rows 16-byte aligned) and
-    ``prev_row_indices`` int [>= R] (r = 2, vLLM's prefill context parallelism), request b's first token
-    pairs with ``prev_rows[prev_row_indices[b]]`` where that index is >= 0 (the ring row where it is
-    negative) and no ring row is saved."""
+    None), query_start_loc int32 [R + 1], token_to_req_indices int [m] (m < n in vLLM's padded steps: a token
+    past it must be padding, slot < 0), rms_norm_weight [512], latent_out bf16 [T, 512] contiguous: writes the
+    latents of the group-closing tokens and saves the ring (reference.compressor_v41). With ``prev_rows``
+    fp32 [rows, 1024] (rows 16-byte aligned) and ``prev_row_indices`` int [>= R] (r = 2, vLLM's prefill
+    context parallelism), request b's first token pairs with ``prev_rows[prev_row_indices[b]]`` where that
+    index is >= 0 (the ring row where it is negative) and no ring row is saved."""
     _ratio(compress_ratio)
     C.tensor("kv_score", kv_score, dtype=torch.float32, shape=(None, D * compress_ratio))
     if kv_score.shape[0] and (kv_score.stride(1) != 1 or (kv_score.shape[0] > 1 and kv_score.stride(0) % 4)):
@@ -68,7 +68,9 @@ def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, que
         C.tensor("query_start_loc", query_start_loc, dtype=torch.int32, dim=1)
         if query_start_loc.shape[0] < 1 or (query_start_loc.shape[0] > 1 and query_start_loc.stride(0) != 1):
             raise ValueError("query_start_loc must be a contiguous int32 [num_reqs + 1] tensor")
-        _token_vector("token_to_req_indices", token_to_req_indices, n)
+        C.tensor("token_to_req_indices", token_to_req_indices, dtype=C.INDEX, dim=1)   # may stop before n:
+        if token_to_req_indices.shape[0] > 1 and token_to_req_indices.stride(0) != 1:  # padding past its end
+            raise ValueError("token_to_req_indices must be contiguous")
         _prev_rows(prev_rows, prev_row_indices, query_start_loc.shape[0] - 1)
     else:
         prev_rows = prev_row_indices = None
@@ -117,14 +119,18 @@ def _check_ring(state_cache, slot_mapping, positions, query_start_loc, token_to_
     cap = state_cache.shape[0] * state_cache.shape[1]
     if int(s.max()) >= cap:
         raise ValueError(f"slot_mapping: slot {int(s.max())} is outside the ring state cache ({cap} rows)")
-    live = s >= 0
+    m = min(n, token_to_req.shape[0])
+    if m < n and bool((s[m:] >= 0).any()):
+        raise ValueError(f"token_to_req_indices has {m} entries for the {n} tokens of slot_mapping, and a token "
+                         "past them has a slot (only padding, slot < 0, may lie past them)")
+    live = s[:m] >= 0
     if not bool(live.any()):
         return
-    req = token_to_req[:n].long()[live]
+    req = token_to_req[:m].long()[live]
     R = query_start_loc.shape[0] - 1
     if int(req.min()) < 0 or int(req.max()) >= R:
         raise ValueError(f"token_to_req_indices must name a request in [0, {R}) for every token with a slot")
-    if int(positions[:n].long()[live].min()) < 0:
+    if int(positions[:m].long()[live].min()) < 0:
         raise ValueError("positions: a token with a slot has a negative position")
     qsl = query_start_loc.long()
     if bool((qsl[1:] < qsl[:-1]).any()):
@@ -150,16 +156,49 @@ def _kv_cache_records(kv_cache, kv_layout=None):
     return bs, fmt
 
 
+def _plain_rows(kv_cache):
+    """The plain-row view [nb, bs, 512] of a plain-row cache [nb, bs, 512] (or [nb, bs, 1, 512]): unit last
+    stride, rows that do not overlap, strides and start 16-byte aligned."""
+    if kv_cache.dim() not in (3, 4) or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1):
+        raise ValueError(f"kv_cache must be the plain-row cache [num_blocks, block_size, {D}] (or "
+                         f"[nb, bs, 1, {D}]), got shape {tuple(kv_cache.shape)}")
+    if kv_cache.shape[-1] != D:
+        raise ValueError(f"kv_cache: a plain-row cache has {D}-value rows, got shape {tuple(kv_cache.shape)}")
+    rows = kv_cache[:, :, 0] if kv_cache.dim() == 4 else kv_cache
+    nb, bs = rows.shape[0], rows.shape[1]
+    if bs < 1 or rows.stride(2) != 1 or (bs > 1 and rows.stride(1) < D) or (
+            nb > 1 and rows.stride(0) < bs * rows.stride(1)):
+        raise ValueError(f"kv_cache rows must be dense {D}-value rows that do not overlap, got shape "
+                         f"{tuple(kv_cache.shape)} stride {kv_cache.stride()}")
+    size = rows.element_size()
+    if (rows.stride(0) * size) % 16 or (rows.stride(1) * size) % 16 or (rows.storage_offset() * size) % 16:
+        raise ValueError(f"kv_cache strides and start must be multiples of 16 bytes, got stride {kv_cache.stride()}")
+    return rows
+
+
+def _fp8_scale(fp8_scale):
+    """The per-tensor scale of a plain fp8 row cache: one fp32 value, finite and positive (value checks)."""
+    if fp8_scale is None:
+        raise ValueError("fp8_scale is required with a float8_e4m3fn plain-row kv_cache (its per-tensor scale)")
+    C.tensor("fp8_scale", fp8_scale, dtype=torch.float32)
+    if fp8_scale.numel() != 1:
+        raise ValueError(f"fp8_scale must hold one fp32 value, got shape {tuple(fp8_scale.shape)}")
+    if value_checks(fp8_scale) and not (bool(torch.isfinite(fp8_scale).all()) and float(fp8_scale.reshape(())) > 0):
+        raise ValueError(f"fp8_scale must be a finite positive scale, got {float(fp8_scale.reshape(()))}")
+
+
 def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio,
                       fp8_scale=None, *, kv_layout: str = None) -> None:
     """latent bf16 [T, 512] contiguous, positions int [>= n], cos_sin_cache fp32 or bf16 [P, 64], kv_cache the
-    paged compressed cache (uint8 [nb, bs, R], R = 584, 528 or 288 naming the record format as vLLM's op
-    reads it; ``kv_layout`` the V4.1 records' page layout, default ``layout.default_layout``: interleaved, as
-    vLLM 0.33 writes them), slot_mapping int [n] (negative = padding): the record of each group-closing token
-    (reference.compressor_v41). ``fp8_scale`` belongs to vLLM's plain-row caches and must be None here."""
+    compressed cache, slot_mapping int [n] (negative = padding): the entry of each group-closing token
+    (reference.compressor_v41). The cache picks the form, as vLLM's op does:
+
+    - the paged record cache, uint8 [nb, bs, R] (or its float8_e4m3fn view), R = 584, 528 or 288 naming the
+      record format as vLLM's op reads it (``kv_layout`` the V4.1 records' page layout, default
+      ``layout.default_layout``: interleaved, as vLLM 0.33 writes them); ``fp8_scale`` must be None;
+    - plain [448 NoPE | 64 RoPE] rows [nb, bs, 512] (vLLM's FlashInfer caches): bfloat16, ``fp8_scale`` None;
+      or float8_e4m3fn with the per-tensor ``fp8_scale`` fp32 [1] (required)."""
     _ratio(compress_ratio)
-    if fp8_scale is not None:
-        raise ValueError("fp8_scale: only the paged fp8_ds_mla record is written (plain fp8 rows are not supported)")
     C.tensor("latent", latent, dtype=torch.bfloat16, shape=(None, D), contiguous=True)
     n = C.tensor("slot_mapping", slot_mapping, dtype=C.INDEX, dim=1).shape[0]
     if n > latent.shape[0]:
@@ -170,15 +209,31 @@ def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, 
     C.tensor("cos_sin_cache", cos_sin_cache, dtype=(torch.float32, torch.bfloat16), shape=(None, 64))
     if cos_sin_cache.stride(1) != 1:
         raise ValueError("cos_sin_cache rows must be contiguous")
-    bs, fmt = _kv_cache_records(kv_cache, kv_layout)
+    C.tensor("kv_cache", kv_cache, dtype=(torch.uint8, torch.float8_e4m3fn, torch.bfloat16))
+    plain = kv_cache.dtype == torch.bfloat16 or (kv_cache.dtype == torch.float8_e4m3fn and kv_cache.shape[-1] == D)
+    if plain:
+        if kv_layout is not None:
+            raise ValueError("kv_layout: a plain-row kv_cache has no record layout")
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            _fp8_scale(fp8_scale)
+        elif fp8_scale is not None:
+            raise ValueError("fp8_scale: only a float8_e4m3fn plain-row kv_cache takes a per-tensor scale")
+        cache, fmt = _plain_rows(kv_cache), None
+        bs = cache.shape[1]
+    else:
+        if fp8_scale is not None:
+            raise ValueError("fp8_scale: the paged record cache carries its own block scales (only a "
+                             "float8_e4m3fn plain-row kv_cache takes a per-tensor scale)")
+        bs, fmt = _kv_cache_records(kv_cache, kv_layout)
+        cache = kv_cache
     C.same_device(latent=latent, positions=positions, cos_sin_cache=cos_sin_cache, kv_cache=kv_cache,
-                  slot_mapping=slot_mapping)
+                  slot_mapping=slot_mapping, fp8_scale=fp8_scale)
     if value_checks(slot_mapping) and n:
         check_record_slots(slot_mapping, positions, n, kv_cache.shape[0] * bs, cos_sin_cache.shape[0])
     if n == 0:
         return
-    _run("rope_quant_insert", latent.device, latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio,
-         fmt=fmt)
+    _run("rope_quant_insert", latent.device, latent, positions, cos_sin_cache, cache, slot_mapping, compress_ratio,
+         fp8_scale, fmt=fmt)
 
 
 def check_record_slots(slot_mapping, positions, n, capacity, cs_rows):

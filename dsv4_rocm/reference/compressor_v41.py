@@ -17,6 +17,8 @@ chunk (t == query_start_loc[token_to_req[t]]) pairs with the ring row of p - 1 s
 step, every later token with the row before it in ``kv_score``. Ring rows are read before the step's
 rows are saved; request b saves the rows of the last min(len, capacity) tokens of its chunk
 [query_start_loc[b], query_start_loc[b + 1]) (tokens below len(slot_mapping)) that have a slot >= 0.
+``token_to_req_indices`` may be shorter than slot_mapping (vLLM's padded steps: the actual tokens only); a
+token past its end has no request and makes no latent (its slot is negative, padding).
 
 Rows from elsewhere (vLLM's prefill context parallelism, r = 2): with ``prev_rows`` fp32 [rows, 1024]
 (the [kv, score] rows of other chunks' last tokens) and ``prev_row_indices`` int [>= num_reqs], the first
@@ -32,7 +34,10 @@ format (vLLM picks the kernel by the cache's last dimension; docs/cache_format.m
     V41_528      UE8M0 fp8 of all 512 rotated dims (fp32, no bf16 rounding) in blocks of 32
     V41_FP4_288  e2m1 of all 512 rotated dims, one e4m3 scale per 16 (reference.quant, NVFP4-style blocks)
 
-in the format's page layout (``layout.data_offset`` / ``record_scale_offset``).
+in the format's page layout (``layout.data_offset`` / ``record_scale_offset``). A cache of plain
+[448 NoPE | 64 RoPE] rows (vLLM's FlashInfer caches: bfloat16, or float8_e4m3fn 512 wide; ``is_plain_row_cache``)
+gets row = bf(RoPE(latent)) (NoPE dims the latent's own values), or its e4m3 bytes of
+fp32(row) * fp32(1 / fp8_scale), saturating at +-448 (-0 as 0x00, a non-finite value 0x7F).
 
 Exact fp32 arithmetic, shared with the kernels: the softmax and sums of ``reference.compressor.pool`` (a
 pair: m = max, e_u = exp_neg(s_u - m), (e0 kv0 + e1 kv1) / (e0 + e1)), its RMSNorm (pairwise sum of
@@ -44,6 +49,7 @@ import torch
 from .. import layout as L
 from .cache import insert_k_records
 from .compressor import _as_pages, _records, bf16_bits, pool, rms_normalize
+from .qkv import _encode_scaled, kv_rope
 
 RING_CAPACITY = 8            # vLLM's CompressorStateCache: max(8, next power of two >= num_spec + 2) rows
 RECORD_BYTES = 584           # fp8_ds_mla: 576 data + 8 scale bytes
@@ -75,7 +81,9 @@ def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, que
     nb, cap = state_cache.shape[0], state_cache.shape[1]
     p = positions[:n].long()
     R = query_start_loc.shape[0] - 1
-    req = token_to_req_indices[:n].long()
+    req = torch.full((n,), -1, dtype=torch.long, device=s.device)          # past token_to_req_indices: padding
+    m = min(n, token_to_req_indices.shape[0])
+    req[:m] = token_to_req_indices[:m].long()
     live = (s >= 0) & (s < nb * cap)
     ok = live & (p >= 1) & ((p + 1) % 2 == 0) & (req >= 0) & (req < R)
     t = torch.nonzero(ok).flatten()
@@ -126,9 +134,18 @@ def store_records(cache, slots, data, scales, record_bytes: int, token_stride: i
     pages[blk, bs * token_stride + off * sd + torch.arange(sd, device=slots.device)] = scales
 
 
+def is_plain_row_cache(kv_cache) -> bool:
+    """Whether ``kv_cache`` holds plain [448 NoPE | 64 RoPE] rows (bfloat16, or float8_e4m3fn 512 wide) rather
+    than paged records (uint8, or their float8_e4m3fn view, 584 / 528 / 288 wide): vLLM's dispatch."""
+    return kv_cache.dtype == torch.bfloat16 or (kv_cache.dtype == torch.float8_e4m3fn
+                                                and kv_cache.shape[-1] == LATENT_DIM)
+
+
 def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None,
                       fmt: L.RecordFormat = L.V40_584) -> None:
-    """vLLM's op (module docstring), for records of ``fmt``."""
+    """vLLM's op (module docstring), for records of ``fmt``, or for plain rows where the cache holds them
+    (``is_plain_row_cache``; ``fmt`` unused): bf16 [nb, bs, 512] rows bf(RoPE(latent)), or e4m3 rows of
+    fp32(bf(RoPE(latent))) * fp32(1 / fp8_scale), saturating at +-448 (a non-finite value 0x7F)."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
@@ -137,9 +154,18 @@ def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, 
     t = torch.nonzero(ok).flatten()
     if t.numel() == 0:
         return
+    pos = (p[t] // compress_ratio) * compress_ratio
+    if is_plain_row_cache(kv_cache):
+        rows = kv_cache[:, :, 0] if kv_cache.dim() == 4 else kv_cache
+        s, bs = slot_mapping[t].long(), rows.shape[1]
+        y = kv_rope(latent[t], pos, cos_sin_cache.float())          # NoPE dims: the latent's own bf16 values
+        if rows.dtype == torch.bfloat16:
+            rows[s // bs, s % bs] = y
+        else:
+            rows.view(torch.uint8)[s // bs, s % bs] = _encode_scaled(y.float(), 1.0 / fp8_scale.reshape(()).float())
+        return
     y = latent[t].float()
-    data, scales = _records(y, (p[t] // compress_ratio) * compress_ratio, cos_sin_cache.float(), LATENT_DIM, False,
-                            fmt)
+    data, scales = _records(y, pos, cos_sin_cache.float(), LATENT_DIM, False, fmt)
     if fmt.name == L.V40_584.name:
         store_records(kv_cache, slot_mapping[t].long(), data, scales, RECORD_BYTES, 576)
     else:

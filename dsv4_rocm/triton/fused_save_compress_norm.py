@@ -4,7 +4,9 @@ group-closing token, and the ratio-2 ring save, in one launch.
 Math (dsv4_rocm/reference/compressor_v41.py): ratio 1, latent = bf16(RMSNorm(kv_t)); ratio 2, at an odd
 position p the pair (p - 1, p) is pooled with a per-dim softmax of its scores, then normed. The row of
 p - 1 is the previous row of ``kv_score`` unless t is the first token of its request's chunk
-(t == query_start_loc[token_to_req[t]]); then it is the ring row p - 1 an earlier step saved.
+(t == query_start_loc[token_to_req[t]]); then it is the ring row p - 1 an earlier step saved. A token past the
+end of ``token_to_req_indices`` (vLLM's padded steps: it holds the actual tokens, slot_mapping the padded
+count) has no request and writes nothing.
 
 Grid. Ratio 1: one program per token. Ratio 2: num_reqs request programs, then one program per token.
 Request program b owns its request's ring: it makes the latent of the chunk's first token (reading the
@@ -49,9 +51,9 @@ def _pool_pair(kv0, s0, kv1, s1):
     return tl.math.div_rn(e0 * kv0 + e1 * kv1, e0 + e1)
 
 
-@triton.jit(do_not_specialize=["n", "num_reqs", "num_prev_rows"])
+@triton.jit(do_not_specialize=["n", "num_reqs", "num_prev_rows", "num_t2r"])
 def _fused_save_compress_norm_kernel(raw_ptr, raw_stride, pos_ptr, state_ptr, state_s0, state_s1, num_state_rows,
-                                     slot_ptr, qsl_ptr, t2r_ptr, w_ptr, eps, latent_ptr, n, num_reqs,
+                                     slot_ptr, qsl_ptr, t2r_ptr, num_t2r, w_ptr, eps, latent_ptr, n, num_reqs,
                                      prev_ptr, prev_stride, prev_idx_ptr, num_prev_rows,
                                      CAP: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr,
                                      HAS_PREV: tl.constexpr):
@@ -67,7 +69,7 @@ def _fused_save_compress_norm_kernel(raw_ptr, raw_stride, pos_ptr, state_ptr, st
         if (start >= 0) & (start < n):
             s = tl.load(slot_ptr + start).to(tl.int64)
             p = tl.load(pos_ptr + start).to(tl.int64)
-            own = tl.load(t2r_ptr + start) == pid
+            own = tl.load(t2r_ptr + start, mask=start < num_t2r, other=-1) == pid
             other = False                                   # the partner row is prev_rows[k]
             k = tl.zeros((), tl.int64)
             if HAS_PREV:
@@ -94,7 +96,7 @@ def _fused_save_compress_norm_kernel(raw_ptr, raw_stride, pos_ptr, state_ptr, st
         t = pid - num_reqs
         s = tl.load(slot_ptr + t).to(tl.int64)
         p = tl.load(pos_ptr + t).to(tl.int64)
-        req = tl.load(t2r_ptr + t)
+        req = tl.load(t2r_ptr + t, mask=t < num_t2r, other=-1)     # past token_to_req_indices: padding
         ok = (s >= 0) & (s < num_state_rows) & (p >= 1) & ((p + 1) % 2 == 0) & (req >= 0) & (req < num_reqs)
         if ok:
             if tl.load(qsl_ptr + req) != t:
@@ -114,7 +116,7 @@ def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, que
     latent = latent_out.view(torch.int16)
     if compress_ratio == 1:
         launch(_fused_save_compress_norm_kernel)[(n,)](
-            kv_score, kv_score.stride(0), positions, kv_score, 0, 0, 0, slot_mapping, slot_mapping, slot_mapping,
+            kv_score, kv_score.stride(0), positions, kv_score, 0, 0, 0, slot_mapping, slot_mapping, slot_mapping, 0,
             rms_norm_weight, rms_norm_eps, latent, n, 0, kv_score, 0, slot_mapping, 0, CAP=1, RATIO=1, D=D,
             HAS_PREV=False, num_warps=4, num_stages=1, enable_fp_fusion=False)
         return
@@ -123,7 +125,8 @@ def fused_save_compress_norm(kv_score, positions, state_cache, slot_mapping, que
     has_prev = prev_rows is not None
     launch(_fused_save_compress_norm_kernel)[(R + n,)](
         kv_score, kv_score.stride(0), positions, state_cache, st[0], st[1], state_cache.shape[0] * state_cache.shape[1],
-        slot_mapping, query_start_loc, token_to_req_indices, rms_norm_weight, rms_norm_eps, latent, n, R,
+        slot_mapping, query_start_loc, token_to_req_indices, token_to_req_indices.shape[0], rms_norm_weight,
+        rms_norm_eps, latent, n, R,
         prev_rows if has_prev else kv_score, prev_rows.stride(0) if has_prev else 0,
         prev_row_indices if has_prev else slot_mapping, prev_rows.shape[0] if has_prev else 0,
         CAP=state_cache.shape[1], RATIO=2, D=D, HAS_PREV=has_prev, num_warps=4, num_stages=1,
