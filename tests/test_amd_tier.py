@@ -130,6 +130,9 @@ def test_emulated_target_facts_and_caches():
     assert platform_target("gfx950").triton_fp8_dtype == "fp8e4nv" and platform_target("sm_90").wave_size == 32
 
 
+PTXAS_ONLY_OPTIONS = ("maxnreg",)
+
+
 def test_every_target_dependent_kernel_has_a_case():
     """Every kernel module whose compile-matrix constexprs or options differ between targets has a case here
     (the Gluon kernel is Hopper-only and out of the tier's scope)."""
@@ -143,7 +146,9 @@ def test_every_target_dependent_kernel_has_a_case():
         for spec in getattr(mod, "COMPILE_SPECS", ()):
             if spec.get("targets"):                                   # written for one target (Gluon)
                 continue
-            seen = {(repr(sorted(spec["constexprs"](a).items())), repr(sorted(spec["options"](a).items())))
+            # a register cap for ptxas (maxnreg, set per Triton version) changes no branch of the kernel
+            seen = {(repr(sorted(spec["constexprs"](a).items())),
+                     repr(sorted((k, v) for k, v in spec["options"](a).items() if k not in PTXAS_ONLY_OPTIONS)))
                     for a in ("gfx942", "gfx950", "sm_90", "sm_100")}
             if len(seen) > 1:
                 differing.add(info.name)
