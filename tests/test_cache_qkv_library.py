@@ -39,6 +39,12 @@ VLLM_SCHEMAS = {   # torch.ops._C schemas of vLLM (csrc torch_bindings), argumen
 }
 
 
+
+def _filled(*shape, dtype, device):
+    """An output argument for opcheck, poisoned: opcheck copies its arguments before the op runs, and a copy of
+    memory nothing wrote is a read initcheck reports (the op itself writes these whole)."""
+    return torch.full(shape, 0xAB if dtype == torch.uint8 else -7.0, dtype=dtype, device=device)
+
 def cases(device):
     """(op, args) for every registered op, in vLLM's call forms, with padding slots and cache views."""
     d = torch.device(device)
@@ -66,10 +72,10 @@ def cases(device):
                                torch.ones(512, device=d).bfloat16(), 1e-6),
         "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert": (q, k, cache.view(3, -1), slots, pos, cs, 8, 1e-6, 64),
         "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out":
-            (q, k, torch.empty(8, 8, 512, dtype=torch.bfloat16, device=d), cache.view(3, -1), slots, pos, cs.bfloat16(),
+            (q, k, _filled(8, 8, 512, dtype=torch.bfloat16, device=d), cache.view(3, -1), slots, pos, cs.bfloat16(),
              8, 1e-6, 64),
         "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert":
-            (q, k, torch.empty(8, 4, 512, dtype=torch.uint8, device=d), full, torch.tensor([0, 17, -1, 63], device=d),
+            (q, k, _filled(8, 4, 512, dtype=torch.uint8, device=d), full, torch.tensor([0, 17, -1, 63], device=d),
              pos.int(), cs, one, one * 4, 1e-6, 16),
         "fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert":
             (q.clone(), k, torch.zeros(4, 16, 512, device=d).bfloat16(), torch.tensor([0, 17, -1, 63], device=d), pos,
@@ -118,19 +124,19 @@ def test_opcheck_hip_launchers(gpu):
         (hip.quantize_and_insert_k_cache, (k, pages, slots, 64, 0, True, False)),          # the FNUZ flavour
         (hip.quantize_and_insert_k_cache, (k, v41_pages, slots, 64, 1, False, False)),
         (hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
-         (q, k, torch.empty(8, 8, 512, dtype=torch.bfloat16, device=gpu), pages, slots.int(), pos, cs, 1e-6, 64, 0,
+         (q, k, _filled(8, 8, 512, dtype=torch.bfloat16, device=gpu), pages, slots.int(), pos, cs, 1e-6, 64, 0,
           False,
           False, True, True, False)),
         (hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
-         (q, k, torch.empty(8, 8, 512, dtype=torch.bfloat16, device=gpu), v41_pages, slots.int(), pos, cs, 1e-6, 64, 1,
+         (q, k, _filled(8, 8, 512, dtype=torch.bfloat16, device=gpu), v41_pages, slots.int(), pos, cs, 1e-6, 64, 1,
           False,
           False, False, False, True)),
         (hip.dequantize_and_gather_k_cache, (c["dequantize_and_gather_k_cache"][0], pages,
                                              *c["dequantize_and_gather_k_cache"][2:], 0, True, False)),
         (hip.dequantize_global_slots_k_cache, (c["dequantize_global_slots_k_cache"][0], pages,
                                                *c["dequantize_global_slots_k_cache"][2:], 0, False, False)),
-        (hip.fused_q_kv_rmsnorm, (*c["fused_q_kv_rmsnorm"][:4], torch.empty(8, 1024, dtype=torch.bfloat16, device=gpu),
-                                  torch.empty(8, 512, dtype=torch.bfloat16, device=gpu), 1e-6)),
+        (hip.fused_q_kv_rmsnorm, (*c["fused_q_kv_rmsnorm"][:4], _filled(8, 1024, dtype=torch.bfloat16, device=gpu),
+                                  _filled(8, 512, dtype=torch.bfloat16, device=gpu), 1e-6)),
     ]
     full = c["fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_fp8_insert"]
     checks += [(hip.qnorm_rope_and_insert_full_k_cache, (*full, apply)) for apply in (True, False)]
