@@ -6,7 +6,7 @@
 #     setup.py is not run (the package is used from the source tree through PYTHONPATH), so no extension
 #     build starts;
 #   - the tests: COMPAT_TESTS below (every op's kernel and interpreter tests, the AMD execution tier, the
-#     fast launcher, the compile matrix), or the paths given as arguments;
+#     launch module and the interpreter fixes, the compile matrix), or the paths given as arguments;
 #   - the compilers of the compile matrix come from ci/test.sh, which CI runs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ say "$(python3 -c 'import torch, triton; print("torch", torch.__version__, "trit
 say "installed in $(( $(date +%s) - start )) s"
 
 COMPAT_TESTS=(
-  tests/test_compile_matrix.py tests/test_amd_tier.py tests/test_fast_launch.py
+  tests/test_compile_matrix.py tests/test_amd_tier.py tests/test_fast_launch.py tests/test_helpers.py
   tests/test_cache_fnuz.py tests/test_cache_fnuz_padding.py tests/test_compressor.py
   tests/test_dequantize_and_gather_k_cache.py tests/test_dequantize_global_slots_k_cache.py tests/test_fp8_einsum.py
   tests/test_fused_deepseek_v4_kv_rope_insert.py tests/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py

@@ -103,7 +103,7 @@ if want flashmla; then
 fi
 
 if want host; then
-  stamp "host time of the eager path, direct launch on and off (FlashMLA beside it when built)"
+  stamp "host time of the eager path (FlashMLA beside it when built)"
   fm_arg=""; [ -d "$FLASHMLA_DIR/flash_mla" ] && fm_arg="--flashmla $FLASHMLA_DIR"
   python3 ci/host_overhead.py $fm_arg --json "$OUT/host_overhead.json" > "$OUT/host_overhead.log" 2>&1
   record host $?

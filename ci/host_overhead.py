@@ -1,31 +1,30 @@
 """Host overhead of the eager path: what each public op of a C4 decode step costs the CPU, the GPU span of
-an eager ``flash_mla_with_kvcache`` call, and the main job's eager decode step, with dsv4_rocm's direct
-launch on and off.
+an eager ``flash_mla_with_kvcache`` call, and the main job's eager decode step. Every Triton launch goes
+through Triton's own launcher (``dsv4_rocm/triton/_launch.py`` says why); a captured graph replays without
+host time (``graph us``).
 
     PYTHONPATH=$PWD:$PWD/tests python ci/host_overhead.py [--flashmla PATH] [--json out.json]
     PYTHONPATH=$PWD:$PWD/tests python ci/host_overhead.py --cpu [--target cuda|hip]
 
 On a GPU (correctness first, then timing):
 1. the decode ops (``dsv4_rocm.bench.host.c4_decode_calls``: V4-Flash dims, b = 128) and
-   ``flash_mla_with_kvcache`` at b 2 s_q 2 (topk 128 + 512, h 64) give the same bytes with the direct
-   launch on and off; the b = 2 call matches the reference with the split combine in the kernel and in
-   its own launch;
+   ``flash_mla_with_kvcache`` at b 2 s_q 2 (topk 128 + 512, h 64) give the same bytes when repeated; the
+   b = 2 call matches the reference with the split combine in the kernel and in its own launch;
 2. per op: host us per eager call (median of 5 rounds of 200 back-to-back calls, the GPU synchronized
    only around a round) and the GPU span of one eager call (torch.profiler: first kernel start to last
-   kernel end), direct launch on and off;
+   kernel end);
 3. the b = 2 call: the same, for every split count with the combine in the kernel and in a second
    launch, beside FlashMLA's call on the same tensors when its package imports (``--flashmla`` adds a
    built checkout to the path); a cProfile top-15 of 200 eager calls;
 4. the main job's eager decode step per layer (``python -m dsv4_rocm run``'s default trace: 4 requests,
-   V4-Flash, 64 heads), direct launch on and off, and a cProfile of the C4 layer's decode steps.
+   V4-Flash, 64 heads), and a cProfile of the C4 layer's decode steps.
 A short table is printed last.
 
 ``--cpu`` (no GPU): the same op calls (b = 4 by default) on CPU tensors taking the GPU path
 (``bench.host.ops_as_on_gpu``), with the launches simulated (``bench.host.simulated_gpu``): our Python alone
-(every launch a no-op), plus Triton's launcher, and plus the direct launch instead (the minimum of 5 rounds:
-the CPU may be shared); ops that are torch compute are left out (a CPU computes them for real); a cProfile of
-the b = 2 call; the main job's decode step of a tiny C4 layer on that path (its kernels launching nothing,
-its torch ops on the CPU).
+(every launch a no-op) and plus Triton's launcher (the minimum of 5 rounds: the CPU may be shared); ops
+that are torch compute are left out (a CPU computes them for real); a cProfile of the b = 2 call; the main
+job's decode step of a tiny C4 layer on that path (its kernels launching nothing, its torch ops on the CPU).
 """
 import argparse
 import json
@@ -38,7 +37,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv4_rocm.bench import host as H  # noqa: E402
-from dsv4_rocm.triton import _launch  # noqa: E402
 
 ROWS = []
 CPU_COMPUTE = ("compressor_kv_score", "torch.matmul")
@@ -73,24 +71,22 @@ def _same(a, b):
 
 
 def check_decode_ops(calls, outputs):
-    """Every op's results and the caches they write are the same bytes with the direct launch on and off."""
+    """Every op's results and the caches they write are the same bytes when the calls repeat."""
     passes = []
-    for fast in (False, True, True):          # the third pass launches through the kept kernels
-        with _launch.set_fast_launch(fast):
-            for _, fn in calls:
-                fn()
-            _sync()
+    for _ in range(2):
+        for _, fn in calls:
+            fn()
+        _sync()
         passes.append({k: _snapshot(v) for k, v in outputs().items()})
-    for res in passes[1:]:
-        for name, v in passes[0].items():
-            if not _same(v, res[name]):
-                raise SystemExit(f"host_overhead: {name} differs with the direct launch")
-    print(f"decode ops: {len(passes[0])} results and caches identical with the direct launch on and off (3 passes)")
+    for name, v in passes[0].items():
+        if not _same(v, passes[1][name]):
+            raise SystemExit(f"host_overhead: {name} differs between two passes")
+    print(f"decode ops: {len(passes[0])} results and caches identical over 2 passes")
 
 
 def check_flash_mla(fn, args):
-    """The b = 2 call: the same bytes with the direct launch on and off, for the combine in the kernel and
-    in its own launch; those two within fp32 summation order of each other; the reference agrees."""
+    """The b = 2 call: the same bytes when repeated, for the combine in the kernel and in its own launch;
+    those two within fp32 summation order of each other; the reference agrees."""
     from dsv4_rocm.reference.attention import flash_mla_with_kvcache_sparse
     from dsv4_rocm.triton import sparse_mla_decode as D
     q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
@@ -100,11 +96,10 @@ def check_flash_mla(fn, args):
     for fused in (True, False):
         cfg = dict(kernel="triton", split_combine="kernel" if fused else "launch")
         for ns in (None, 1, 2, 4, 10):
-            for fast in (False, True, True):
-                with _launch.set_fast_launch(fast):
-                    out, lse = D.sparse_mla_decode(q, kc, idx, lens, sink, ekc, eidx, elens, sm, config=cfg,
-                                                   num_splits=ns)
-                    _sync()
+            for _ in range(2):
+                out, lse = D.sparse_mla_decode(q, kc, idx, lens, sink, ekc, eidx, elens, sm, config=cfg,
+                                               num_splits=ns)
+                _sync()
                 got = (out.clone(), lse.clone())
                 key = (fused, ns)
                 if key in res and not _same(res[key], got):
@@ -117,8 +112,8 @@ def check_flash_mla(fn, args):
     for ns in (None, 2, 4, 10):
         if not _same(res[(True, ns)], res[(False, ns)]):
             raise SystemExit(f"host_overhead: in-kernel and two-launch combine differ (splits {ns})")
-    print("flash_mla b=2: identical with the direct launch on and off, and with the combine in the kernel or in a "
-          "second launch; reference ok")
+    print("flash_mla b=2: identical when repeated, and with the combine in the kernel or in a second launch; "
+          "reference ok")
 
 
 def gpu_main(a):
@@ -131,12 +126,7 @@ def gpu_main(a):
     check_flash_mla(fn, args)
 
     for name, f in calls:
-        vals = {}
-        for fast in (False, True):
-            with _launch.set_fast_launch(fast):
-                vals["host us" + (" fast" if fast else "")] = H.host_us(f, sync=_sync)
-                vals["span us" + (" fast" if fast else "")] = gpu_span_us(f)
-        row("C4 decode op (b=128)", name, **vals)
+        row("C4 decode op (b=128)", name, **{"host us": H.host_us(f, sync=_sync), "span us": gpu_span_us(f)})
 
     peer = load_peer(a.flashmla)
     q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
@@ -144,29 +134,21 @@ def gpu_main(a):
         for ns in (None, 1, 2, 3, 4, 6, 10):
             def call(ns=ns, cfg=dict(kernel="triton", split_combine="kernel" if fused else "launch")):  # noqa: E306
                 return D.sparse_mla_decode(q, kc, idx, lens, sink, ekc, eidx, elens, sm, config=cfg, num_splits=ns)
-            with _launch.set_fast_launch(True):
-                row("b=2 decode kernel", f"{'in-kernel' if fused else 'two-launch'} combine, splits {ns or 'auto'}",
-                    **{"span us": gpu_span_us(call), "graph us": 1e3 * time_graph_ms(call)})
-    for fast in (False, True):
-        with _launch.set_fast_launch(fast):
-            row("flash_mla_with_kvcache b=2 s_q=2", "dsv4_rocm" + (" fast" if fast else ""),
-                **{"host us": H.host_us(fn, sync=_sync), "span us": gpu_span_us(fn)})
+            row("b=2 decode kernel", f"{'in-kernel' if fused else 'two-launch'} combine, splits {ns or 'auto'}",
+                **{"span us": gpu_span_us(call), "graph us": 1e3 * time_graph_ms(call)})
+    row("flash_mla_with_kvcache b=2 s_q=2", "dsv4_rocm",
+        **{"host us": H.host_us(fn, sync=_sync), "span us": gpu_span_us(fn)})
     if peer is not None:
         from dsv4_rocm.bench.sparse_mla import decode_call
         pf = decode_call(peer, args)
         row("flash_mla_with_kvcache b=2 s_q=2", "FlashMLA", **{"host us": H.host_us(pf, sync=_sync),
                                                                "span us": gpu_span_us(pf)})
-    print("\ncProfile, 200 eager flash_mla_with_kvcache calls (b=2, direct launch on):")
+    print("\ncProfile, 200 eager flash_mla_with_kvcache calls (b=2):")
     print(H.profile_top(fn))
     for lt in ("swa", "c4a", "c128a"):
-        for fast in (False, True):
-            with _launch.set_fast_launch(fast):
-                ms = H.main_job_decode_step_ms("cuda", lt)
-            row("main job eager decode step", lt + (" fast" if fast else ""), **{"ms/step": ms})
-    with _launch.set_fast_launch(True):
-        ms, prof = H.main_job_decode_step_ms("cuda", "c4a", profile=True)
-    print(f"\ncProfile of the main job's eager decode steps, c4a, direct launch on ({ms:.2f} ms/step under the "
-          "profiler):")
+        row("main job eager decode step", lt, **{"ms/step": H.main_job_decode_step_ms("cuda", lt)})
+    ms, prof = H.main_job_decode_step_ms("cuda", "c4a", profile=True)
+    print(f"\ncProfile of the main job's eager decode steps, c4a ({ms:.2f} ms/step under the profiler):")
     print(prof)
 
 
@@ -190,52 +172,24 @@ def cpu_main(a):
         all_calls.append(("flash_mla_with_kvcache b=2", fn))
         results = {}
         run = J.JITFunction.run
-        stubs = [(c, c.launch) for c in (getattr(_launch, "Kernel", None), getattr(_launch, "BoundKernel", None))
-                 if c is not None]
         try:                                   # our Python alone: every launch a no-op
             J.JITFunction.run = lambda self, *args, **kw: None
-            for c, _ in stubs:
-                c.launch = lambda self, grid, *args, **kw: None
             for name, f in all_calls:
                 results[name] = {"ours us": H.host_us(f, n=a.calls, best=True)}
         finally:
             J.JITFunction.run = run
-            for c, launch in stubs:
-                c.launch = launch
-        for fast in (False, True):
-            with _launch.set_fast_launch(fast) if hasattr(_launch, "set_fast_launch") else _noop(fast):
-                for name, f in all_calls:
-                    results[name]["triton" if not fast else "fast"] = H.host_us(f, n=a.calls, best=True)
+        for name, f in all_calls:
+            results[name]["triton"] = H.host_us(f, n=a.calls, best=True)
         for name, v in results.items():
-            row("cpu host path", name, **{"ours us": v["ours us"], "+ triton launcher us": v["triton"],
-                                          "+ direct launch us": v.get("fast", float("nan"))})
+            row("cpu host path", name, **{"ours us": v["ours us"], "+ triton launcher us": v["triton"]})
         tot = {k: sum(v[k] for n, v in results.items() if not n.startswith("flash_mla")) for k in ("ours us",
-                                                                                                  "triton", "fast")}
+                                                                                                  "triton")}
         row("cpu host path", "C4 decode step, sum of ops", **{"ours us": tot["ours us"],
-                                                              "+ triton launcher us": tot["triton"],
-                                                              "+ direct launch us": tot["fast"]})
-        for fast in (False, True):
-            with _launch.set_fast_launch(fast) if hasattr(_launch, "set_fast_launch") else _noop(fast):
-                print(f"\ncProfile, 200 calls of flash_mla_with_kvcache b=2 (direct launch {'on' if fast else 'off'}):")
-                print(H.profile_top(fn))
-        for fast in (False, True):
-            with _launch.set_fast_launch(fast) if hasattr(_launch, "set_fast_launch") else _noop(fast):
-                ms = H.main_job_decode_step_ms("cpu", "c4a", config="tiny")
-                row("cpu main job eager decode step (tiny c4a, simulated)", "fast" if fast else "triton",
-                    **{"ms/step": ms})
-            if not hasattr(_launch, "set_fast_launch"):
-                break
-
-
-class _noop:
-    def __init__(self, v):
-        self.v = v
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+                                                              "+ triton launcher us": tot["triton"]})
+        print("\ncProfile, 200 calls of flash_mla_with_kvcache b=2:")
+        print(H.profile_top(fn))
+        row("cpu main job eager decode step (tiny c4a, simulated)", "triton",
+            **{"ms/step": H.main_job_decode_step_ms("cpu", "c4a", config="tiny")})
 
 
 def print_table():

@@ -156,13 +156,14 @@ def test_info_and_backend_errors(capsys, monkeypatch):
     if torch.version.hip is None and torch.version.cuda is None:
         assert "CPU build" in out and "built on a GPU machine" in out
     from dsv4_rocm import ops
-    monkeypatch.setenv("DSV4_BACKEND", "triton")
+    from dsv4_rocm.ops import _dispatch
+    monkeypatch.setattr(_dispatch, "_ENV_BACKEND", "triton")      # DSV4_BACKEND=triton when dsv4_rocm was imported
     with pytest.raises(ValueError, match="not available"):
         ops.backend_for("sparse_mla_decode", "cpu")
-    monkeypatch.setenv("DSV4_BACKEND", "cuda-magic")
+    monkeypatch.setattr(_dispatch, "_ENV_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="unknown backend"):
         ops.backend_for("sparse_mla_decode", "cpu")
-    monkeypatch.delenv("DSV4_BACKEND")
+    monkeypatch.setattr(_dispatch, "_ENV_BACKEND", None)
     with ops.use_backend("reference"):
         assert ops.backend_for("sparse_mla_decode", "cpu") == "reference"
     with pytest.raises(ValueError, match="unknown op"):
@@ -319,3 +320,28 @@ def test_ci_runs_the_readme_test_command():
     assert ci[0] == command
     for extra in ci[1:]:
         assert extra.startswith("bash ci/") and extra in readme, extra
+
+
+def test_backend_environment_read_at_import():
+    """DSV4_BACKEND counts as it was when dsv4_rocm was imported: a later change of the environment does not
+    move the backend, ``use_backend`` does and takes precedence. (Backends for CUDA tensors are resolved
+    from what is installed, so no GPU is needed: Triton's kernels are what "cuda" gets unforced.)"""
+    script = (
+        "import os\n"
+        "from dsv4_rocm import ops\n"
+        "assert ops.backend_for('sparse_mla_decode', 'cuda') == 'reference'\n"
+        "os.environ['DSV4_BACKEND'] = 'cuda-magic'\n"
+        "assert ops.backend_for('sparse_mla_decode', 'cuda') == 'reference'\n"
+        "with ops.use_backend('triton'):\n"
+        "    assert ops.backend_for('sparse_mla_decode', 'cuda') == 'triton'\n"
+        "assert ops.backend_for('sparse_mla_decode', 'cuda') == 'reference'\n"
+        "print('ok')\n")
+    env = dict(os.environ, DSV4_BACKEND="reference", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    env["DSV4_BACKEND"] = "cuda-magic"
+    script = ("from dsv4_rocm import ops\n"
+              "try:\n    ops.backend_for('sparse_mla_decode', 'cpu')\n"
+              "except ValueError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "unknown backend 'cuda-magic'" in r.stdout, (r.stdout, r.stderr[-2000:])

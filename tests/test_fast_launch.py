@@ -1,10 +1,12 @@
-"""The direct launch (dsv4_rocm/triton/_launch.py ``Kernel``) picks exactly the compiled kernel Triton's own
-launcher picks, for random arguments of every kind, on an NVIDIA and an AMD target; it steps aside where
-Triton's launcher must run (hooks, debug, keyword tensors, switch off), and on every Triton but 3.6, whose
-launcher internals its key copies: there each launch is Triton's own (the test of that runs on every Triton).
+"""Launches through dsv4_rocm/triton/_launch.py (``launch(fn)[grid](...)``, ``launch(fn).bind(...)[grid](...)``)
+are Triton's own: on every Triton, each one goes through ``JITFunction.run`` and runs the compiled kernel
+Triton's launcher picks for its arguments; the first launch of a variant compiles with Triton's cache
+directory set to dsv4_rocm's kernel cache, and Triton's setting is back afterwards; ``record_launches`` sees
+every launch. (dsv4_rocm once kept a launcher of its own; _launch.py's docstring says why it has none.)
 
-No GPU is needed: ``bench.host.simulated_gpu`` gives Triton a stand-in driver and compiles nothing, so
-Triton's binder and cache key run as on a GPU and each distinct key gets its own stand-in kernel."""
+No GPU is needed for most: ``bench.host.simulated_gpu`` gives Triton a stand-in driver and compiles nothing,
+so Triton's binder and cache key run as on a GPU and each distinct key gets its own stand-in kernel. The
+test marked gpu compiles and runs a kernel on the device."""
 import random
 
 import pytest
@@ -12,14 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_rocm.bench.host import _NullKernel, simulated_gpu
+from dsv4_rocm.bench.host import simulated_gpu
 from dsv4_rocm.triton import _launch
-from dsv4_rocm.triton._compat import TRITON_VERSION
 from dsv4_rocm.triton._launch import Kernel, launch
-
-needs_36 = pytest.mark.skipif(not _launch._TRITON_SUPPORTED,
-                              reason=f"the direct launch is written for Triton 3.6; Triton {triton.__version__} "
-                                     "launches through its own launcher (test_other_tritons_launch_through_triton)")
 
 
 @triton.jit(do_not_specialize=["n_dns"], do_not_specialize_on_alignment=["p_dnsa", "n_dnsa"])
@@ -27,48 +24,25 @@ def _probe_kernel(p, p_dnsa, n, n_dns, n_dnsa, x, flag, opt, C: tl.constexpr, D:
     pass
 
 
-try:                 # Gluon (Triton >= 3.6): its kernels launch through JITFunction.run too
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    @gluon.jit(do_not_specialize=["n_dns"], do_not_specialize_on_alignment=["p_dnsa", "n_dnsa"])
-    def _probe_gluon(p, p_dnsa, n, n_dns, n_dnsa, x, flag, opt, C: gl.constexpr, D: gl.constexpr = 3,
-                     num_warps: gl.constexpr = 4):
-        pass
-except ImportError:
-    _probe_gluon = None
-
-
-INTS = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, -2 ** 31,
-        -2 ** 31 - 1, -2 ** 31 - 16, 2 ** 63 - 1, 2 ** 63, 2 ** 63 + 16, 2 ** 64 - 16, 2 ** 64 - 1, -2 ** 63]
+INTS = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2 ** 31 - 16, 2 ** 31, -2 ** 31 - 1, 2 ** 63, 2 ** 64 - 16]
 DTYPES = [torch.bfloat16, torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn]
-
-
-def _tensor(rng, big):
-    """A 64-byte tensor of a random dtype at a random byte offset (16-byte aligned or not) of its storage."""
-    dt = rng.choice(DTYPES)
-    base = big if big is not None and rng.random() < 0.2 else torch.empty(512, dtype=torch.uint8)
-    off = rng.choice([0, 4, 8, 16, 32, 48]) if dt.itemsize > 1 else rng.choice([0, 1, 2, 16, 17, 32])
-    return base[off:off + 64].view(dt)
-
-
-def _value(rng, kind, big):
-    if kind == "tensor":
-        return _tensor(rng, big)
-    if kind == "int":
-        return rng.choice(INTS)
-    return rng.choice({"float": [0.5, 1.0, -3.0], "bool": [True, False], "none": [None]}[kind])
-
-
-def _args(rng, layout, big):
-    return tuple(_value(rng, kind, big) for kind in layout)
-
-
-# kinds of the 8 runtime arguments: the values vary within a layout, so keys collide unless they capture
-# every specialization
 LAYOUTS = [("tensor", "tensor", "int", "int", "int", "float", "bool", "none"),
            ("tensor", "tensor", "int", "int", "int", "tensor", "int", "tensor"),
            ("int", "int", "tensor", "tensor", "tensor", "int", "float", "int")]
+
+
+def _value(rng, kind):
+    if kind == "tensor":            # 64 bytes of a random dtype at a 16-byte aligned or unaligned offset
+        dt = rng.choice(DTYPES)
+        off = rng.choice([0, 4, 16, 48]) if dt.itemsize > 1 else rng.choice([0, 1, 16, 17])
+        return torch.empty(512, dtype=torch.uint8)[off:off + 64].view(dt)
+    if kind == "int":
+        return rng.choice(INTS)
+    return rng.choice({"float": [0.5, -3.0], "bool": [True, False], "none": [None]}[kind])
+
+
+def _args(rng):
+    return tuple(_value(rng, kind) for kind in rng.choice(LAYOUTS))
 
 
 def _launched(fn):
@@ -82,131 +56,108 @@ def _which(before, after):
     return moved[0]
 
 
-@needs_36
-@pytest.mark.parametrize("backend,kernel", [("cuda", "triton"), ("hip", "triton"), ("cuda", "gluon")])
-def test_direct_launch_picks_tritons_kernel(backend, kernel):
-    if kernel == "gluon" and _probe_gluon is None:
-        pytest.skip("this Triton has no Gluon")
-    probe = _probe_kernel if kernel == "triton" else _probe_gluon
-    rng = random.Random(0)
-    big = None
-    if backend == "hip":        # a storage past 2 GB: AMD's buffer-op specialization differs (virtual memory only)
-        big = torch.empty(2 ** 31 + 4096, dtype=torch.uint8)
-    from triton.runtime.jit import JITFunction
-    run = JITFunction.run
-    launches = []
-
-    def counting(self, *a, **kw):
-        launches.append(kw.get("warmup"))
-        return run(self, *a, **kw)
-    with simulated_gpu(backend):
-        JITFunction.run = counting
-        try:
-            k = Kernel(probe)
-            pool = [_args(rng, rng.choice(LAYOUTS), big) for _ in range(60)]
-            consts = [dict(C=1), dict(C=2, num_warps=8), dict(C=1, D=4, num_stages=2)]
-            n = 3000
-            for i in range(n):
-                args = rng.choice(pool) if rng.random() < 0.5 else _args(rng, rng.choice(LAYOUTS), big)
-                kw = rng.choice(consts)
-                tritons = probe.run(*args, grid=(1,), warmup=True, **kw)      # Triton's pick
-                before = _launched(probe)
-                k[(2, 1)](*args, **kw)
-                assert _which(before, _launched(probe)) is tritons, (args, kw)
-        finally:
-            JITFunction.run = run
-        assert isinstance(tritons, _NullKernel)
-        through_triton = launches.count(False)
-        assert n - through_triton > n // 4        # a good part of the launches were direct
-        assert len({id(v) for v in probe.device_caches[0][0].values()}) > 20   # many distinct kernels
-
-
-@needs_36
-def test_direct_launch_steps_aside():
-    """Hooks, TRITON_DEBUG, a tensor passed as a keyword or the switch off: Triton's launcher every time."""
+@pytest.fixture
+def counted_runs():
+    """Every JITFunction.run call: (warmup flag, Triton's cache directory at the time)."""
     from triton import knobs
     from triton.runtime.jit import JITFunction
-    calls = []
-    run = JITFunction.run
+    run, calls = JITFunction.run, []
 
     def counting(self, *a, **kw):
-        calls.append(kw.get("warmup"))
+        calls.append((kw.get("warmup"), knobs.cache.dir))
         return run(self, *a, **kw)
-    t = torch.empty(64, dtype=torch.float32)
-    args = (t, t, 16, 3, 5, 1.0, True, None)
-    with simulated_gpu("cuda"):
-        JITFunction.run = counting
-        try:
-            k = launch(_probe_kernel)
-            k[(1,)](*args, C=1)
-            k[(1,)](*args, C=1)
-            assert len(calls) == 1                      # the second launch is direct
-            hook = lambda *a: None  # noqa: E731
-            knobs.runtime.launch_enter_hook.add(hook)
-            try:
-                k[(1,)](*args, C=1)
-            finally:
-                knobs.runtime.launch_enter_hook.remove(hook)
-            assert len(calls) == 2
-            knobs.runtime.debug = True
-            try:
-                k[(1,)](*args, C=1)
-            finally:
-                knobs.runtime.debug = False
-            assert len(calls) == 3
-            with _launch.set_fast_launch(False):
-                k[(1,)](*args, C=1)
-            assert len(calls) == 4
-            k[(1,)](*args[:-1], C=1, opt=None)              # a runtime argument as a keyword
-            assert len(calls) == 5
-            k[(1,)](*args, C=1)
-            assert len(calls) == 5                           # direct again
-        finally:
-            JITFunction.run = run
-
-
-@needs_36
-def test_forget_kernels():
-    t = torch.empty(64, dtype=torch.float32)
-    with simulated_gpu("cuda"):
-        k = launch(_probe_kernel)
-        k[(1,)](t, t, 16, 3, 5, 1.0, True, None, C=1)
-        assert any(v.kernels for v in k._variants.values())
-    assert not k._variants                                   # leaving the simulation forgets its kernels
-
-
-def test_direct_launch_is_on_for_triton_36_only():
-    assert _launch._TRITON_SUPPORTED == (TRITON_VERSION == (3, 6))
-    assert Kernel(_probe_kernel).supported == (TRITON_VERSION == (3, 6))
+    JITFunction.run = counting
+    try:
+        yield calls
+    finally:
+        JITFunction.run = run
 
 
 @pytest.mark.parametrize("backend", ["cuda", "hip"])
-def test_other_tritons_launch_through_triton(backend, monkeypatch):
-    """On a Triton other than 3.6 (this one, or 3.6 told it is another) every launch is Triton's own and runs
-    the kernel Triton's launcher picks."""
-    if _launch._TRITON_SUPPORTED:
-        monkeypatch.setattr(_launch, "_TRITON_SUPPORTED", False)
-    from triton.runtime.jit import JITFunction
-    run = JITFunction.run
-    calls = []
-
-    def counting(self, *a, **kw):
-        calls.append(kw.get("warmup"))
-        return run(self, *a, **kw)
+def test_every_launch_is_tritons_and_runs_tritons_kernel(backend, counted_runs):
     rng = random.Random(1)
     with simulated_gpu(backend):
-        JITFunction.run = counting
-        try:
-            k = Kernel(_probe_kernel)          # not launch(): that keeps the Kernel made before the patch
-            assert not k.supported
-            for i in range(40):
-                args = _args(rng, rng.choice(LAYOUTS), None)
-                tritons = _probe_kernel.run(*args, grid=(1,), warmup=True, C=1)
-                before = _launched(_probe_kernel)
-                k[(1,)](*args, C=1)
-                assert _which(before, _launched(_probe_kernel)) is tritons
-                k.bind(C=1)[(1,)](*args)
-                assert _which(before, _launched(_probe_kernel)) is tritons
-        finally:
-            JITFunction.run = run
-    assert calls.count(False) == 80 and calls.count(True) == 40       # every launch through Triton's run
+        k = Kernel(_probe_kernel)
+        bound = k.bind(C=1)
+        n = 60
+        for _ in range(n):
+            args = _args(rng)
+            tritons = _probe_kernel.run(*args, grid=(1,), warmup=True, C=1)      # Triton's pick for these arguments
+            before = _launched(_probe_kernel)
+            k[(2, 1)](*args, C=1)
+            assert _which(before, _launched(_probe_kernel)) is tritons, args
+            before = _launched(_probe_kernel)
+            bound[(3,)](*args)
+            assert _which(before, _launched(_probe_kernel)) is tritons, args
+        assert len({id(v) for v in _probe_kernel.device_caches[0][0].values()}) > 5     # the picks differ
+    warm = [w for w, _ in counted_runs]
+    assert warm.count(False) == 2 * n and warm.count(True) == n          # each launch through Triton's run
+
+
+def test_first_launch_of_a_variant_compiles_in_the_kernel_cache(counted_runs, monkeypatch, tmp_path):
+    from triton import knobs
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", str(tmp_path))
+    theirs = knobs.cache.dir
+    t = torch.empty(64, dtype=torch.float32)
+    args = (t, t, 16, 3, 5, 1.0, True, None)
+    with simulated_gpu("cuda"):
+        k = Kernel(_probe_kernel)
+        k[(1,)](*args, C=1)
+        k[(1,)](*args, C=1)
+        k.bind(C=1)[(1,)](*args)              # the same variant, bound
+        k[(1,)](*args, C=2)                   # another variant
+        k[(1,)](*args, C=2, num_warps=8)      # another again (launch options count)
+        with _launch.kernel_cache(str(tmp_path / "warm")):
+            k.warmup(*args, grid=(1,), C=5)   # a warm-up compiles where its caller's kernel_cache says
+    dirs = [d for _, d in counted_runs]
+    assert dirs == [str(tmp_path), theirs, theirs, str(tmp_path), str(tmp_path), str(tmp_path / "warm")], dirs
+    assert knobs.cache.dir == theirs
+
+
+def test_record_launches_sees_every_launch():
+    t = torch.empty(64, dtype=torch.float32)
+    args = (t, t, 16, 3, 5, 1.0, True, None)
+    with simulated_gpu("hip"), _launch.record_launches() as rec:
+        launch(_probe_kernel)[(1,)](*args, C=1)
+        launch(_probe_kernel).bind(C=2, num_warps=4)[(1,)](*args)
+        launch(_probe_kernel)[(1,)](*args, C=1)
+    assert rec == [("_probe_kernel", {"C": 1}), ("_probe_kernel", {"C": 2, "num_warps": 4}),
+                   ("_probe_kernel", {"C": 1})]
+    assert launch(_probe_kernel) is launch(_probe_kernel)
+
+
+def test_no_launcher_internals_left():
+    """The launch module restates none of Triton's specialization rules and builds no code."""
+    import inspect
+    src = inspect.getsource(_launch)
+    for word in ("exec(", "packed_metadata", "do_not_specialize", "data_ptr", "get_current_stream"):
+        assert word not in src, word
+
+
+@triton.jit
+def _axpy_kernel(x, y, out, a, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out + offs, a * tl.load(x + offs, mask=m) + tl.load(y + offs, mask=m), mask=m)
+
+
+@pytest.mark.gpu
+def test_gpu_launch_matches_tritons_and_persists_in_the_kernel_cache(gpu, monkeypatch, tmp_path):
+    """On the device: ``launch``, ``bind`` and Triton's own ``fn[grid]`` write the same bytes (torch's axpy
+    within fp32 contraction), for aligned and unaligned views and a length of 1, and the first launch's
+    compile lands in dsv4_rocm's kernel cache."""
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    base_x, base_y = (torch.randn(5000, generator=g).to(gpu) for _ in range(2))
+    k = Kernel(_axpy_kernel)
+    for off, n in ((0, 4096), (3, 4000), (1, 1), (16, 777)):
+        x, y = base_x[off:off + n], base_y[off:off + n]
+        outs = [torch.full_like(x, float("nan")) for _ in range(3)]
+        grid = (triton.cdiv(n, 256),)
+        k[grid](x, y, outs[1], 1.5, n, BLOCK=256)            # first: the first launch compiles
+        k.bind(BLOCK=256)[grid](x, y, outs[2], 1.5, n)
+        _axpy_kernel[grid](x, y, outs[0], 1.5, n, BLOCK=256)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]), (off, n)
+        torch.testing.assert_close(outs[0], 1.5 * x + y, rtol=1e-6, atol=1e-6)
+    assert any(tmp_path.rglob("*.json")), "nothing compiled into the kernel cache"
