@@ -1,4 +1,4 @@
-"""The GPU tests that do not run under a compute-sanitizer tool (ci/gpu_sanitize.sh), by name, with the reason.
+"""The GPU tests that do not run under a compute-sanitizer tool (gpu/sanitize.sh), by name, with the reason.
 
 Keys are test node ids without the parameter set (``file::function``); values map a tool (``memcheck``,
 ``racecheck``, ``initcheck``, or ``*`` for every tool) to the reason. ``pytest --sanitizer TOOL`` skips each
@@ -12,8 +12,8 @@ _STRESS = ("a timing stress test (dozens of launches with pauses at the hand-off
            "test_ws_decode_v41_528_matches_reference and test_flash_mla_api.py")
 
 SKIPS = {
-    "tests/test_sparse_mla.py::test_ws_hand_offs_hold_under_random_stalls": {"*": _STRESS},
-    "tests/test_sparse_mla.py::test_ws_prefill_hand_offs_hold_under_random_stalls": {"*": _STRESS},
+    "tests/attention/test_sparse_mla.py::test_ws_hand_offs_hold_under_random_stalls": {"*": _STRESS},
+    "tests/attention/test_sparse_mla.py::test_ws_prefill_hand_offs_hold_under_random_stalls": {"*": _STRESS},
 }
 
 GRAPH_CAPTURE = ("CUDA graph capture needs torch's caching allocator, which the sanitizer pass turns off "

@@ -1,5 +1,5 @@
-"""Inputs and checks shared by the sparse MLA tests (tests/test_sparse_mla.py, tests/test_flash_mla_api.py,
-and the scripts they run under the Triton interpreter).
+"""Inputs and checks shared by the sparse MLA tests (tests/attention/test_sparse_mla.py,
+tests/attention/test_flash_mla_api.py, and the scripts they run under the Triton interpreter).
 
 Tolerances (FlashMLA's own): the kernels round P to bf16 for the P.V product and accumulate in fp32 in
 another order than the reference. Per element |o - r| <= 2/128 |r| + 2^-8 max_i |K_i| (max over the

@@ -3,8 +3,8 @@ buffer. On CPU the API logic runs the reference backend: every form FlashMLA acc
 result as its plain form, bad input is a ValueError naming the argument and changes nothing. On a GPU the
 same forms run the kernels against the reference. The record format comes from the caches' last dimension
 (584 / 528 / 288), as FlashMLA detects it; pairs FlashMLA has not are refused by name. The FlashMLA test
-suite itself runs through this API in ci/flashmla_cases.py (checked here up to the point where it needs a
-GPU), and its V4.1 release's cases in ci/flashmla_v41_cases.py (a small CPU subset here)."""
+suite itself runs through this API in gpu/flashmla_cases.py (checked here up to the point where it needs a
+GPU), and its V4.1 release's cases in gpu/flashmla_v41_cases.py (a small CPU subset here)."""
 import inspect
 import os
 import subprocess
@@ -19,7 +19,7 @@ from dsv4_rocm.reference import attention as ra
 from sparse_mla_inputs import (SM, check_lonely, check_out, decode_args, decode_case, decode_key_amax, padded_out,
                                prefill_case, prefill_key_amax, strided)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def call_decode(a, meta=None, **kw):
@@ -349,7 +349,7 @@ def test_flashmla_case_harness_loads_the_cases():
     if path is None:
         pytest.skip("no FlashMLA checkout (FLASHMLA_DIR or .peers/FlashMLA): the harness is optional")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "ci/flashmla_cases.py", "--flashmla", path, "--list"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "gpu/flashmla_cases.py", "--flashmla", path, "--list"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     print(r.stdout, r.stderr[-2000:])
     assert r.returncode == 0
@@ -358,12 +358,12 @@ def test_flashmla_case_harness_loads_the_cases():
         n = int(lines[suite].split("cases in FlashMLA's file, ")[1].split(" with d_qk 512")[0])
         assert n > 100, lines[suite]
     if not torch.cuda.is_available():
-        r = subprocess.run([sys.executable, "ci/flashmla_cases.py", "--flashmla", path, "--suite", "prefill"],
+        r = subprocess.run([sys.executable, "gpu/flashmla_cases.py", "--flashmla", path, "--suite", "prefill"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "needs CUDA" in r.stderr
     # small prefill cases (lonely queries with sinks among them) through our reference backend, judged by
     # FlashMLA's reference and tolerances: the harness's own path, end to end
-    r = subprocess.run([sys.executable, "ci/flashmla_cases.py", "--flashmla", path, "--cpu", "--max-size", "140000",
+    r = subprocess.run([sys.executable, "gpu/flashmla_cases.py", "--flashmla", path, "--cpu", "--max-size", "140000",
                         "--every", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     print(r.stdout[-1500:], r.stderr[-1500:])
     assert r.returncode == 0 and "prefill  dsv4_rocm     9 passed    0 failed (of 9)" in r.stdout
@@ -382,11 +382,11 @@ def test_flashmla_v41_cases_through_our_api_on_the_cpu():
     if path is None:
         pytest.skip("no FlashMLA V4.1 test folder (FLASHMLA_V41_DIR or .peers/FlashMLA-v41): the harness is optional")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "ci/flashmla_v41_cases.py", "--flashmla", path, "--list"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "gpu/flashmla_v41_cases.py", "--flashmla", path, "--list"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
     print(r.stdout[-1500:], r.stderr[-1500:])
     assert r.returncode == 0 and "decode: 1534 cases in FlashMLA's file" in r.stdout
-    r = subprocess.run([sys.executable, "ci/flashmla_v41_cases.py", "--flashmla", path, "--device", "cpu",
+    r = subprocess.run([sys.executable, "gpu/flashmla_v41_cases.py", "--flashmla", path, "--device", "cpu",
                         "--suite", "decode", "--max-work", "3e5", "--every", "9"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     print(r.stdout[-2500:], r.stderr[-2500:])

@@ -10,7 +10,7 @@ precedence over the dense one, head counts the kernels do not take (padded and c
 inverse RoPE and the return value, strided outputs written in place and nothing else, the scheduling hints,
 bad input rejected before any write, vLLM's gfx942 FNUZ sliding-window cache read with ``use_fnuz``. GPU: the
 same forms (and the FNUZ window) on the Triton kernels against the oracle within the sparse-attention
-tolerances (tests/sparse_mla_inputs.py), and the decode replayed in a CUDA graph.
+tolerances (tests/attention/sparse_mla_inputs.py), and the decode replayed in a CUDA graph.
 """
 import pytest
 import torch

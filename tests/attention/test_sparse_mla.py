@@ -1,7 +1,7 @@
 """Sparse MLA attention: the reference against the formulas on CPU; the Triton kernels (decode straight
 from the fp8 pages, prefill over a bf16 kv) against the reference, under the Triton interpreter on CPU
 (every call form: strides, out buffers, lengths shapes, invalid indices, lonely queries, splits; the V4.1
-record formats and both page layouts) and on a GPU. Tolerances: tests/sparse_mla_inputs.py."""
+record formats and both page layouts) and on a GPU. Tolerances: tests/attention/sparse_mla_inputs.py."""
 import math
 import os
 import random
@@ -140,7 +140,7 @@ _INTERPRETER = textwrap.dedent("""
     _I.InterpreterBuilder.cast_impl = _rne_cast
 
     import torch
-    sys.path.insert(0, "tests")
+    sys.path[:0] = ["tests", "tests/attention"]
     from sparse_mla_inputs import *
     from dsv4_rocm.reference import attention as ra
 """)
@@ -267,7 +267,7 @@ _DECODE_V41 = textwrap.dedent("""
 
 def _interpret(script, tmp_path):
     """Run a script under the Triton interpreter in a fresh process (Triton reads kernel sources from files)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     f = tmp_path / "interpreted.py"
     f.write_text(_INTERPRETER + script)
     r = subprocess.run([sys.executable, str(f)], cwd=root, capture_output=True, text=True,

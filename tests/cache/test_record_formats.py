@@ -19,7 +19,7 @@ from dsv4_rocm.reference import cache as rc
 from dsv4_rocm.reference.quant import (E2M1_GRID, flashmla_ue8m0_exponent, nvfp4_dequantize, nvfp4_quantize,
                                        quantize_blocks, ue8m0_exponent)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KV = {f.name: f for f in L.KV_FORMATS}
 
 
@@ -267,7 +267,7 @@ def _v41_checkout():
 
 _AGAINST_FLASHMLA = textwrap.dedent("""
     import sys
-    sys.path.insert(0, "ci")
+    sys.path.insert(0, "gpu")
     import flashmla_v41_cases as h
     lib, ref, quant, kk = h.load_flashmla(sys.argv[1])
     import torch

@@ -444,7 +444,7 @@ def test_entry_list_kernel_under_the_interpreter(tmp_path):
 _INTERPRETED_CONFIGS = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/compressor")
     import torch
     from dsv4_rocm import ops
     from dsv4_rocm.reference import compressor as rc

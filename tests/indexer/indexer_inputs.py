@@ -150,7 +150,7 @@ def paged_magnitude(q8, pages, bs, weights, context_lens, bt, max_model_len):
 def interpret(script, tmp_path):
     """Run a script under the Triton interpreter in a fresh process (the script sets TRITON_INTERPRET before
     importing triton; Triton reads kernel sources from files); returns the CompletedProcess."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     f = tmp_path / "interpreted.py"
     f.write_text(script)
     return subprocess.run([sys.executable, str(f)], cwd=root, capture_output=True, text=True,

@@ -548,7 +548,7 @@ _INTERPRETED_LOGITS = textwrap.dedent("""
     import numpy as np
     import torch, triton
     import triton.runtime.interpreter as interp
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/indexer")
     from dsv4_rocm import cache_views as V
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.triton import fp8_mqa_logits as Q, fp8_paged_mqa_logits as P

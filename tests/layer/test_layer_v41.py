@@ -1,5 +1,5 @@
 """The DeepSeek-V4.1 layer (dsv4_rocm.attention_v41) in stacks that share caches as the model does, against
-the from-scratch oracle of tests/v41_oracle.py, checked per layer kind (sliding window, ratio-2 and ratio-1
+the from-scratch oracle of tests/layer/v41_oracle.py, checked per layer kind (sliding window, ratio-2 and ratio-1
 kv sources, layers reading a source's caches and top-k, the candidate source, an index source scoring
 inside the candidates); chunked prefill, decode and mixed batches agree; consumers never write a source's
 caches; the config, weights and stack checks. GPU: the same against the oracle, and a decode step of the
@@ -215,7 +215,7 @@ def test_main_job_runs_the_tiny_v41_stack(record, capsys):
 # The GPU rounds differently from the fp32 oracle (bf16 attention output, fp8 accumulation of the logits),
 # and the output path re-quantizes to e4m3 (docs/numerics.md: a few 1e-2 relative on the layer output). A
 # top-k taken among near-equal logits can pick another entry, so the selection tolerance is looser, as for
-# the V4.0 C4 layer (tests/test_layer.py).
+# the V4.0 C4 layer (tests/layer/test_layer.py).
 GPU_TOL, GPU_SELECTION_TOL = 5e-2, 1.5e-1
 
 

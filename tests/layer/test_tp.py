@@ -1,7 +1,7 @@
 """Tensor parallelism by heads (dsv4_rocm.tp): the layer of every type sharded over two ranks, started by
 torchrun (gloo on the CPU, NCCL/RCCL on two GPUs), equals the unsharded layer on the same steps.
 
-What is compared (tests/tp_ranks.py runs the steps):
+What is compared (tests/layer/tp_ranks.py runs the steps):
   * the caches: nothing in them is per head (one shared latent per token, MQA; the compressor state and
     the indexer K come from replicated weights), so a rank's shard of a cache is the whole cache: every
     rank's caches hold, byte for byte, the unsharded layer's caches;
@@ -20,8 +20,8 @@ import torch
 
 import tp_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "tp_ranks.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "layer", "tp_ranks.py")
 TYPES = ("swa", "c4a", "c128a")
 
 

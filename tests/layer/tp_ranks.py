@@ -1,10 +1,10 @@
-"""What every rank of the tensor-parallel test runs (tests/test_tp.py): under torchrun, a rank of the layer
+"""What every rank of the tensor-parallel test runs (tests/layer/test_tp.py): under torchrun, a rank of the layer
 sharded by heads (dsv4_rocm.tp); without it, the unsharded layer. For each layer type of the tiny config
 (16 heads, two output groups) it builds the layer from one seeded checkpoint (this rank's shard of it),
 runs the same steps (two prefills, a chunked prefill beside decodes, decodes) and saves, per step, the
 layer output and this rank's attention output o (its heads), and the caches at the end.
 
-    torchrun --standalone --nproc-per-node 2 tests/tp_ranks.py OUT_DIR [--device cpu|cuda] [--backend B]
+    torchrun --standalone --nproc-per-node 2 tests/layer/tp_ranks.py OUT_DIR [--device cpu|cuda] [--backend B]
 
 writes OUT_DIR/rank{r}.pt; ``run(out_path, ...)`` is the same in one process (TP = 1)."""
 import argparse
@@ -15,7 +15,7 @@ import sys
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]          # this checkout's package and the tests' helpers
+sys.path[:0] = [os.path.dirname(os.path.dirname(_HERE)), _HERE]      # this checkout's package and the tests' helpers
 
 from dsv4_rocm import ops, tp                                 # noqa: E402
 from dsv4_rocm.config import LayerType, tiny_config          # noqa: E402

@@ -192,7 +192,7 @@ _INTERPRETED = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    sys.path.insert(0, "tests")
+    sys.path[:0] = ["tests", "tests/output"]
     from test_fp8_einsum import _operands, _packed, _mn_major, _g_t_d, _abs_sum
     from helpers import patch_interpreter_scalars
     from dsv4_rocm.reference import output as O

@@ -6,8 +6,8 @@ both empty -> 0 and -inf), tokens past the context copy the suffix, output alias
 bytes (OCP, and the fnuz bytes vLLM writes on gfx942), vLLM's call forms, bad input rejected before any
 write; the Triton kernel against the reference under the interpreter (dtypes, head sizes that are not
 powers of two, strided views, partial contexts, fp8 outputs of both flavours; the gfx942 / gfx950 branches
-in tests/amd_tier.py). GPU: the kernel against the reference at serving sizes and vLLM's test shapes, and replayed
-in a CUDA graph. Tolerances: docs/numerics.md#merge-attn-states.
+in tests/tooling/amd_tier.py). GPU: the kernel against the reference at serving sizes and vLLM's test shapes, and
+replayed in a CUDA graph. Tolerances: docs/numerics.md#merge-attn-states.
 """
 import pytest
 import torch

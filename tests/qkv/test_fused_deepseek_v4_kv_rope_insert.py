@@ -152,7 +152,7 @@ _INTERPRETED = textwrap.dedent("""
     import os
     os.environ["TRITON_INTERPRET"] = "1"
     import sys
-    sys.path.insert(0, "tests")
+    sys.path[:0] = ["tests", "tests/qkv"]
     import torch
     from helpers import patch_interpreter_bf16
     patch_interpreter_bf16()

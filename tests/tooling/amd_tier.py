@@ -10,8 +10,8 @@ GPUs compute it (``helpers.patch_interpreter_bf16``). Bytes and integers must ma
 the tolerances of docs/numerics.md. Each case also checks that the launches it made carried the target's
 constexprs (``EXPECT``), so a case cannot pass on the CPU's configuration.
 
-Run as a script, ``python tests/amd_tier.py TARGET [CASE ...]`` sets TRITON_INTERPRET=1 before Triton is
-imported, runs the cases of TARGET and prints one JSON line per case; ``tests/test_amd_tier.py`` runs one such
+Run as a script, ``python tests/tooling/amd_tier.py TARGET [CASE ...]`` sets TRITON_INTERPRET=1 before Triton is
+imported, runs the cases of TARGET and prints one JSON line per case; ``tests/tooling/test_amd_tier.py`` runs one such
 process per target and asserts each line. Imported, the module gives the case table (``CASES``) only.
 """
 import json
@@ -22,8 +22,10 @@ import traceback
 
 if __name__ == "__main__":        # the interpreter is chosen when Triton is imported: before anything imports it
     os.environ["TRITON_INTERPRET"] = "1"
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [os.path.dirname(_here), _here]              # this checkout's dsv4_rocm, then tests/
+    _tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # this checkout's dsv4_rocm, then tests/ (helpers) and the stage folders whose inputs and checks the cases use
+    sys.path[:0] = [os.path.dirname(_tests), _tests] + [os.path.join(_tests, s) for s in
+                                                         ("compressor", "indexer", "attention", "output")]
 
 import torch                                                    # noqa: E402
 import triton                                                   # noqa: E402
@@ -61,7 +63,7 @@ CASES = {
 }
 TARGETS = ("gfx942", "gfx950", "sm_100")
 # case -> (kernel module, the record-format constexprs of its launches, one dict a variant): every record-format
-# variant a module's compile specs build has a case (tests/test_amd_tier.py checks it); the cases check that
+# variant a module's compile specs build has a case (tests/tooling/test_amd_tier.py checks it); the cases check that
 # their launches carried these values
 _V40, _V41, _FP4 = L.V40_584, L.V41_528, L.V41_FP4_288
 CASE_FORMATS = {

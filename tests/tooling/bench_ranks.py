@@ -1,9 +1,9 @@
-"""What each rank of the cluster-benchmark test runs (tests/test_bench_cluster.py), under torchrun on the
+"""What each rank of the cluster-benchmark test runs (tests/tooling/test_bench_cluster.py), under torchrun on the
 CPU with gloo: ``bench.run.run`` itself (the case shards, the gather to rank 0, the merged JSON, table and
 PNG) over a stand-in case list, since a CPU has no kernels to time. The stand-ins: the two ceilings, and
 the suites: one whose eight cases take (case + 1) * (rank + 1) us, and one that fails on rank 1.
 
-    torchrun --standalone --nproc-per-node 2 tests/bench_ranks.py OUT_DIR
+    torchrun --standalone --nproc-per-node 2 tests/tooling/bench_ranks.py OUT_DIR
 
 writes OUT_DIR/shared.json (each case on one rank) and OUT_DIR/every.json (every case on every rank),
 with their PNGs."""
@@ -12,7 +12,7 @@ import sys
 import types
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]
+sys.path[:0] = [os.path.dirname(os.path.dirname(_HERE)), _HERE]
 
 import torch.distributed as dist                             # noqa: E402
 

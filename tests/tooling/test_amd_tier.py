@@ -2,7 +2,7 @@
 
 CPU: every Triton kernel with a target-dependent branch, constexpr or tile configuration runs under the
 Triton interpreter as gfx942 and gfx950 (and sm_100 where its constexprs differ from sm_90's) launch it,
-against the oracle (``tests/amd_tier.py`` holds the cases: bytes and integers exact, floats within
+against the oracle (``tests/tooling/amd_tier.py`` holds the cases: bytes and integers exact, floats within
 docs/numerics.md's tolerances, and the launches checked for the target's constexprs). One interpreter
 process per target runs all of that target's cases; they run two at a time. The fp8 instruction models
 (``dsv4_rocm/triton/_fp8.py``) are checked against torch's casts over every byte and about two million fp32
@@ -27,7 +27,7 @@ from dsv4_rocm.platform import target as platform_target
 from dsv4_rocm.triton import _launch
 
 TIER = os.path.abspath(amd_tier.__file__)
-ROOT = os.path.dirname(os.path.dirname(TIER))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(TIER)))
 MODEL = "model"
 MODEL_CHECKS = ("encode_ocp", "encode_fnuz", "kernel_encode_ocp_route", "kernel_encode_fnuz_route", "decode_ocp",
                 "decode_fnuz", "decode_ptx_scaled_bf16", "decode_ptx_e2m1_scaled_bf16")

@@ -2,7 +2,7 @@
 rank 0 gathers and writes one JSON, table and PNG) and ``bench --merge`` of reports from several runs.
 
 The torchrun run is two gloo ranks on the CPU running ``bench.run.run`` itself over stand-in suites
-(tests/bench_ranks.py): the sharding, the gather, the merged report, the table and the plot are the code a
+(tests/tooling/bench_ranks.py): the sharding, the gather, the merged report, the table and the plot are the code a
 GPU cluster runs; only the timed kernels and the two ceilings are stand-ins."""
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 
 from dsv4_rocm.__main__ import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = [f"stand-in case {i}" for i in range(8)]
 
 
@@ -22,8 +22,8 @@ CASES = [f"stand-in case {i}" for i in range(8)]
 def cluster_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_ranks")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        os.path.join(ROOT, "tests", "bench_ranks.py"), str(out)], cwd=ROOT, capture_output=True,
-                       text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
+                        os.path.join(ROOT, "tests", "tooling", "bench_ranks.py"), str(out)], cwd=ROOT,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r.stdout
 
@@ -102,10 +102,10 @@ def test_merge_names_a_bad_report(tmp_path, capsys):
 
 
 def test_slurm_job_script_runs_bench_under_torchrun():
-    """ci/bench_cluster.sbatch is valid bash and starts `python -m dsv4_rocm bench` through torchrun's
+    """gpu/bench_cluster.sbatch is valid bash and starts `python -m dsv4_rocm bench` through torchrun's
     rendezvous, with the arguments bench takes."""
     from dsv4_rocm.__main__ import _parser
-    path = os.path.join(ROOT, "ci", "bench_cluster.sbatch")
+    path = os.path.join(ROOT, "gpu", "bench_cluster.sbatch")
     assert subprocess.run(["bash", "-n", path]).returncode == 0
     line = next(l for l in open(path).read().replace("\\\n", " ").splitlines() if l.startswith("srun "))
     assert "python -m torch.distributed.run" in line and "--rdzv-backend c10d" in line

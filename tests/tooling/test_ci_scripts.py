@@ -1,12 +1,12 @@
-"""The CI scripts that run on a GPU machine, checked where they can be on a CPU: the compute-sanitizer pass
-(ci/gpu_sanitize.sh, the memcheck stage of ci/gpu_suite.sh) and the one-case-per-test selection it uses."""
+"""The scripts a GPU machine runs (gpu/), checked where they can be on a CPU: the compute-sanitizer pass
+(gpu/sanitize.sh, the memcheck stage of gpu/suite.sh) and the one-case-per-test selection it uses."""
 import os
 import re
 import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _collect(*args):
@@ -17,7 +17,7 @@ def _collect(*args):
 
 
 def test_one_case_keeps_the_first_parameter_set_of_every_test_function():
-    files = ["tests/test_cache_views.py", "tests/test_quantize_and_insert_k_cache.py"]
+    files = ["tests/cache/test_cache_views.py", "tests/cache/test_quantize_and_insert_k_cache.py"]
     every, one = _collect(*files), _collect("--one-case", *files)
     functions = list(dict.fromkeys(re.sub(r"\[.*\]$", "", i) for i in every))
     assert len(every) > len(one) == len(functions)
@@ -25,22 +25,22 @@ def test_one_case_keeps_the_first_parameter_set_of_every_test_function():
 
 
 def test_sanitizer_pass_is_one_stage_of_the_gpu_suite(tmp_path):
-    for script in ("ci/gpu_sanitize.sh", "ci/gpu_suite.sh"):
+    for script in ("gpu/sanitize.sh", "gpu/suite.sh"):
         assert subprocess.run(["bash", "-n", os.path.join(ROOT, script)]).returncode == 0
-    suite = open(os.path.join(ROOT, "ci", "gpu_suite.sh")).read()
-    assert 'bash ci/gpu_sanitize.sh "$OUT/sanitize"' in suite
-    text = open(os.path.join(ROOT, "ci", "gpu_sanitize.sh")).read()
+    suite = open(os.path.join(ROOT, "gpu", "suite.sh")).read()
+    assert 'bash gpu/sanitize.sh "$OUT/sanitize"' in suite
+    text = open(os.path.join(ROOT, "gpu", "sanitize.sh")).read()
     assert "--one-case" in text and "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in text
     assert re.search(r"TOOLS=\$\{\*:-memcheck racecheck initcheck\}", text)
     if shutil.which("compute-sanitizer") is None:        # a CPU machine: one line per tool says why it skipped
-        r = subprocess.run(["bash", os.path.join(ROOT, "ci", "gpu_sanitize.sh"), str(tmp_path)], capture_output=True,
+        r = subprocess.run(["bash", os.path.join(ROOT, "gpu", "sanitize.sh"), str(tmp_path)], capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 0 and [l.split(":")[0] for l in r.stdout.splitlines()] == \
             ["memcheck", "racecheck", "initcheck"] and "compute-sanitizer is not on PATH" in r.stdout
 
 
 def test_part_splits_the_selection_into_disjoint_interleaved_parts():
-    files = ["tests/test_quantize_and_insert_k_cache.py"]
+    files = ["tests/cache/test_quantize_and_insert_k_cache.py"]
     every = _collect("--one-case", *files)
     parts = [_collect("--one-case", "--part", f"{i}/3", *files) for i in range(3)]
     assert sorted(sum(parts, [])) == sorted(every) and all(parts)
@@ -55,7 +55,7 @@ def test_sanitizer_skips_are_listed_by_name_with_a_reason():
         assert any(i.split("[")[0] == name for i in every), f"{name}: no such test"
         assert set(tools) <= {"*", "memcheck", "racecheck", "initcheck"} and all(len(r) > 40 for r in tools.values())
         assert S.reason(name + "[x]", "racecheck") == (tools.get("racecheck") or tools.get("*"))
-    assert S.reason("tests/test_sparse_mla.py::test_smoke_small_decode_and_prefill", "memcheck") is None
+    assert S.reason("tests/attention/test_sparse_mla.py::test_smoke_small_decode_and_prefill", "memcheck") is None
 
 
 def _setup_line(tmp_path, info):

@@ -13,7 +13,7 @@ import torch
 
 from dsv4_rocm.__main__ import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_run_main_job_tiny(capsys, monkeypatch):

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(ROOT, "docs")
 
 
@@ -66,9 +66,9 @@ def anchors(page):
 
 
 def source_files():
-    """Every text file the project ships or runs (code, tests, CI, docs)."""
+    """Every text file the project ships or runs (code, tests, CI, GPU tools, docs)."""
     out = [os.path.join(ROOT, f) for f in ("README.md", "BENCHMARKS.md", "setup.py", "pyproject.toml")]
-    for top in ("dsv4_rocm", "hip_kernels", "build_tools", "tests", "ci", "docs", ".ci"):
+    for top in ("dsv4_rocm", "hip_kernels", "build_tools", "tests", "ci", "gpu", "docs", ".ci"):
         for d, _, files in os.walk(os.path.join(ROOT, top)):
             out += [os.path.join(d, f) for f in files
                     if f.endswith((".py", ".md", ".h", ".hip", ".cpp", ".sh", ".cu")) or f == "run"]

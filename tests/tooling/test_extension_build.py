@@ -10,7 +10,7 @@ import pytest
 
 from build_tools import extension as ext
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_setup(monkeypatch, rocm: bool):
@@ -69,12 +69,12 @@ def test_cuda_arch_entries():
 
 
 def test_gpu_install_command_is_the_same_everywhere():
-    """README.md, docs/platforms.md, the extension's messages and ci/gpu_suite.sh (which installs through it)
+    """README.md, docs/platforms.md, the extension's messages and gpu/suite.sh (which installs through it)
     give one GPU install command."""
     from dsv4_rocm.__main__ import BUILD_AT_INSTALL
     cmd = ext.INSTALL_COMMAND
     assert cmd == "pip install --no-deps --no-build-isolation -e ."
-    for path in ("README.md", "docs/platforms.md", "ci/gpu_suite.sh", "setup.py"):
+    for path in ("README.md", "docs/platforms.md", "gpu/suite.sh", "setup.py"):
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
             text = f.read()
         assert cmd in text, path
@@ -82,7 +82,7 @@ def test_gpu_install_command_is_the_same_everywhere():
             if "pip install" in line and "--no-build-isolation" in line:
                 assert cmd in line or cmd[:-1] + "'.[" in line, (path, line)
     assert cmd in BUILD_AT_INSTALL
-    with open(os.path.join(ROOT, "ci/gpu_suite.sh"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "gpu/suite.sh"), encoding="utf-8") as f:
         suite = f.read()
     build = suite[suite.index("if want build"):suite.index("if want tests")]
     assert "python3 -m " + cmd in build and "import dsv4_rocm._C" in build and "--arch-env" in build

@@ -14,7 +14,7 @@ import pytest
 from dsv4_rocm import parity
 from dsv4_rocm.__main__ import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKFLOW = os.path.join(ROOT, ".github", "workflows", "parity.yml")
 TARGETS = ["cpu", "gfx942", "gfx950", "sm_90", "sm_100"]
 
