@@ -2,11 +2,11 @@
 over bf16 rows: checked against the reference, then timed beside the Triton kernels and FlashMLA on identical
 tensors.
 
-    PYTHONPATH=$PWD:$PWD/tests python ci/gpu_decode_ws.py [--flashmla /path/to/FlashMLA] [--smoke] [--json out.json]
+    python gpu/decode_ws.py [--flashmla /path/to/FlashMLA] [--smoke] [--json out.json]
 
 0. Every variant's kernels are compiled first, in parallel (one worker thread per CPU).
-1. Correctness (tolerances of tests/sparse_mla_inputs.py): the default configuration on the GPU cases of
-   tests/test_sparse_mla.py (block sizes 2 to 576, lengths [b] and [b, s_q], no extra set, sinks +-inf, h 64
+1. Correctness (tolerances of tests/attention/sparse_mla_inputs.py): the default configuration on the GPU cases of
+   tests/attention/test_sparse_mla.py (block sizes 2 to 576, lengths [b] and [b, s_q], no extra set, sinks +-inf, h 64
    and 128, s_q 1 to 3, b up to 321), with the default persistent schedule and with 3 parts per query;
    strided inputs and an out buffer (same bits as the contiguous call, nothing else written); all-invalid and
    zero-length queries (out 0, lse +inf); the public op's default on this GPU. Every other variant on two
@@ -34,6 +34,12 @@ import time
 import traceback
 
 import torch
+
+# this checkout's dsv4_rocm, then tests/ (helpers.py) and tests/attention/: the cases and checks are the sparse
+# MLA tests' own (sparse_mla_inputs.py, test_sparse_mla.py's case lists), one copy beside those tests; so the
+# tool runs as `python gpu/decode_ws.py`, without PYTHONPATH
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests"), os.path.join(_ROOT, "tests", "attention")]
 
 SMOKE_CASE = (4, 2, 64, 256, 128, 64, 512, "random", "b")
 

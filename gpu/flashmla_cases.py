@@ -1,7 +1,7 @@
 """FlashMLA's own sparse test cases (d_qk 512, DeepSeek-V4) through dsv4_rocm.flash_mla, and FlashMLA timed
 beside it on identical tensors.
 
-    PYTHONPATH=. python ci/flashmla_cases.py --flashmla /path/to/FlashMLA [--json out.json] [--every 4]
+    PYTHONPATH=. python gpu/flashmla_cases.py --flashmla /path/to/FlashMLA [--json out.json] [--every 4]
 
 Needs a checkout of deepseek-ai/FlashMLA (``--flashmla`` or ``FLASHMLA_DIR``); nothing of it is copied here.
 From its ``tests/`` folder it imports ``lib.py`` (case generator), ``ref.py`` (reference), ``quant.py`` and

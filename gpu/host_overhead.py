@@ -2,8 +2,8 @@
 an eager ``flash_mla_with_kvcache`` call, and the main job's eager decode step, with dsv4_rocm's direct
 launch on and off.
 
-    PYTHONPATH=$PWD:$PWD/tests python ci/host_overhead.py [--flashmla PATH] [--json out.json]
-    PYTHONPATH=$PWD:$PWD/tests python ci/host_overhead.py --cpu [--target cuda|hip]
+    python gpu/host_overhead.py [--flashmla PATH] [--json out.json]
+    python gpu/host_overhead.py --cpu [--target cuda|hip]
 
 On a GPU (correctness first, then timing):
 1. the decode ops (``dsv4_rocm.bench.host.c4_decode_calls``: V4-Flash dims, b = 128) and

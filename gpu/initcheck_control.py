@@ -1,10 +1,10 @@
-"""A control for initcheck (ci/gpu_sanitize.sh): does the tool see what a torch matrix product writes?
+"""A control for initcheck (gpu/sanitize.sh): does the tool see what a torch matrix product writes?
 
 Each case writes a fresh tensor whole with one torch op, then reads all of it (a conversion to fp32 and a
 sum), so a read initcheck reports here is of memory the tool did not see written, not of unwritten memory.
 The shapes are those of the decode-step test of the fused q-norm insert (qr [16, 1024] @ wq [1024, 32768],
 bf16), whose reads of the product initcheck reported; beside it the same product in fp32 and a plain fill.
-Run it as ``compute-sanitizer --tool initcheck python ci/initcheck_control.py`` (any CUDA GPU).
+Run it as ``compute-sanitizer --tool initcheck python gpu/initcheck_control.py`` (any CUDA GPU).
 """
 import sys
 

@@ -1,4 +1,4 @@
-"""A control for racecheck (ci/gpu_sanitize.sh): what the tool reports on a hand-off that is correct by the
+"""A control for racecheck (gpu/sanitize.sh): what the tool reports on a hand-off that is correct by the
 mbarrier protocol, the same protocol as the Hopper decode kernel's P / alpha and row-factor hand-offs.
 
 Two partitions of a Gluon kernel pass a shared 64-float buffer back and forth ROUNDS times: the producer (the
@@ -11,7 +11,7 @@ and the consumer a worker (as the decode kernel's loader -> consumers hand-off o
 ``_worker_to_worker_kernel``, producer and consumer both workers beside a default partition that keeps
 passing its own partition barriers (as the decode kernel's consumer 0 -> consumer 1 hand-offs of P, alpha
 and the row factors, beside its loader). Run it as ``compute-sanitizer --tool racecheck python
-ci/racecheck_control.py`` (Hopper, Gluon).
+gpu/racecheck_control.py`` (Hopper, Gluon).
 """
 import sys
 

@@ -1,4 +1,4 @@
-"""The compute-sanitizer pass over the GPU tests, file by file, several processes at once (ci/gpu_sanitize.sh
+"""The compute-sanitizer pass over the GPU tests, file by file, several processes at once (gpu/sanitize.sh
 says what it covers and how to run it).
 
 Jobs are (tool, test file): ``compute-sanitizer --tool TOOL python -m pytest -m gpu --one-case --sanitizer TOOL
@@ -24,14 +24,16 @@ TOOLS = ("memcheck", "racecheck", "initcheck")
 
 
 def gpu_test_files():
-    """Every tests/test_*.py holding a test marked gpu."""
-    tests = os.path.join(ROOT, "tests")
+    """Every test_*.py of tests/ and its stage folders (not tests/engines: the engine packages are not
+    installed here) holding a test marked gpu."""
     out = []
-    for name in sorted(os.listdir(tests)):
-        if name.startswith("test_") and name.endswith(".py"):
-            text = open(os.path.join(tests, name)).read()
-            if re.search(r"pytest\.mark\.gpu|pytestmark\s*=.*\bgpu\b", text):
-                out.append(f"tests/{name}")
+    for d, subdirs, files in os.walk(os.path.join(ROOT, "tests")):
+        subdirs[:] = sorted(s for s in subdirs if s not in ("engines", "golden", "__pycache__"))
+        for name in sorted(files):
+            if name.startswith("test_") and name.endswith(".py"):
+                text = open(os.path.join(d, name)).read()
+                if re.search(r"pytest\.mark\.gpu|pytestmark\s*=.*\bgpu\b", text):
+                    out.append(os.path.relpath(os.path.join(d, name), ROOT))
     return out
 
 
@@ -49,8 +51,8 @@ SPLIT_S = 70
 
 # a small program a tool runs beside the tests, whose code is right by construction: what the tool reports
 # there is what it cannot see, and says how to read the same report in the tests
-CONTROLS = {"racecheck": ("ci/racecheck_control.py", "hand-offs correct by the mbarrier protocol"),
-            "initcheck": ("ci/initcheck_control.py", "tensors torch writes whole, then reads")}
+CONTROLS = {"racecheck": ("gpu/racecheck_control.py", "hand-offs correct by the mbarrier protocol"),
+            "initcheck": ("gpu/initcheck_control.py", "tensors torch writes whole, then reads")}
 
 
 def gpu_functions(path):
@@ -104,7 +106,7 @@ def run_job(job, out, one_case, deadline, env):
         return job
     log = os.path.join(out, "logs", job.name + ".log")
     xml = os.path.join(out, "logs", job.name + ".xml")
-    cmd = [sys.executable, job.path] if job.path.startswith("ci/") else pytest_cmd(job.path, job.tool, one_case, xml,
+    cmd = [sys.executable, job.path] if job.path.startswith("gpu/") else pytest_cmd(job.path, job.tool, one_case, xml,
                                                                                    job.part)
     if job.tool:
         cmd = sanitizer_cmd(job.tool) + cmd

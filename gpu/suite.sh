@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
 # What a GPU machine runs: environment, the install with the HIP extension (the README's GPU command), GPU
-# tests, a compute-sanitizer pass (memcheck, racecheck, initcheck: ci/gpu_sanitize.sh), the parity
+# tests, a compute-sanitizer pass (memcheck, racecheck, initcheck: gpu/sanitize.sh), the parity
 # report, the main job, FlashMLA's own cases through our API, the benchmarks; a short summary last.
 #
-# Usage: bash ci/gpu_suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
+# Usage: bash gpu/suite.sh [STAGE ...]      (results under $OUT, default ./gpu_out)
 #   stages: build tests memcheck parity main flashmla host bench perf vllm   (default: all but perf and vllm, in
 #   that order)
-#   perf: the speed report of the sparse attention kernels beside FlashMLA (ci/gpu_decode_ws.py: every decode
-#   and prefill row with the Hopper kernel's variants and timing probes; ci/flashmla_cases.py --timing-only:
+#   perf: the speed report of the sparse attention kernels beside FlashMLA (gpu/decode_ws.py: every decode
+#   and prefill row with the Hopper kernel's variants and timing probes; gpu/flashmla_cases.py --timing-only:
 #   the comparison table on FlashMLA's own tensors) and the layer step, einsum, top-k and start-up rows of
 #   `python -m dsv4_rocm bench`; it builds FlashMLA first when it is not built.
 #   vllm: vLLM 0.33.0's own DeepSeek-V4 and V4.1 kernel and metadata tests against dsv4_rocm's ops
-#   (ci/gpu_vllm_tests.sh, 8 xdist workers); needs .carry/vllm_py.tar.xz from ci/vllm_carry.sh, carried along.
-#   e.g. `bash ci/gpu_suite.sh build tests` then `bash ci/gpu_suite.sh build flashmla bench` fit two calls
-#   of ten minutes each on an H100; `bash ci/gpu_suite.sh build memcheck` (the sanitizer pass: about 9.5
+#   (gpu/vllm_tests.sh, 8 xdist workers); needs .carry/vllm_py.tar.xz from gpu/vllm_carry.sh, carried along.
+#   e.g. `bash gpu/suite.sh build tests` then `bash gpu/suite.sh build flashmla bench` fit two calls
+#   of ten minutes each on an H100; `bash gpu/suite.sh build memcheck` (the sanitizer pass: about 9.5
 #   minutes on an H200, its table in $OUT/sanitize/summary.txt) fits one call by itself.
 # Environment: PYTEST_WORKERS (default 4, with pytest-xdist), FLASHMLA_DIR (default .peers/FlashMLA, see
-# ci/flashmla_peer.sh: built here in the background when it is not built yet), FLASHMLA_EVERY (every n-th
+# gpu/flashmla_peer.sh: built here in the background when it is not built yet), FLASHMLA_EVERY (every n-th
 # FlashMLA case, default 8), BENCH_ARGS (extra arguments of `python -m dsv4_rocm bench`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 STAGES=${*:-build tests memcheck parity main flashmla host bench}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
@@ -37,7 +37,7 @@ FLASHMLA_DIR=${FLASHMLA_DIR:-$PWD/.peers/FlashMLA}
 fm_built() { python3 -c "import sys; sys.path.insert(0, '$FLASHMLA_DIR'); import flash_mla.cuda" 2>/dev/null; }
 if { want flashmla || want perf; } && [ -f "$FLASHMLA_DIR/setup.py" ] && ! fm_built; then
   stamp "building FlashMLA in the background (log: $OUT/flashmla_build.log)"
-  ( FLASHMLA_DIR=$FLASHMLA_DIR bash ci/flashmla_peer.sh build > "$OUT/flashmla_build.log" 2>&1 ) &
+  ( FLASHMLA_DIR=$FLASHMLA_DIR bash gpu/flashmla_peer.sh build > "$OUT/flashmla_build.log" 2>&1 ) &
   FM_BUILD=$!
 fi
 
@@ -66,8 +66,8 @@ if want tests; then
 fi
 
 if want memcheck; then
-  stamp "compute-sanitizer memcheck, racecheck, initcheck over every gpu test function (ci/gpu_sanitize.sh)"
-  bash ci/gpu_sanitize.sh "$OUT/sanitize"
+  stamp "compute-sanitizer memcheck, racecheck, initcheck over every gpu test function (gpu/sanitize.sh)"
+  bash gpu/sanitize.sh "$OUT/sanitize"
   record memcheck $?
   command -v compute-sanitizer >/dev/null || RC[memcheck]=skipped
 fi
@@ -92,20 +92,20 @@ if want flashmla; then
   if [ -n "${FM_BUILD:-}" ]; then stamp "waiting for the FlashMLA build"; wait "$FM_BUILD"; tail -2 "$OUT/flashmla_build.log"; fi
   if [ -f "$FLASHMLA_DIR/tests/lib.py" ]; then
     stamp "FlashMLA's sparse cases through dsv4_rocm.flash_mla (every ${FLASHMLA_EVERY:-8}-th), FlashMLA timed beside"
-    python3 ci/flashmla_cases.py --flashmla "$FLASHMLA_DIR" --every "${FLASHMLA_EVERY:-8}" --timing \
+    python3 gpu/flashmla_cases.py --flashmla "$FLASHMLA_DIR" --every "${FLASHMLA_EVERY:-8}" --timing \
       --json "$OUT/flashmla_cases.json" > "$OUT/flashmla_cases.log" 2>&1
     record flashmla $?
     sed -n '/^case  /,/^ratio = /p; /^timing skipped/p; /== FlashMLA cases/,$p' "$OUT/flashmla_cases.log"
   else
     record flashmla skipped
-    echo "FlashMLA cases skipped: no checkout in $FLASHMLA_DIR (bash ci/flashmla_peer.sh fetch)"
+    echo "FlashMLA cases skipped: no checkout in $FLASHMLA_DIR (bash gpu/flashmla_peer.sh fetch)"
   fi
 fi
 
 if want host; then
   stamp "host time of the eager path, direct launch on and off (FlashMLA beside it when built)"
   fm_arg=""; [ -d "$FLASHMLA_DIR/flash_mla" ] && fm_arg="--flashmla $FLASHMLA_DIR"
-  python3 ci/host_overhead.py $fm_arg --json "$OUT/host_overhead.json" > "$OUT/host_overhead.log" 2>&1
+  python3 gpu/host_overhead.py $fm_arg --json "$OUT/host_overhead.json" > "$OUT/host_overhead.log" 2>&1
   record host $?
   sed -n '/== host overhead ==/,$p' "$OUT/host_overhead.log"
 fi
@@ -122,11 +122,11 @@ if want perf; then
   if [ -n "${FM_BUILD:-}" ]; then stamp "waiting for the FlashMLA build"; wait "$FM_BUILD"; FM_BUILD=""; fi
   stamp "speed report: decode and prefill beside FlashMLA, layer step, einsum, top-k, start-up"
   fm_arg=""; [ -d "$FLASHMLA_DIR/flash_mla" ] && fm_arg="--flashmla $FLASHMLA_DIR"
-  python3 ci/gpu_decode_ws.py $fm_arg --json "$OUT/decode_ws.json" > "$OUT/decode_ws.log" 2>&1
+  python3 gpu/decode_ws.py $fm_arg --json "$OUT/decode_ws.json" > "$OUT/decode_ws.log" 2>&1
   rc=$?
   sed -n '/== decode, us/,/^VERDICT/p; /^prefill case/,/^$/p' "$OUT/decode_ws.log"
   if [ -n "$fm_arg" ]; then
-    python3 ci/flashmla_cases.py $fm_arg --timing-only --json "$OUT/flashmla_timing.json" > "$OUT/flashmla_timing.log" 2>&1
+    python3 gpu/flashmla_cases.py $fm_arg --timing-only --json "$OUT/flashmla_timing.json" > "$OUT/flashmla_timing.log" 2>&1
     rc=$(( rc | $? ))
     sed -n '/^case  /,/^ratio = /p' "$OUT/flashmla_timing.log"
   fi
@@ -137,8 +137,8 @@ if want perf; then
 fi
 
 if want vllm; then
-  stamp "vLLM 0.33.0's DeepSeek-V4 tests against dsv4_rocm (ci/gpu_vllm_tests.sh)"
-  PYTEST_WORKERS=${VLLM_PYTEST_WORKERS:-8} bash ci/gpu_vllm_tests.sh
+  stamp "vLLM 0.33.0's DeepSeek-V4 tests against dsv4_rocm (gpu/vllm_tests.sh)"
+  PYTEST_WORKERS=${VLLM_PYTEST_WORKERS:-8} bash gpu/vllm_tests.sh
   rc=$?
   [ "$rc" = 3 ] && rc=skipped
   record vllm "$rc"

@@ -1,14 +1,14 @@
 """Top-k per row on a GPU: every variant of ``dsv4_rocm.bench.top_k.SWEEP`` checked, then timed, on the
 benchmark shapes; a table last.
 
-    PYTHONPATH=$PWD:$PWD/tests python ci/gpu_topk.py [--variants default,fused] [--jobs 8] [--rep-ms 100]
+    python gpu/topk.py [--variants default,fused] [--jobs 8] [--rep-ms 100]
 
 1. Compile: one process per CPU (--jobs) runs each (variant, shape) once, so Triton's disk cache holds
    every kernel before this process needs it.
 2. Correctness, every variant x shape x data, through ``top_k_per_row_decode`` (1-D seq_lens): "normal"
    N(0, 1); "clustered" 1 + U[0, 1e-3) (one exponent, the top mantissa bits shared); "padded" per-row
    lengths in [n/2, n] with -inf past them; "ties" N(0, 1) on a grid of 1/8. Checked by
-   tests/test_top_k_per_row.py's ``check_topk`` against the oracle's order keys: n <= k rows exact, k
+   tests/indexer/test_top_k_per_row.py's ``check_topk`` against the oracle's order keys: n <= k rows exact, k
    distinct in-range columns whose keys are, as a multiset, the k largest, the lowest columns among the
    ties at the k-th place. Then a CUDA graph captured on "normal" is replayed on "padded" and on
    "clustered" and checked again (the split kernels' counters and coarse maxima must return to zero).
@@ -26,7 +26,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from dsv4_rocm.bench.top_k import CASES as SHAPES          # (name, rows, candidates per row, k)
+# this checkout's dsv4_rocm, then tests/ (helpers.py) and tests/indexer/: the check is the top-k tests' own
+# (test_top_k_per_row.py's check_topk), one copy beside those tests; so the tool runs as `python gpu/topk.py`,
+# without PYTHONPATH
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests"), os.path.join(_ROOT, "tests", "indexer")]
+
+from dsv4_rocm.bench.top_k import CASES as SHAPES  # noqa: E402  (name, rows, candidates per row, k)
 
 DATA = ("normal", "clustered", "padded", "ties")
 DEVICE = "cuda"

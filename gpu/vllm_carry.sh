@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .carry/vllm_py.tar.xz: what a GPU machine without network needs to run vLLM 0.33.0's own DeepSeek-V4
-# tests against dsv4_rocm's ops (ci/gpu_vllm_tests.sh). Run on a CPU machine with network, from anywhere.
+# tests against dsv4_rocm's ops (gpu/vllm_tests.sh). Run on a CPU machine with network, from anywhere.
 #
 # The archive unpacks into vllm_py/:
 #   site/   vLLM 0.33.0's Python files (from its wheel as installed in the engine tier's .venv-engines, each
@@ -12,12 +12,12 @@
 # Left out of vLLM: shared objects (.so), the vllm-rs binary, C/C++/CUDA sources and headers (DeepGEMM,
 # CUTLASS, FMHA, FlashMLA trees), the API server's JavaScript. About 20 MB as tar.xz.
 #
-# Usage: bash ci/vllm_carry.sh        Environment: VLLM_SITE (a site-packages holding vllm 0.33.0; default
+# Usage: bash gpu/vllm_carry.sh        Environment: VLLM_SITE (a site-packages holding vllm 0.33.0; default
 #        .venv-engines' or /work/main/.venv-engines'), VLLM_WHEEL (a vllm-0.33.0 wheel instead), VLLM_TESTS
 #        (a directory vllm_sdist.py unpacked; default .vllm-tests, else fetched into a temporary one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-say() { echo "ci/vllm_carry.sh: $*"; }
+say() { echo "gpu/vllm_carry.sh: $*"; }
 VERSION=0.33.0
 OUT_ARCHIVE=.carry/vllm_py.tar.xz
 WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT

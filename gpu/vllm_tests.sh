@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # vLLM 0.33.0's own DeepSeek-V4 and V4.1 kernel and metadata tests on a GPU machine, against dsv4_rocm's ops:
 # the engine tier's plugin (tests/engines/with_vllm/vllm_suite.py) run over vLLM's Python files carried in
-# .carry/vllm_py.tar.xz (ci/vllm_carry.sh builds it on a machine with network; the GPU machine needs none and
+# .carry/vllm_py.tar.xz (gpu/vllm_carry.sh builds it on a machine with network; the GPU machine needs none and
 # nothing is installed). The test files are vllm_sdist.FILES. Prints the plugin's table: cases run, passed,
-# failed, skipped by reason, failures by cause. Stage `vllm` of ci/gpu_suite.sh.
+# failed, skipped by reason, failures by cause. Stage `vllm` of gpu/suite.sh.
 #
-# Usage: bash ci/gpu_vllm_tests.sh          (results under $OUT, default ./gpu_out: vllm_tests.log, vllm_table.txt)
+# Usage: bash gpu/vllm_tests.sh          (results under $OUT, default ./gpu_out: vllm_tests.log, vllm_table.txt)
 # Environment: PYTEST_WORKERS (default 8, with pytest-xdist), VLLM_CARRY (default .carry/vllm_py.tar.xz),
 # VLLM_CARRY_DIR (where it is unpacked, default /tmp/dsv4_vllm), PYTEST_ARGS (extra pytest arguments, e.g. -k).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu_out}; mkdir -p "$OUT"
-say() { echo "ci/gpu_vllm_tests.sh: $*"; }
+say() { echo "gpu/vllm_tests.sh: $*"; }
 T0=$(date +%s)
 CARRY=${VLLM_CARRY:-.carry/vllm_py.tar.xz}
 DEST=${VLLM_CARRY_DIR:-/tmp/dsv4_vllm}
 if [ ! -f "$CARRY" ]; then
-  say "SKIPPED: no $CARRY (bash ci/vllm_carry.sh builds it where there is network; carry .carry to this machine)"
+  say "SKIPPED: no $CARRY (bash gpu/vllm_carry.sh builds it where there is network; carry .carry to this machine)"
   exit 3
 fi
 rm -rf "$DEST"; mkdir -p "$DEST"
