@@ -43,7 +43,7 @@ kernel's globals, builds launch metadata and calls the launch hooks. ``Kernel`` 
 constexprs and launch options of the call) and per key, the compiled kernel of the first launch and then
 calls ``CompiledKernel.run`` itself. The key holds everything Triton 3.6 specializes on (``jit.py``
 ``create_function_from_signature`` and the backends' ``get_*_specialization``), so it picks exactly the
-kernel Triton's path would pick (``tests/test_fast_launch.py`` checks that against Triton's binder):
+kernel Triton's path would pick (``tests/tooling/test_fast_launch.py`` checks that against Triton's binder):
 
     the current device; the type of every argument; for a tensor its dtype, whether its address is a
     multiple of 16 (unless do_not_specialize_on_alignment) and on AMD, where buffer ops are on, whether
