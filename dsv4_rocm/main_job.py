@@ -120,7 +120,7 @@ def _check(cfg, lt, srv, xs, total0, y0, device):
     (relative error, tolerance). On the kernels: a CPU copy of the layer on the reference backend, all at
     once (the layer is chunk invariant). On the reference backend that copy would run the very ops that
     served the trace (an error of exactly 0 that checks nothing), so the layer is evaluated from scratch
-    instead (``reference.layer_spec``, the oracle of tests/test_layer.py), within that test's bound."""
+    instead (``reference.layer_spec``, the oracle of tests/layer/test_layer.py), within that test's bound."""
     ref_srv = SyntheticServer(cfg, lt, 1, srv.max_model_len, device="cpu", weights=srv.weights.to("cpu"))
     x = xs[0][:total0].cpu()
     on_reference = ops.backend_for("sparse_mla_decode", device) == "reference"

@@ -9,7 +9,7 @@
   launch metadata) runs as it does on a GPU.
 * ``ops_as_on_gpu()``: CPU tensors take the hip / triton implementations and skip value checks, as GPU
   tensors do; the HIP launchers are stubbed. Together with ``simulated_gpu`` a CPU machine measures the
-  host path of every op (``ci/host_overhead.py --cpu``).
+  host path of every op (``gpu/host_overhead.py --cpu``).
 """
 import contextlib
 import sys

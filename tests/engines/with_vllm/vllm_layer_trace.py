@@ -171,7 +171,7 @@ class Trace:
     """Drives ``built.layer`` through the trace and checks every step (module docstring of the tests).
     ``exact_attention``: the attention output must equal dsv4_rocm's reference bit for bit (the plugin runs
     the reference backend, as on CPU); otherwise within the tolerance the sparse MLA kernels are tested to
-    (tests/sparse_mla_inputs.py: 2/128 relative plus 2^-8 of the largest key)."""
+    (tests/attention/sparse_mla_inputs.py: 2/128 relative plus 2^-8 of the largest key)."""
 
     def __init__(self, built: Built, cfg, device, exact_attention: bool):
         import vllm_layer_harness as H

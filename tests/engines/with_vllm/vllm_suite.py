@@ -14,7 +14,7 @@ Before collection the plugin points vLLM's kernels at ours, through the extensio
   parameters start with vLLM's, in order; the others are listed in the summary as call-form differences;
 - vLLM's top-k (``torch.ops._C``) and indexer-cache (``torch.ops._C_cache_ops``) ops this vLLM build lacks are
   defined over dsv4_rocm's ops by the plugin itself (dsv4_rocm.integrations.vllm.torch_ops, as in a served
-  process): on a GPU machine, where vLLM's compiled files are not carried (ci/gpu_vllm_tests.sh), every such
+  process): on a GPU machine, where vLLM's compiled files are not carried (gpu/vllm_tests.sh), every such
   op vLLM's tests call is ours;
 - vLLM's plugin loader loads dsv4_rocm's vLLM plugin, as in a served process.
 
@@ -103,7 +103,7 @@ SKIPS = {
     "test_indexer_deepseek_v4_slot_mapping.py": {
         "test_indexer_prefill_budget_matches_compressed_workspace": _HUB,
         # its case of get_compressed_slot_mapping (slots other than -1 are not padding) runs as our own test:
-        # tests/test_metadata.py::test_compressed_slot_mapping_only_minus_one_is_padding
+        # tests/metadata/test_metadata.py::test_compressed_slot_mapping_only_minus_one_is_padding
         "test_indexer_builder_deepseek_v4_compressed_slot_mapping_uses_num_states": _HUB},
     "test_deepseek_v4_swa_visible.py": {
         **{t: _HUB for t in ("test_builder_in_image_visibility", "test_builder_no_image_spans_fast_path",
