@@ -72,7 +72,8 @@ class DeepseekV4Attention(torch.nn.Module):
     """A DeepSeek-V4 attention layer of any kind, V4.0 or V4.1 (module docstring). ``cache``: the layer's
     ``LayerCache`` (its record formats are the layer's); ``shared``: the stack's ``SharedBuffers`` (V4.1
     layers that attend a top-k or publish candidates); ``record_format``, if given, must name the cache's
-    records (``kv_cache.V41_RECORDS``)."""
+    records (``kv_cache.V41_RECORDS``). ``DeepseekV41Attention`` is this same class (the name kept for code
+    written against it; a V4.1 layer takes its stack's buffers by keyword, ``shared=``)."""
     timer = None        # an object with mark(stage): the trace run's per-stage timing
 
     def __init__(self, cfg: AttentionConfig, layer: int, weights: LayerWeights, cache: LayerCache,
@@ -120,7 +121,7 @@ class DeepseekV4Attention(torch.nn.Module):
         missing = [n for n in (self.compressor.caches if self.compressor else ()) if getattr(cache, n) is None]
         missing += ["ring"] if p.compressor == "latent" and p.ratio == 2 and cache.ring is None else []
         if missing:
-            raise ValueError(f"layer {self.layer} ({p.label}) needs its kv source's caches {missing}")
+            raise ValueError(f"layer {self.layer} ({p.label}) writes the caches {missing} its cache lacks")
 
     def _check_weights(self) -> None:
         need = (self.compressor.needs if self.compressor else ()) + (self.indexer.needs if self.indexer else ())
@@ -272,6 +273,4 @@ class DeepseekV4Attention(torch.nn.Module):
         return ops.fp8_linear(z.view(o.shape[0], G * self.cfg.o_lora_rank), w.wo_b8, w.wo_b_s)  # 0 rows too
 
 
-# DeepSeek-V4.1 layers are DeepseekV4Attention layers of a V4.1 config (the plan says which kind); the name is
-# kept for code written against it. V4.1 layers take the stack's buffers by keyword: shared=SharedBuffers(...).
-DeepseekV41Attention = DeepseekV4Attention
+DeepseekV41Attention = DeepseekV4Attention      # the same class (its docstring)

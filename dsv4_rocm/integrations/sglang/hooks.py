@@ -7,9 +7,9 @@
   the entrypoint below.
 * ``attention`` wraps ``hip_flash_mla.flash_mla_with_kvcache_entrypoint``: for that name and 584-byte
   caches it runs the one sparse attention step (``dsv4_rocm.attention_step.sparse_attention``, the layer's
-  and the vLLM plugin's too) on FlashMLA's keywords, exactly as the HIP backend
-  builds them (``q [b, s_q, h, 512]``, the sliding-window and compressed caches as ``[pages, page_size,
-  1, 584]`` views of SGLang's page buffers, int32 slot indices and lengths, the sink); with ``inv_rope``
+  and the vLLM plugin's too) on FlashMLA's keywords, exactly as the HIP backend builds them (``q [b, s_q, h,
+  512]``, the sliding-window and compressed caches as ``[pages, page_size, 1, 584]`` views of SGLang's page
+  buffers, int32 slot indices and lengths, the sink); with ``inv_rope``
   (``(freqs_real, positions)``, SGLang's interleaved cos / sin table) it rotates the rows back with
   ``rocm_inverse_rope_rows_``. Anything else goes to SGLang's entrypoint.
 * ``store`` wraps ``attn.fused_store_cache``: a V4-layout FlashMLA store (``type="flashmla"``, no in-kernel

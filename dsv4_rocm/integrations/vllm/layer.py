@@ -9,9 +9,9 @@ attention hooks with dsv4_rocm's and otherwise is the base class unchanged:
 - ``_fused_qnorm_rope_kv_insert``: ``ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` (q norm + RoPE,
   padded q; kv RoPE + fp8 quant into the SWA cache), in place of ``torch.ops._C``'s;
 - ``forward_mqa``: the one attention step (``dsv4_rocm.attention_step.attend_step``, as dsv4_rocm's layer runs
-  it) for every token of the step, decode and prefill alike, over the
-  window's SWA slots and the compressed entries (C4: the indexer's top-k made global per token; C128: all
-  visible entries), with the sink, straight from the fp8 pages (no bf16 workspace, no prefill chunks);
+  it) for every token of the step, decode and prefill alike, over the window's SWA slots and the compressed
+  entries (C4: the indexer's top-k made global per token; C128: all visible entries), with the sink,
+  straight from the fp8 pages (no bf16 workspace, no prefill chunks);
 - ``backend_cls`` / ``swa_backend_cls``: dsv4_rocm's backends, whose builders make the step's metadata.
 
 Building a layer with our backend selected first refuses a ``--kv-cache-dtype`` that has no fp8_ds_mla
