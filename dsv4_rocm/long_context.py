@@ -149,15 +149,18 @@ def _step_fill(srv, x_rows, modules):
     srv.done[0] += x_rows.shape[0]
 
 
+def _keys(srv) -> list:
+    """The key of each layer of a server in the rows: a V4.0 layer's type, a V4.1 layer's id."""
+    return [srv.layer_type.value] if srv.layer_type is not None else list(srv.layers)
+
+
 def _modules(srv):
-    return [srv.modules[x] for x in srv.layers] if hasattr(srv, "modules") else [srv.layer]
+    return [srv.modules[x] for x in srv.layers]
 
 
-def _forward(srv, x_rows) -> Dict[int, torch.Tensor]:
+def _forward(srv, x_rows) -> Dict:
     """One step of request 0 through every layer: {layer key: output rows}."""
-    if hasattr(srv, "step_all"):
-        return {x: ys[0] for x, ys in srv.step_all({0: x_rows}).items()}
-    return {srv.layer_type.value: srv.step({0: x_rows})[0]}
+    return {k: ys[0] for k, ys in zip(_keys(srv), srv.step_all({0: x_rows}).values())}
 
 
 def run_rows(srv, x, rows: Sequence[int], decode_steps: int, prompt: int, chunk: int = FILL_CHUNK,
@@ -167,8 +170,7 @@ def run_rows(srv, x, rows: Sequence[int], decode_steps: int, prompt: int, chunk:
     forward step [p - 1, p + 1), every decode step by forward. Returns {layer key: {position: captured
     row, with its layer output "y"}}."""
     mods = _modules(srv)
-    keys = [str(x) for x in srv.layers] if hasattr(srv, "layers") and hasattr(srv, "modules") \
-        else [srv.layer_type.value]
+    keys = [str(k) for k in _keys(srv)]
     caps = {k: Capture(m, rows) for k, m in zip(keys, mods)}
     want = sorted(p for p in rows if p < prompt)
     try:

@@ -101,9 +101,18 @@ class SyntheticServer:
         self.shared = SharedBuffers.allocate(cfg, self.max_step_tokens, dev) if cfg.is_v41 else None
         self.modules = {x: DeepseekV4Attention(cfg, x, self.layer_weights[x], self.caches[x], self.max_model_len,
                                                device=dev, shared=self.shared) for x in self.layers}
-        self.layer = self.modules[self.layers[0]]
         self.cos_sin = self.layer.cos_sin_cache
         self.done = [0] * R
+
+    @property
+    def layer(self):
+        """The module of the first layer (of a one-layer server: its layer). Assigning replaces the module the
+        steps run (a wrapper such as ``tp.TensorParallel``)."""
+        return self.modules[self.layers[0]]
+
+    @layer.setter
+    def layer(self, module):
+        self.modules[self.layers[0]] = module
 
     def make_step(self, lens: Dict[int, int]) -> StepMetadata:
         """The step metadata of ``lens[req]`` new tokens per request, decode requests first (unbuilt)."""
