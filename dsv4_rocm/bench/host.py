@@ -281,7 +281,7 @@ def main_job_decode_step_ms(device, layer: str, config: str = "v4-flash", heads=
     synchronized around each step as the main job does. With ``profile``: (ms, a cProfile top-25 of the
     timed decode steps by own time)."""
     from ..config import LayerType, get_config
-    from ..main_job import trace
+    from ..trace_check import trace
     from ..serving import SyntheticServer
     cfg = get_config(config)
     cfg = cfg.with_tp(cfg.num_heads // (heads or cfg.local_heads))

@@ -1,14 +1,14 @@
-"""The DeepSeek-V4.1 layer (dsv4_rocm.attention_v41) in stacks that share caches as the model does, against
-the from-scratch oracle of tests/layer/v41_oracle.py, checked per layer kind (sliding window, ratio-2 and ratio-1
-kv sources, layers reading a source's caches and top-k, the candidate source, an index source scoring
-inside the candidates); chunked prefill, decode and mixed batches agree; consumers never write a source's
-caches; the config, weights and stack checks. GPU: the same against the oracle, and a decode step of the
-whole stack captured into one graph and replayed for many steps."""
+"""The DeepSeek-V4.1 layers (dsv4_rocm.attention, by a V4.1 config's plans) in stacks that share caches as
+the model does, against the from-scratch oracle of tests/layer/v41_oracle.py, checked per layer kind (sliding
+window, ratio-2 and ratio-1 kv sources, layers reading a source's caches and top-k, the candidate source,
+an index source scoring inside the candidates); chunked prefill, decode and mixed batches agree; consumers
+never write a source's caches; the config, weights and stack checks. GPU: the same against the oracle, and
+a decode step of the whole stack captured into one graph and replayed for many steps."""
 import pytest
 import torch
 
 from dsv4_rocm.config import V41_FLASH, AttentionConfig, tiny_v41_config
-from dsv4_rocm.serving_v41 import V41Stack
+from dsv4_rocm.serving import SyntheticServer
 from dsv4_rocm.weights import LayerWeights
 from helpers import rel_err
 from v41_oracle import naive_v41_stack
@@ -24,7 +24,7 @@ def _xs(lens, seed, cfg=CFG):
 
 
 def _run(xs, schedule, layers=ALL, device="cpu", cfg=CFG, stack=None):
-    s = stack or V41Stack(cfg, None, len(xs), MAX_LEN, device=str(device), layers=layers)
+    s = stack or SyntheticServer(cfg, None, len(xs), MAX_LEN, device=str(device), layers=layers)
     out = {x: {b: [] for b in range(len(xs))} for x in s.layers}
     for step in schedule:
         for layer, ys in s.step_all({b: xs[b][a:e].to(device) for b, (a, e) in step.items()}).items():
@@ -53,20 +53,20 @@ def test_every_layer_kind_over_the_v41_records(record):
     against the oracle reading the same records; the pages are those records' (528 / 288 B a token)."""
     xs = _xs([40], 4)
     s, y = _run(xs, [{0: (0, 30)}, {0: (30, 38)}] + [{0: (38 + i, 39 + i)} for i in range(2)],
-                stack=V41Stack(CFG, None, 1, MAX_LEN, layers=ALL, record_format=record))
+                stack=SyntheticServer(CFG, None, 1, MAX_LEN, layers=ALL, record_format=record))
     swa_fmt, comp_fmt = s.caches[3].swa_format, s.caches[3].comp_format
     assert (swa_fmt.token_bytes, comp_fmt.token_bytes) == ((528, 528) if record == "V41_528" else (528, 288))
     assert swa_fmt.interleaved and s.caches[0].swa.shape[1] == 64 * 528
     assert s.caches[3].comp.shape[1] == 64 * comp_fmt.token_bytes and s.caches[4].comp is s.caches[3].comp
     ref = naive_v41_stack(s, xs[0])
-    v40 = naive_v41_stack(V41Stack(CFG, None, 1, MAX_LEN, layers=ALL), xs[0])
+    v40 = naive_v41_stack(SyntheticServer(CFG, None, 1, MAX_LEN, layers=ALL), xs[0])
     for layer in ALL:
         err = rel_err(y[layer][0].float(), ref[layer].float())
         print(f"{record} layer {layer} {CFG.v41_layer(layer).label}: rel err {err:.2e}")
         assert err < 2e-3, layer
         assert not torch.equal(ref[layer], v40[layer]), layer          # the records are not V4.0's
     with pytest.raises(ValueError, match="record_format must be one of"):
-        V41Stack(CFG, None, 1, 64, layers=(0,), record_format="fp8_ds_mla")
+        SyntheticServer(CFG, None, 1, 64, layers=(0,), record_format="fp8_ds_mla")
 
 
 def test_chunking_decode_and_mixed_batches_agree():
@@ -107,10 +107,10 @@ def test_consumers_read_the_source_caches_and_write_none():
 
 def test_stack_and_step_checks():
     with pytest.raises(ValueError, match="index source 5"):
-        V41Stack(CFG, None, 1, 64, layers=(3, 6))
+        SyntheticServer(CFG, None, 1, 64, layers=(3, 6))
     with pytest.raises(ValueError, match="kv source 1"):
-        V41Stack(CFG, None, 1, 64, layers=(2,))
-    s = V41Stack(CFG, None, 1, 64, layers=(1,))
+        SyntheticServer(CFG, None, 1, 64, layers=(2,))
+    s = SyntheticServer(CFG, None, 1, 64, layers=(1,))
     step = s.make_step({0: 4})
     step.build(())
     with pytest.raises(ValueError, match="ratio 2"):
@@ -224,8 +224,8 @@ GPU_TOL, GPU_SELECTION_TOL = 5e-2, 1.5e-1
 def test_every_layer_kind_on_gpu_matches_the_oracle(record, gpu):
     xs = _xs([100], 1)
     s, y = _run(xs, [{0: (0, 60)}, {0: (60, 96)}] + [{0: (96 + i, 97 + i)} for i in range(4)], device=gpu,
-                stack=V41Stack(CFG, None, 1, MAX_LEN, device=str(gpu), layers=ALL, record_format=record))
-    cpu = V41Stack(CFG, None, 1, MAX_LEN, layers=ALL, record_format=record,
+                stack=SyntheticServer(CFG, None, 1, MAX_LEN, device=str(gpu), layers=ALL, record_format=record))
+    cpu = SyntheticServer(CFG, None, 1, MAX_LEN, layers=ALL, record_format=record,
                    layer_weights={k: w.to("cpu") for k, w in s.layer_weights.items()})
     ref = naive_v41_stack(cpu, xs[0])
     for layer in ALL:
@@ -244,13 +244,13 @@ def test_decode_graph_of_the_stack_replays_like_eager_steps(cfg_name, gpu):
     captured graph of the whole stack's decode step, for 24 steps: outputs of every layer and every cache
     byte identical after each step (the flash case: one layer of each kind of V4.1-Flash, 8 local heads)."""
     from dsv4_rocm.graph import DecodeGraph
-    from dsv4_rocm.serving_v41 import FLASH_LAYERS
+    from dsv4_rocm.serving import FLASH_LAYERS
     cfg, layers = (CFG, ALL) if cfg_name == "tiny" else (V41_FLASH.with_tp(8), FLASH_LAYERS)
     B, max_len, prompts = 6, 512, [130, 7, 300, 64, 1, 257]
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(max_len, cfg.hidden_size, generator=g).bfloat16().to(gpu) for _ in range(B)]
-    eager = V41Stack(cfg, None, B, max_len, device=str(gpu), layers=layers)
-    graphed = V41Stack(cfg, None, B, max_len, device=str(gpu), layers=layers, layer_weights=eager.layer_weights)
+    eager = SyntheticServer(cfg, None, B, max_len, device=str(gpu), layers=layers)
+    graphed = SyntheticServer(cfg, None, B, max_len, device=str(gpu), layers=layers, layer_weights=eager.layer_weights)
     for s in (eager, graphed):
         s.step_all({b: xs[b][:prompts[b]] for b in range(B)})
     dg = DecodeGraph([graphed.modules[x] for x in graphed.layers], B, 1, graphed.swa_bt.shape[1],

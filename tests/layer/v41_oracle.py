@@ -77,7 +77,7 @@ def _candidate_blocks(logits, n, C, bs):
 
 def naive_v41_stack(stack, x):
     """{layer: bf16 [T, hidden]} for one request's hidden states x bf16 [T, hidden] at positions 0..T-1 through
-    the layers of ``stack`` (a V41Stack: its config, layers and weights)."""
+    the layers of ``stack`` (a V4.1 SyntheticServer: its config, layers and weights)."""
     cfg, T = stack.cfg, x.shape[0]
     swa_fmt, comp_fmt = v41_records(stack.record_format)
     H, Wn, eps = cfg.local_heads, cfg.sliding_window, cfg.rms_norm_eps

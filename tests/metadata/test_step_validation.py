@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dsv4_rocm import ops
 from dsv4_rocm.config import LayerType, tiny_config, tiny_v41_config
 from dsv4_rocm.serving import SyntheticServer
-from dsv4_rocm.serving_v41 import V41Stack
 
 CFG = tiny_config()
 V41_CFG = tiny_v41_config()
@@ -36,7 +35,7 @@ def server(kind):
 def v41_stack():
     """Every V4.1 layer kind over shared caches: 3 requests of up to 256 tokens (12 pages a cache, 3 ring
     blocks)."""
-    return V41Stack(V41_CFG, None, 3, 256, layers=V41_LAYERS)
+    return SyntheticServer(V41_CFG, None, 3, 256, layers=V41_LAYERS)
 
 
 class Limits(NamedTuple):
@@ -55,7 +54,7 @@ class Limits(NamedTuple):
 
 
 class Target(NamedTuple):
-    server: object            # the SyntheticServer / V41Stack that makes the steps
+    server: object            # the SyntheticServer that makes the steps
     layer: object             # the module under test
     lim: Limits
     tensors: dict             # every cache and shared buffer of the server, by name
@@ -302,7 +301,7 @@ def test_a_rejected_step_changes_no_byte_of_any_cache(seed, layer, kind):
 @V41_PROPERTY
 @given(seed=st.integers(0, 2 ** 31 - 1), layer=st.sampled_from(V41_LAYERS), kind=st.sampled_from(KINDS + AFTER_BUILD))
 def test_a_rejected_v41_step_changes_no_byte_of_any_cache(seed, layer, kind):
-    """DeepseekV41Attention.forward, every V4.1 layer kind of a stack sharing caches: no byte of its own SWA
+    """DeepseekV4Attention.forward of every V4.1 layer kind of a stack sharing caches: no byte of its own SWA
     cache, of any kv source's compressed, indexer-K or ring cache, or of the shared top-k / candidate buffers
     changes. (The layer used to write its SWA cache, and a kv source its compressor ring, before an op
     rejected a compressed slot past the cache or indexer entries past the request.)"""
@@ -376,9 +375,9 @@ def test_v41_layer_checks_its_decode_rows_and_shared_buffers_before_writing():
     or reads its step's rows of the shared top-k and candidate buffers: steps past either are refused
     before the first write (they used to fail inside the indexer, after the SWA, compressed and ring
     writes)."""
-    from dsv4_rocm.attention_v41 import DeepseekV41Attention, V41SharedBuffers
+    from dsv4_rocm.attention import DeepseekV4Attention, SharedBuffers
     from dsv4_rocm.ops.indexer import MAX_NEXT_N
-    s = V41Stack(V41_CFG, None, 2, 256, layers=(0, 1), decode_query_len=MAX_NEXT_N + 1)
+    s = SyntheticServer(V41_CFG, None, 2, 256, layers=(0, 1), decode_query_len=MAX_NEXT_N + 1)
     tg = Target(s, None, None, {f"{x} {n}": getattr(c, n) for x, c in s.caches.items() for n in ("swa", "comp",
                                                                                                   "idx", "ring")
                                 if getattr(c, n) is not None})
@@ -392,10 +391,10 @@ def test_v41_layer_checks_its_decode_rows_and_shared_buffers_before_writing():
         s.modules[1](st.positions, x, st)
     assert not changed(tg, before)
     s.modules[0](st.positions, x, st)                            # a sliding-window layer runs no indexer
-    s = V41Stack(V41_CFG, None, 2, 256, layers=(3,))                # the candidate source
+    s = SyntheticServer(V41_CFG, None, 2, 256, layers=(3,))                # the candidate source
     tg = tg._replace(tensors={n: getattr(s.caches[3], n) for n in ("swa", "comp", "idx")})
-    small = V41SharedBuffers(s.shared.topk, s.shared.candidates[:6])
-    layer = DeepseekV41Attention(V41_CFG, 3, s.layer_weights[3], s.caches[3], small, 256)
+    small = SharedBuffers(s.shared.topk, s.shared.candidates[:6])
+    layer = DeepseekV4Attention(V41_CFG, 3, s.layer_weights[3], s.caches[3], 256, shared=small)
     st = s.make_step({0: 3, 1: 4})
     st.build(s.ratios())
     refill(tg, g)

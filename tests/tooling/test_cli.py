@@ -16,17 +16,17 @@ from dsv4_rocm.__main__ import main
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_run_main_job_tiny(capsys, monkeypatch):
+def test_run_trace_check_tiny(capsys, monkeypatch):
     """Each layer's trace runs once untimed (warm-up: compilation and first-touch costs) and then timed on a
     fresh server; the table says that request 0 was checked against the reference, with its error and
     tolerance."""
-    from dsv4_rocm import main_job
-    runs, run_trace = [], main_job._run_trace
+    from dsv4_rocm import trace_check
+    runs, run_trace = [], trace_check._run_trace
 
     def recording(srv, xs, steps, device, timer=None):
         runs.append((srv.layer_type.value, srv, timer is not None))
         return run_trace(srv, xs, steps, device, timer)
-    monkeypatch.setattr(main_job, "_run_trace", recording)
+    monkeypatch.setattr(trace_check, "_run_trace", recording)
     assert main(["run", "--config", "tiny", "--requests", "2", "--prompt-len", "40", "--decode-steps", "2",
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -39,7 +39,7 @@ def test_run_main_job_tiny(capsys, monkeypatch):
     for layer in layers:
         row = next(line for line in out.splitlines() if line.startswith(f"{layer} "))
         err, tol = re.search(r"rel err (\S+) <= (\S+) ok$", row).groups()
-        assert float(err) <= float(tol) == main_job.CHECK_TOL["cpu"]
+        assert float(err) <= float(tol) == trace_check.CHECK_TOL["cpu"]
 
 
 def test_run_check_on_cpu_catches_a_wrong_serving_path(monkeypatch):

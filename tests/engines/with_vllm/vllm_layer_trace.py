@@ -276,10 +276,10 @@ class Trace:
                 n = int((step.compressed_slots[4] >= 0).sum())
                 self.same_records(f"{name}: indexer-K cache", self.live.idx, idx, n * L.INDEXER_TOKEN_BYTES)
                 self.same_state(f"{name}: indexer compressor state", self.live.idx_state, idx_state)
-                self.over_vllm._topk = layer.topk_indices_buffer[:batch.positions.shape[0]]
+            topk = layer.topk_indices_buffer[:batch.positions.shape[0]] if ratio == 4 else None
             q_attn, out = self.rec.seen["mqa"]
             want_out = torch.full_like(out, 7.0)
-            self.over_vllm.forward_mqa(q_attn, None, pos, want_out, step)
+            self.over_vllm.forward_mqa(q_attn, None, pos, want_out, step, topk)
             if self.exact:
                 assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), f"{name}: attention output"
             else:
