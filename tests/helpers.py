@@ -148,7 +148,8 @@ def run_file_interpreted(test_file: str, timeout: int = 600):
 # The fixes replace methods of triton.runtime.interpreter (the only way to change what the interpreter computes);
 # before each, a tiny kernel runs under the interpreter in use and the fix goes in only if the kernel shows the
 # bug, and only if the kernel is right afterwards. An interpreter that is fixed upstream runs unpatched. Probed
-# 2026-11-29 (NumPy 2.4): the loop bound under Triton 3.6 only; every bf16 fix under 3.6, 3.8 and 3.9.
+# 2026-11-29 (NumPy 2.4): the loop bound under Triton 3.6 only; the scalar mask under 3.9 only; every bf16 fix
+# under 3.6, 3.8 and 3.9.
 @triton.jit
 def _probe_loop_bound(n_ptr, out_ptr):
     n = tl.load(n_ptr)
@@ -171,6 +172,13 @@ def _probe_bf16(x_ptr, y_ptr, f_ptr, sum_ptr, prod_ptr, less_ptr, widen_ptr, rou
     a = tl.load(x_ptr + r[:, None] * 0 + r[None, :])          # [N, N], every row x
     b = tl.load(y_ptr + r[:, None] + r[None, :] * 0)          # [N, N], every column y
     tl.store(dot_ptr + r[:, None] * N + r[None, :], tl.dot(a, b))
+
+
+@triton.jit
+def _probe_scalar_mask(x_ptr, out_ptr, n, c, N: tl.constexpr):
+    r = tl.arange(0, N)
+    inb = r < n
+    tl.store(out_ptr + r, tl.load(x_ptr + r, mask=inb & (c > 0), other=-1), mask=inb)
 
 
 def _interpreting() -> bool:
@@ -222,24 +230,51 @@ def _bf16_broken() -> set:
     return broken
 
 
+def _scalar_mask_broken() -> bool:
+    """A mask made of a block comparison and a comparison of a scalar argument loads what it masks."""
+    x, out = torch.arange(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    try:
+        _probe_scalar_mask[(1,)](x, out, 5, 3, N=8)
+    except Exception:          # Triton 3.9: "mask has unsupported dtype"
+        return True
+    return not torch.equal(out[:5], x[:5])
+
+
 def patch_interpreter_scalars():
-    """Triton 3.6's interpreter turns a scalar used as a loop bound into int(array of shape (1,)), which
-    NumPy >= 2.3 rejects; take the element instead (the compiled kernels are unaffected). Applied only where
-    ``_probe_loop_bound`` fails (Triton 3.6 with NumPy >= 2.3; 3.8 and 3.9 take the element themselves).
-    Returns the names of the fixes applied: ("loop bound",) or ()."""
-    if not _interpreting() or not _loop_bound_broken():
+    """Two scalar bugs of the interpreter (the compiled kernels are unaffected), each fixed only where its probe
+    shows it. "loop bound": Triton 3.6 turns a scalar used as a loop bound into int(array of shape (1,)), which
+    NumPy >= 2.3 rejects; take the element instead (3.8 and 3.9 take it themselves). "scalar mask": Triton
+    3.9 types ``block_mask & (scalar_arg > 0)`` as int32 under the interpreter (the compiler keeps it i1) and
+    its loads and stores then refuse the mask; hand them the mask as booleans. Returns the fixes applied."""
+    if not _interpreting():
         return ()
     import triton.runtime.interpreter as ti
-    patch = ti._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-    ti._patch_lang_tensor = patched
+    fixed = []
     if _loop_bound_broken():
-        ti._patch_lang_tensor = patch
-        raise RuntimeError("the interpreter's loop-bound fix does not fix it under Triton " + triton.__version__)
-    return ("loop bound",)
+        patch = ti._patch_lang_tensor
+
+        def patched(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+        ti._patch_lang_tensor = patched
+        if _loop_bound_broken():
+            ti._patch_lang_tensor = patch
+            raise RuntimeError("the interpreter's loop-bound fix does not fix it under Triton " + triton.__version__)
+        fixed.append("loop bound")
+    if _scalar_mask_broken():
+        B = ti.InterpreterBuilder
+        load, store = B.create_masked_load, B.create_masked_store
+
+        def as_bool(mask):
+            return mask if mask.data.dtype == bool else ti.TensorHandle(mask.data != 0, mask.dtype)
+
+        B.create_masked_load = lambda self, ptrs, mask, *a: load(self, ptrs, as_bool(mask), *a)
+        B.create_masked_store = lambda self, ptrs, value, mask, *a: store(self, ptrs, value, as_bool(mask), *a)
+        if _scalar_mask_broken():
+            B.create_masked_load, B.create_masked_store = load, store
+            raise RuntimeError("the interpreter's scalar-mask fix does not fix it under Triton " + triton.__version__)
+        fixed.append("scalar mask")
+    return tuple(fixed)
 
 
 def patch_interpreter_bf16():

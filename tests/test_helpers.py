@@ -28,10 +28,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import triton
 import helpers as h
-loop, bf16 = h._loop_bound_broken(), h._bf16_broken()
+loop, mask, bf16 = h._loop_bound_broken(), h._scalar_mask_broken(), h._bf16_broken()
 applied = h.patch_interpreter_scalars() + h.patch_interpreter_bf16()
-assert set(applied) == ({"loop bound"} if loop else set()) | bf16, (applied, loop, bf16)
-assert not h._loop_bound_broken() and not h._bf16_broken()
+expected = ({"loop bound"} if loop else set()) | ({"scalar mask"} if mask else set()) | bf16
+assert set(applied) == expected, (applied, loop, mask, bf16)
+assert not h._loop_bound_broken() and not h._scalar_mask_broken() and not h._bf16_broken()
 assert h.patch_interpreter_scalars() == () and h.patch_interpreter_bf16() == ()     # nothing left to fix
 print(triton.__version__, "fixed:", sorted(applied))
 """
@@ -39,7 +40,7 @@ print(triton.__version__, "fixed:", sorted(applied))
 
 def test_interpreter_fixes_go_where_the_probes_fail(tmp_path):
     """Under the interpreter: each fix is applied iff its probe kernel shows the bug, after which every probe
-    (bf16 +, *, <, widening with denormals, rounding ties, tl.dot; a loaded loop bound) matches torch's
+    (bf16 +, *, <, widening with denormals, rounding ties, tl.dot; a loaded loop bound; a mask with a scalar comparison) matches torch's
     bits, and a second call finds nothing to fix."""
     r = run_interpreted(INTERPRETER_FIXES, tmp_path)
     assert r.returncode == 0 and "fixed:" in r.stdout, r.stderr[-3000:]
