@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._compat import GLUON_WS
+from ._compat import GLUON_WS, by_triton
 from ._launch import cdiv, device_cache, device_facts, launch
 
 _ws = None
@@ -103,7 +103,15 @@ def default_config(arch: str) -> dict:
         return dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1)
     if arch == "sm_100":       # 64-key tiles need 257 KB of shared memory there (compile matrix)
         return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
-    return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=3)   # 2 stages spill 16 B on sm_90a
+    return dict(BLOCK_H=64, num_warps=8, **by_triton(_SM90_TILES))
+
+
+# Hopper's tile by Triton: under 3.6 to 3.8, 64 keys and 3 stages (2 stages spill 16 B). Triton 3.9 spills
+# every tile tried at its 255 registers (64 keys: 632-772 B; 32 keys: 304 B with 2 stages, 312 B with 3;
+# 16 warps: 980-1068 B at 128 registers), so it takes the least; there the Gluon kernel is not offered either.
+_SM90_TILES = {(3, 6): dict(BLOCK_N=64, num_stages=3), (3, 9): dict(BLOCK_N=32, num_stages=2)}
+_SM90_SPILLS = {(3, 6): "", (3, 9): {"sm_90a": "Triton >= 3.9: no tile tried compiles without spills "
+                                               "(docs/platforms.md#triton-versions)"}}
 
 
 @device_cache()
@@ -204,5 +212,5 @@ COMPILE_SPECS = [
          floats=("sm_log2",),
          constexprs=lambda arch: dict(HAS_LEN=True, HAS_SINK=True, BLOCK_H=default_config(arch)["BLOCK_H"],
                                       BLOCK_N=default_config(arch)["BLOCK_N"]),
-         options=_matrix_options, matrix=True),
+         options=_matrix_options, matrix=True, ptxas_spills=by_triton(_SM90_SPILLS)),
 ]

@@ -272,6 +272,9 @@ def test_rejected_calls_change_no_byte():
 _INTERPRETED_ENTRY = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_scalars
+    patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch, triton, triton.language as tl
     from dsv4_rocm.reference import compressor as rc
     from dsv4_rocm.reference.rope import rope_fwd, build_cos_sin_cache
@@ -338,8 +341,11 @@ def test_kernel_fp32_arithmetic_equals_the_oracle_under_the_interpreter(tmp_path
 
 
 _INTERPRETED_EXP = textwrap.dedent("""
-    import os
+    import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_scalars
+    patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch, triton, triton.language as tl
     from dsv4_rocm.reference import compressor as rc
     from dsv4_rocm.triton import compress_norm_rope_store as K
@@ -373,8 +379,11 @@ def test_kernel_exp_equals_the_oracle_bit_for_bit(tmp_path):
 
 
 _INTERPRETED_SAVE = textwrap.dedent("""
-    import os
+    import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_scalars
+    patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch
     from dsv4_rocm.reference import compressor as rc
     from dsv4_rocm.triton.save_partial_states import save_partial_states
@@ -407,8 +416,11 @@ def test_save_partial_states_kernel_equals_the_oracle_under_the_interpreter(tmp_
 
 
 _INTERPRETED_ENTRIES = textwrap.dedent("""
-    import os
+    import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_scalars
+    patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch
     from dsv4_rocm.triton.compressor_entries import compressor_entries
     g = torch.Generator().manual_seed(0)
@@ -444,6 +456,9 @@ def test_entry_list_kernel_under_the_interpreter(tmp_path):
 _INTERPRETED_CONFIGS = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_scalars
+    patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     sys.path.insert(0, "tests/compressor")
     import torch
     from dsv4_rocm import ops

@@ -491,8 +491,11 @@ def test_negative_block_table_entry_inside_the_context_is_minus_inf():
 
 # ---- the q kernel under the Triton interpreter -----------------------------------------------------------
 _INTERPRETED_Q = textwrap.dedent("""
-    import os
+    import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_scalars
+    patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch, triton, triton.language as tl
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.quant import e2m1_encode
@@ -545,6 +548,9 @@ def test_q_kernel_exact_paths_under_the_interpreter(tmp_path):
 _INTERPRETED_LOGITS = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_scalars
+    patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import numpy as np
     import torch, triton
     import triton.runtime.interpreter as interp

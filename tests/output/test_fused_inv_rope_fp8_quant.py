@@ -207,8 +207,11 @@ def test_bad_input_is_rejected(match, call):
 
 # ---- the Triton kernel ---------------------------------------------------------------------------------
 _INTERPRETED = textwrap.dedent("""
-    import os
+    import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "tests")
+    from helpers import patch_interpreter_scalars
+    patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch
     from dsv4_rocm.reference import output as O
     from dsv4_rocm.reference.rope import build_cos_sin_cache
