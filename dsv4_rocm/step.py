@@ -13,7 +13,7 @@ state in blocks of 4 (C4) or 8 (C128) token positions.
 
 ``StepMetadata.build`` computes the index sets once per step (what vLLM's builders do), into tensors whose
 shapes depend only on the batch shape, so a decode step builds and runs inside a CUDA/HIP graph. On a GPU
-that is one kernel launch (dsv4_rocm/triton/step_index_sets.py); ``build_from_ops`` composes the same sets
+that is one kernel launch (dsv4_rocm/triton/metadata/step_index_sets.py); ``build_from_ops`` composes the same sets
 from the public metadata ops, the reference the kernel is tested against. Padding tokens (slot -1, or past
 the last request's query range) get token_to_req -1 where outside every request, lengths 0 and rows of
 -1. The host integers (request and token counts) come from the scheduler, never from device tensors.
@@ -106,7 +106,7 @@ class StepMetadata:
 
     def build(self, ratios=(4, 128), *, caches=None) -> "StepMetadata":
         """Fill the shared index sets for the layer ratios of the model (no host sync): one launch of the
-        step's index-set kernel (dsv4_rocm/triton/step_index_sets.py) where the metadata ops run Triton,
+        step's index-set kernel (dsv4_rocm/triton/metadata/step_index_sets.py) where the metadata ops run Triton,
         else ``build_from_ops``. The results are the same; the kernel writes into the buffers of the
         previous build when the step's shape is unchanged (a captured graph keeps their addresses).
         ``caches`` (a LayerCache, or several): the step is validated against them first (``validate``),
@@ -120,7 +120,7 @@ class StepMetadata:
 
     def build_fused(self, ratios=(4, 128)) -> "StepMetadata":
         """``build`` in one kernel launch (a GPU, or CPU tensors under TRITON_INTERPRET=1)."""
-        from .triton.step_index_sets import step_index_sets
+        from .triton.metadata.step_index_sets import step_index_sets
         ratios, v41 = _split(self._check(ratios))
         T, dev = self.num_tokens, self.positions.device
 

@@ -110,7 +110,7 @@ def test_fp8_model_against_torch(check, tier):
 def test_emulated_target_facts_and_caches():
     """CPU tensors launch as the emulated target inside ``emulate_target`` and as "cpu" outside; the
     per-device caches are emptied on the switch; unknown targets are refused by name."""
-    from dsv4_rocm.triton import compress_norm_rope_store as C
+    from dsv4_rocm.triton.compressor import compress_norm_rope_store as C
     cpu = torch.device("cpu")
     before = _launch.device_facts(cpu)
     assert before[0] == "cpu" and not before[1]

@@ -134,5 +134,5 @@ def rne_bf16_casts():
 
 if __name__ == "__main__":
     rne_bf16_casts()
-    from dsv4_rocm.triton.rocm_inverse_rope_rows import rocm_inverse_rope_rows_
+    from dsv4_rocm.triton.attention.rocm_inverse_rope_rows import rocm_inverse_rope_rows_
     print("interpreter cases passed:", check_kernel(rocm_inverse_rope_rows_, "cpu"))

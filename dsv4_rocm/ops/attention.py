@@ -33,9 +33,9 @@ from ._dispatch import register, run as _run, value_checks
 __all__ = ["sparse_mla_decode", "sparse_mla_prefill"]
 
 register("sparse_mla_decode", _ra.flash_mla_with_kvcache_sparse,
-         triton="dsv4_rocm.triton.sparse_mla_decode:sparse_mla_decode")
+         triton="dsv4_rocm.triton.attention.sparse_mla_decode:sparse_mla_decode")
 register("sparse_mla_prefill", _ra.flash_mla_sparse_fwd,
-         triton="dsv4_rocm.triton.sparse_mla_prefill:sparse_mla_prefill")
+         triton="dsv4_rocm.triton.attention.sparse_mla_prefill:sparse_mla_prefill")
 
 _CACHE_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
 

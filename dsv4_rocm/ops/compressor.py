@@ -14,9 +14,9 @@ __all__ = ["compressor_kv_score", "save_partial_states", "compress_norm_rope_sto
 
 register("compressor_kv_score", _rc.compressor_kv_score)
 register("save_partial_states", _rc.save_partial_states,
-         triton="dsv4_rocm.triton.save_partial_states:save_partial_states")
+         triton="dsv4_rocm.triton.compressor.save_partial_states:save_partial_states")
 register("compress_norm_rope_store", _rc.compress_norm_rope_store,
-         triton="dsv4_rocm.triton.compress_norm_rope_store:compress_norm_rope_store")
+         triton="dsv4_rocm.triton.compressor.compress_norm_rope_store:compress_norm_rope_store")
 
 # (head_dim, use_fp4_cache) -> (quant_block, token_stride, scale_dim) of the indexer records the op writes; a
 # head-512 cache's record format is named by its last dimension (584, 528 or 288): (quant_block, data_bytes,

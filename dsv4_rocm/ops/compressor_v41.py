@@ -14,8 +14,8 @@ from ._dispatch import register, run as _run, value_checks
 __all__ = ["fused_save_compress_norm", "rope_quant_insert"]
 
 register("fused_save_compress_norm", _rv.fused_save_compress_norm,
-         triton="dsv4_rocm.triton.fused_save_compress_norm:fused_save_compress_norm")
-register("rope_quant_insert", _rv.rope_quant_insert, triton="dsv4_rocm.triton.rope_quant_insert:rope_quant_insert")
+         triton="dsv4_rocm.triton.compressor.fused_save_compress_norm:fused_save_compress_norm")
+register("rope_quant_insert", _rv.rope_quant_insert, triton="dsv4_rocm.triton.compressor.rope_quant_insert:rope_quant_insert")
 
 D = _rv.LATENT_DIM
 

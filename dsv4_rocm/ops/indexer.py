@@ -281,11 +281,11 @@ _define("cp_gather_indexer_k_quant_cache(Tensor kv_cache, Tensor(a!) dst_k, Tens
 __all__ += ["top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk"]
 
 register("top_k_per_row_prefill", _ri.top_k_per_row_prefill,
-         triton="dsv4_rocm.triton.top_k_per_row:top_k_per_row_prefill")
+         triton="dsv4_rocm.triton.indexer.top_k_per_row:top_k_per_row_prefill")
 register("top_k_per_row_decode", _ri.top_k_per_row_decode,
-         triton="dsv4_rocm.triton.top_k_per_row:top_k_per_row_decode")
-register("persistent_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.top_k_per_row:persistent_topk")
-register("cooperative_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.top_k_per_row:persistent_topk")
+         triton="dsv4_rocm.triton.indexer.top_k_per_row:top_k_per_row_decode")
+register("persistent_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.indexer.top_k_per_row:persistent_topk")
+register("cooperative_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.indexer.top_k_per_row:persistent_topk")
 
 TOP_K_MAX = 4096
 

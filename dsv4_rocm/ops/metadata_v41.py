@@ -12,7 +12,7 @@ from ._dispatch import register, run as _run
 __all__ = ["v41_step_index_sets"]
 
 register("v41_step_index_sets", _rm.v41_step_index_sets,
-         triton="dsv4_rocm.triton.v41_step_index_sets:v41_step_index_sets")
+         triton="dsv4_rocm.triton.metadata.v41_step_index_sets:v41_step_index_sets")
 
 
 def _out(name, t, T, dtype):

@@ -8,13 +8,13 @@ from ._dispatch import register, run as _run
 
 __all__ = ["fused_inv_rope_fp8_quant", "fp8_einsum", "fp8_linear", "merge_attn_states"]
 
-_TRITON_EINSUM = "dsv4_rocm.triton.fp8_einsum"
+_TRITON_EINSUM = "dsv4_rocm.triton.output.fp8_einsum"
 register("fused_inv_rope_fp8_quant", _ro.fused_inv_rope_fp8_quant,
-         triton="dsv4_rocm.triton.fused_inv_rope_fp8_quant:fused_inv_rope_fp8_quant")
+         triton="dsv4_rocm.triton.output.fused_inv_rope_fp8_quant:fused_inv_rope_fp8_quant")
 register("fp8_einsum", _ro.fp8_einsum, triton=f"{_TRITON_EINSUM}:fp8_einsum")
 register("fp8_linear", _ro.fp8_linear, triton=f"{_TRITON_EINSUM}:fp8_linear")
 register("merge_attn_states", _ro.merge_attn_states,
-         triton="dsv4_rocm.triton.merge_attn_states:merge_attn_states")
+         triton="dsv4_rocm.triton.output.merge_attn_states:merge_attn_states")
 
 
 def _flag(name, v):

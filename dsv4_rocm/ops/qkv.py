@@ -24,10 +24,10 @@ register("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", _rq.fused_deepseek
 register("qnorm_rope_and_insert_full_k_cache", _rq.qnorm_rope_and_insert_full_k_cache,
          hip="dsv4_rocm.hip_ops:qnorm_rope_and_insert_full_k_cache")
 register("qnorm_rope_and_insert_full_bf16_k_cache", _rq.qnorm_rope_and_insert_full_bf16_k_cache,
-         triton="dsv4_rocm.triton.qnorm_rope_and_insert_full_bf16_k_cache:qnorm_rope_and_insert_full_bf16_k_cache")
+         triton="dsv4_rocm.triton.qkv.qnorm_rope_and_insert_full_bf16_k_cache:qnorm_rope_and_insert_full_bf16_k_cache")
 
 register("fused_deepseek_v4_kv_rope_insert", _rq.fused_deepseek_v4_kv_rope_insert,
-         triton="dsv4_rocm.triton.fused_deepseek_v4_kv_rope_insert:fused_deepseek_v4_kv_rope_insert")
+         triton="dsv4_rocm.triton.qkv.fused_deepseek_v4_kv_rope_insert:fused_deepseek_v4_kv_rope_insert")
 
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -43,9 +43,9 @@ __all__ = ["rocm_sparse_attn_decode", "rocm_sparse_attn_prefill", "rocm_inverse_
            "ragged_indices_to_dense"]
 
 register("ragged_indices_to_dense", _rm.ragged_indices_to_dense,
-         triton="dsv4_rocm.triton.ragged_indices_to_dense:ragged_indices_to_dense")
+         triton="dsv4_rocm.triton.attention.ragged_indices_to_dense:ragged_indices_to_dense")
 register("rocm_inverse_rope_rows_", _rr.rocm_inverse_rope_rows_,
-         triton="dsv4_rocm.triton.rocm_inverse_rope_rows:rocm_inverse_rope_rows_")
+         triton="dsv4_rocm.triton.attention.rocm_inverse_rope_rows:rocm_inverse_rope_rows_")
 
 _KERNEL_HEADS = (64, 128)
 

@@ -1,5 +1,5 @@
 """The per-step index sets of DeepSeek-V4.1's compressed layers (docs/math.md#v41-step), the oracle of
-``dsv4_rocm/triton/v41_step_index_sets.py``.
+``dsv4_rocm/triton/metadata/v41_step_index_sets.py``.
 
 For each token t of request b = token_to_req[t] at position p = positions[t], valid when
 is_valid_token[t] (its slot is >= 0), b is a request of the step and p >= 0, and for each V4.1 ratio r:
