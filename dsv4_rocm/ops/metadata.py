@@ -21,8 +21,8 @@ __all__ = [
     "get_compressed_slot_mapping", "compute_swa_indices_and_lens", "compute_prefill_gather_lens",
     "compute_global_topk_indices_and_lens", "build_c128a_topk_metadata", "combine_topk_swa_indices"]
 
-for _op in __all__:        # each op: its oracle and its kernel, dsv4_rocm/triton/<op>.py
-    register(_op, getattr(_rm, _op), triton=f"dsv4_rocm.triton.{_op}:{_op}")
+for _op in __all__:        # each op: its oracle and its kernel, dsv4_rocm/triton/metadata/<op>.py
+    register(_op, getattr(_rm, _op), triton=f"dsv4_rocm.triton.metadata.{_op}:{_op}")
 
 INT32_MAX = 2 ** 31 - 1
 
