@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
-from ...reference.compressor_v41 import is_plain_row_cache
+from ...cache_views import is_plain_row_cache
 from .._launch import cdiv, device_cache, device_facts, launch
 from .compress_norm_rope_store import _e4m3, _rope_last64, _store_main, _store_v41_fp4, _store_v41_fp8
 

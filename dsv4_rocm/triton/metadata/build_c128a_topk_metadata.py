@@ -14,7 +14,7 @@ row strides given, every column of the slice stored. Reads of block_table are ma
 import triton
 import triton.language as tl
 
-from ...reference.metadata import c128a_slices
+from ...layout import c128a_slices
 from .._launch import launch
 from ._token_position import paged_slot
 

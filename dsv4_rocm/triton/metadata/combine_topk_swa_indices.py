@@ -23,7 +23,7 @@ checked against its own [start, end).
 import triton
 import triton.language as tl
 
-from ...reference.metadata import combine_outputs
+from ...layout import combine_outputs
 from .._launch import launch
 from ._token_position import token_position
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...reference.metadata import global_topk_outputs
+from ...layout import global_topk_outputs
 from .._launch import launch, next_power_of_2
 from ._token_position import INT32_MAX
 

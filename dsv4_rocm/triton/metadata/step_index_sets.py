@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
-from ...reference.compressor import state_block_size
 from ._token_position import paged_slot, request_index, token_place
 
 BLOCK_R = 128
@@ -146,8 +145,8 @@ def step_index_sets(query_start_loc, seq_lens, positions, slot_mapping, swa_bloc
         compressed_block_table, compressed_block_table.stride(0), compressed_block_table.shape[1],
         state_block_table, state_block_table.stride(0), state_block_table.shape[1],
         token_to_req, is_valid_token, swa_indices, swa_lens, *c4_out, *c128_out,
-        SWA_BS=L.SWA_BLOCK_SIZE, C4=c4 is not None, C4_BS=L.compressed_block_size(4), C4_SBS=state_block_size(4),
-        C128=c128 is not None, C128_BS=L.compressed_block_size(128), C128_SBS=state_block_size(128),
+        SWA_BS=L.SWA_BLOCK_SIZE, C4=c4 is not None, C4_BS=L.compressed_block_size(4), C4_SBS=L.state_block_size(4),
+        C128=c128 is not None, C128_BS=L.compressed_block_size(128), C128_SBS=L.state_block_size(128),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_R=BLOCK_R, BLOCK_W=min(triton.next_power_of_2(W), 128), BLOCK_K=block_k,
         num_warps=cfg["num_warps"])
 
@@ -160,8 +159,8 @@ COMPILE_SPECS = [
                        idx_lens_ptr="*i32", c128_slot_ptr="*i64", c128_state_ptr="*i64", c128_idx_ptr="*i32",
                        c128_lens_ptr="*i32"), floats=(),
          constexprs=lambda arch: dict(SWA_BS=L.SWA_BLOCK_SIZE, C4=True, C4_BS=L.compressed_block_size(4),
-                                      C4_SBS=state_block_size(4), C128=True, C128_BS=L.compressed_block_size(128),
-                                      C128_SBS=state_block_size(128), BLOCK_T=default_config(128)["BLOCK_T"],
+                                      C4_SBS=L.state_block_size(4), C128=True, C128_BS=L.compressed_block_size(128),
+                                      C128_SBS=L.state_block_size(128), BLOCK_T=default_config(128)["BLOCK_T"],
                                       BLOCK_R=BLOCK_R, BLOCK_W=128, BLOCK_K=128),
          options=lambda arch: dict(num_warps=default_config(128)["num_warps"], num_stages=1), matrix=False),
 ]

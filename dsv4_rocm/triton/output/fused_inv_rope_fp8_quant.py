@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...reference.output import tma_aligned_tokens
+from ...layout import tma_aligned_tokens
 from .._launch import device_cache, device_facts, launch
 from ..compressor.compress_norm_rope_store import _ceil_log2, _e4m3, _pow2
 
