@@ -7,12 +7,15 @@ import torch
 
 from .. import _checks as C
 from ..reference import metadata_v41 as _rm
-from ._dispatch import register, run as _run
+from ._dispatch import HAVE_TRITON, register, run as _run
 
 __all__ = ["v41_step_index_sets"]
 
-register("v41_step_index_sets", _rm.v41_step_index_sets,
-         triton="dsv4_rocm.triton.metadata.v41_step_index_sets:v41_step_index_sets")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the op runs its oracle
+    from ..triton.metadata.v41_step_index_sets import v41_step_index_sets as _triton_step_sets
+else:
+    _triton_step_sets = None
+register("v41_step_index_sets", _rm.v41_step_index_sets, triton=_triton_step_sets)
 
 
 def _out(name, t, T, dtype):

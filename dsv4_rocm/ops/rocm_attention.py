@@ -36,16 +36,19 @@ from .. import layout as L
 from ..workspace import workspace
 from ..reference import metadata as _rm
 from ..reference import rope as _rr
-from ._dispatch import register, run as _run, value_checks
+from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 from .attention import sparse_mla_decode, sparse_mla_prefill
 
 __all__ = ["rocm_sparse_attn_decode", "rocm_sparse_attn_prefill", "rocm_inverse_rope_rows_",
            "ragged_indices_to_dense"]
 
-register("ragged_indices_to_dense", _rm.ragged_indices_to_dense,
-         triton="dsv4_rocm.triton.attention.ragged_indices_to_dense:ragged_indices_to_dense")
-register("rocm_inverse_rope_rows_", _rr.rocm_inverse_rope_rows_,
-         triton="dsv4_rocm.triton.attention.rocm_inverse_rope_rows:rocm_inverse_rope_rows_")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.attention.ragged_indices_to_dense import ragged_indices_to_dense as _triton_ragged
+    from ..triton.attention.rocm_inverse_rope_rows import rocm_inverse_rope_rows_ as _triton_inv_rope
+else:
+    _triton_ragged = _triton_inv_rope = None
+register("ragged_indices_to_dense", _rm.ragged_indices_to_dense, triton=_triton_ragged)
+register("rocm_inverse_rope_rows_", _rr.rocm_inverse_rope_rows_, triton=_triton_inv_rope)
 
 _KERNEL_HEADS = (64, 128)
 

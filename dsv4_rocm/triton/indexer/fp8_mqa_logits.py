@@ -84,11 +84,9 @@ def default_config(arch: str) -> dict:
 
 
 def fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits: bool = True, config: dict = None):
-    """DeepGEMM's call form; arguments checked by ``dsv4_rocm.ops.fp8_mqa_logits``."""
-    arch, fnuz, fp8_mma, _ = facts_of(q)
-    if not fp8_mma:           # no fp8 matrix instructions (gfx90a, sm_80): the oracle
-        from ...reference.indexer import fp8_mqa_logits as oracle
-        return oracle(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
+    """DeepGEMM's call form; arguments checked by ``dsv4_rocm.ops.fp8_mqa_logits``, which runs this kernel only
+    where ``fp8_paged_mqa_logits.has_fp8_mma``."""
+    arch, fnuz, _, _ = facts_of(q)
     k8, k_scale = kv
     M, N = q.shape[0], k8.shape[0]
     out = torch.empty(M, N, dtype=torch.float32, device=q.device)

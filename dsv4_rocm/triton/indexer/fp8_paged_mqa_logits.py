@@ -152,10 +152,16 @@ def default_config(arch: str) -> dict:
 
 
 def facts_of(t: torch.Tensor):
-    """(arch, reads fnuz, has fp8 matrix instructions, SM count) of t's device, cached per device (CPU tensors,
-    under the Triton interpreter, take the kernel path)."""
+    """(arch, reads fnuz, has fp8 matrix instructions, SM count) of t's device, cached per device."""
     arch, fnuz, sms, fp8_mma = device_facts(t.device)
     return arch, fnuz, fp8_mma, sms
+
+
+def has_fp8_mma(device: torch.device) -> bool:
+    """Whether the logits kernels (this file's and fp8_mqa_logits.py's) run on ``device``: they need fp8 matrix
+    instructions, which gfx90a and sm_80 lack (there dsv4_rocm.ops runs the oracle); CPU tensors, under the
+    Triton interpreter, run them."""
+    return device_facts(device)[3]
 
 
 def pad_heads(q: torch.Tensor, w: torch.Tensor):
@@ -174,12 +180,9 @@ def pad_heads(q: torch.Tensor, w: torch.Tensor):
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len: int,
                          clean_logits: bool = True, config: dict = None):
-    """DeepGEMM's call form; arguments checked by ``dsv4_rocm.ops.fp8_paged_mqa_logits``."""
-    arch, fnuz, fp8_mma, sms = facts_of(q)
-    if not fp8_mma:           # no fp8 matrix instructions (gfx90a, sm_80): the oracle
-        from ...reference.indexer import fp8_paged_mqa_logits as oracle
-        return oracle(q, kv_cache, weights, context_lens, block_tables, schedule_metadata, max_model_len,
-                      clean_logits)
+    """DeepGEMM's call form; arguments checked by ``dsv4_rocm.ops.fp8_paged_mqa_logits``, which runs this kernel
+    only where ``has_fp8_mma``."""
+    arch, fnuz, _, sms = facts_of(q)
     B, nn = q.shape[:2]
     out = torch.empty(B * nn, max_model_len, dtype=torch.float32, device=q.device)
     if B == 0:
