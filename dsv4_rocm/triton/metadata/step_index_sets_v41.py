@@ -28,7 +28,7 @@ def _closing_slot(bt_ptr, bt_row, bt_cols, r, p, valid, RATIO: tl.constexpr, BS:
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
-def _v41_step_index_sets_kernel(pos_ptr, t2r_ptr, valid_ptr, cbt_ptr, cbt_row, cbt_cols, sbt_ptr, sbt_row, sbt_cols,
+def _step_index_sets_v41_kernel(pos_ptr, t2r_ptr, valid_ptr, cbt_ptr, cbt_row, cbt_cols, sbt_ptr, sbt_row, sbt_cols,
                                 num_reqs, num_tokens, s1_ptr, l1_ptr, s2_ptr, l2_ptr, ring_ptr, BS: tl.constexpr,
                                 CAP: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -50,23 +50,23 @@ def _v41_step_index_sets_kernel(pos_ptr, t2r_ptr, valid_ptr, cbt_ptr, cbt_row, c
         tl.store(ring_ptr + t, tl.where(okr & (page >= 0), page * CAP + p % CAP, -1), mask=inb)
 
 
-def v41_step_index_sets(positions, token_to_req, is_valid_token, compressed_block_table, state_block_table,
+def step_index_sets_v41(positions, token_to_req, is_valid_token, compressed_block_table, state_block_table,
                         block_size: int, ring_capacity: int, r1=None, r2=None) -> None:
-    """Launcher (arguments checked by dsv4_rocm.ops.v41_step_index_sets)."""
+    """Launcher (arguments checked by dsv4_rocm.ops.step_index_sets_v41)."""
     T = positions.shape[0]
     if T == 0 or (r1 is None and r2 is None):
         return
     s1, l1 = r1 if r1 is not None else (positions, token_to_req)
     s2, l2, ring = r2 if r2 is not None else (positions, token_to_req, positions)
     cbt, sbt = compressed_block_table, state_block_table
-    launch(_v41_step_index_sets_kernel)[(cdiv(T, BLOCK_T),)](
+    launch(_step_index_sets_v41_kernel)[(cdiv(T, BLOCK_T),)](
         positions, token_to_req, is_valid_token, cbt, cbt.stride(0), cbt.shape[1], sbt, sbt.stride(0), sbt.shape[1],
         cbt.shape[0], T, s1, l1, s2, l2, ring, BS=block_size, CAP=ring_capacity, R1=r1 is not None,
         R2=r2 is not None, BLOCK_T=BLOCK_T, num_warps=4)
 
 
 COMPILE_SPECS = [
-    dict(name="v41_step_index_sets", fn=_v41_step_index_sets_kernel,
+    dict(name="step_index_sets_v41", fn=_step_index_sets_v41_kernel,
          pointers=dict(pos_ptr="*i64", t2r_ptr="*i32", valid_ptr="*i1", cbt_ptr="*i32", sbt_ptr="*i32",
                        s1_ptr="*i64", l1_ptr="*i32", s2_ptr="*i64", l2_ptr="*i32", ring_ptr="*i64"),
          floats=(), constexprs=lambda arch: dict(BS=64, CAP=8, R1=True, R2=True, BLOCK_T=BLOCK_T),

@@ -148,15 +148,15 @@ def _padded(q, output, attn_sink):
         return q, output, attn_sink, None
     Hp = 64 if H < 64 else 128
     dev = q.device
-    qp = workspace("rocm_attention.q", dev, (T, Hp, D), torch.bfloat16)
+    qp = workspace("vllm_rocm_sparse_attn.q", dev, (T, Hp, D), torch.bfloat16)
     qp[:, :H].copy_(q)
     qp[:, H:].zero_()
     sink = None
     if attn_sink is not None:
-        sink = workspace("rocm_attention.sink", dev, (Hp,), torch.float32)
+        sink = workspace("vllm_rocm_sparse_attn.sink", dev, (Hp,), torch.float32)
         sink[:H].copy_(attn_sink)
         sink[H:].zero_()
-    out = workspace("rocm_attention.out", dev, (T, Hp, D), torch.bfloat16)
+    out = workspace("vllm_rocm_sparse_attn.out", dev, (T, Hp, D), torch.bfloat16)
     return qp, out, sink, lambda o: output.copy_(o[:, :H])
 
 
@@ -194,7 +194,7 @@ def _index_set(names, dense, lengths, ragged, indptr, T, dev):
     ``names``: the call's names of (dense indices, lengths, ragged indices, ragged offsets), which also name
     the set's workspaces (distinct for the two sets of a decode call)."""
     n_dense, n_len, n_ragged, n_ptr = names
-    kind = "rocm_attention." + n_dense
+    kind = "vllm_rocm_sparse_attn." + n_dense
     if (ragged is None) != (indptr is None):
         raise ValueError(f"{n_ragged} and {n_ptr} must be given together")
     if ragged is None:
