@@ -32,7 +32,7 @@ import triton.language as tl                                    # noqa: E402
 from dsv4_rocm import layout as L                               # noqa: E402
 from helpers import float_mismatch                               # noqa: E402
 from dsv4_rocm.triton import _fp8                               # noqa: E402
-from dsv4_rocm.triton.compressor.compress_norm_rope_store import _e4m3     # noqa: E402
+from dsv4_rocm.triton._records import _e4m3                     # noqa: E402
 from dsv4_rocm.triton.attention.sparse_mla_decode import _e2m1_to_scaled_bf16, _e4m3_to_scaled_bf16  # noqa: E402
 
 # case -> the targets whose branches it runs (sm_90: the H100 runs the GPU suite; the rest as the text says)

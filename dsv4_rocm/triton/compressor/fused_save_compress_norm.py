@@ -21,7 +21,7 @@ token's partner row from ``prev_rows[prev_row_indices[b]]`` where that index is 
 last row skips the token; a negative one reads the ring as above) and saves no ring row.
 
 Arithmetic: that of the reference, operation for operation (fp fusion off, IEEE division and square
-root, the polynomial exponential and pairwise sums of dsv4_rocm/triton/compressor/compress_norm_rope_store.py), so
+root, the polynomial exponential of compressor/compress_norm_rope_store.py and the pairwise sums of _records.py), so
 the latent bits are the reference's on every device. NaN is written 0x7FC0.
 """
 import torch

@@ -3,8 +3,8 @@ every group-closing token's latent.
 
 Math (dsv4_rocm/reference/compressor_v41.py): token t (t < len(slot_mapping)) at position p with
 (p + 1) % r == 0, a slot inside the cache and p inside the cos/sin table: x = fp32(latent[t]) and RoPE(x)
-at (p // r) * r; the record of the cache's format FMT (a constexpr), made by the stores of
-dsv4_rocm/triton/compressor/compress_norm_rope_store.py, so the bytes are those of every other writer of the record:
+at (p // r) * r; the record of the cache's format FMT (a constexpr), made by the record stores of
+dsv4_rocm/triton/_records.py, so the bytes are those of every other writer of the record:
     V40_584      UE8M0 fp8 of x[:448] in blocks of 64, bf16 of the rotated dims 448..511, 7 scales and a 0
                  pad byte; page p = slot // bs at ``kv_cache.stride(0)``, record o = slot % bs: data at
                  p + o * 576, scales at p + bs * 576 + o * 8
@@ -13,7 +13,7 @@ dsv4_rocm/triton/compressor/compress_norm_rope_store.py, so the bytes are those 
 the V4.1 records where ``layout.data_offset`` / ``record_scale_offset`` put them (page-split or interleaved).
 MODE (a constexpr) 1 and 2 write vLLM's plain [448 NoPE | 64 RoPE] rows instead, row slot % bs of page
 slot // bs at the tensor's row and page strides: 1 the bf16 row bf(RoPE(x)), 2 its e4m3 bytes of
-fp32(bf(RoPE(x))) * fp32(1 / fp8_scale) by compress_norm_rope_store._e4m3 (OCP bytes on every target,
+fp32(bf(RoPE(x))) * fp32(1 / fp8_scale) by _records._e4m3 (OCP bytes on every target,
 saturating, -0 as 0x00), a non-finite value 0x7F.
 
 Grid: one program per ROWS tokens, each token's record made in turn (a decode step writes a record for
@@ -25,20 +25,11 @@ import triton.language as tl
 
 from ... import layout as L
 from ...cache_views import is_plain_row_cache
-from .._launch import cdiv, device_cache, device_facts, launch
-from .compress_norm_rope_store import _e4m3, _rope_last64, _store_main, _store_v41_fp4, _store_v41_fp8
+from .._launch import cdiv, launch
+from .._records import _e4m3, _rope_last64, _store_main, _store_v41_fp4, _store_v41_fp8, fnuz, record_token
 
 D = 512
 ROWS = 4
-
-
-@triton.jit
-def record_token(slot_ptr, pos_ptr, t, capacity, cs_rows, RATIO: tl.constexpr):
-    """(slot, position, writes): token t writes a record when its slot is inside the cache, its position
-    inside the cos/sin table, and it closes a group ((p + 1) % RATIO == 0)."""
-    s = tl.load(slot_ptr + t).to(tl.int64)
-    p = tl.load(pos_ptr + t).to(tl.int64)
-    return s, p, (s >= 0) & (s < capacity) & (p >= 0) & (p < cs_rows) & ((p + 1) % RATIO == 0)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -72,13 +63,6 @@ def _rope_quant_insert_kernel(latent_ptr, pos_ptr, cs_ptr, cs_stride, cs_rows, c
                         b = _e4m3(y * inv, FNUZ)
                         finite = (y == y) & (tl.abs(y) != float("inf"))
                         tl.store(row, tl.where(finite, b, 0x7F).to(tl.uint8))
-
-
-@device_cache()
-def fnuz(device) -> bool:
-    """Whether ``device`` encodes fp8 through the fnuz convert (gfx942, or CPU tensors emulating it), cached
-    so that a launch pays no query."""
-    return device_facts(device)[1]
 
 
 def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .._launch import cdiv, device_cache, device_facts, launch
-from ..compressor.compress_norm_rope_store import _ceil_log2, _pow2, _ue8m0_fp8
+from .._records import _ceil_log2, _pow2, _ue8m0_fp8
 
 HEAD_BLOCK = 16
 

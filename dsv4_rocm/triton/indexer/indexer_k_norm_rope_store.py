@@ -6,8 +6,8 @@ Math (dsv4_rocm/reference/indexer_v41.py): token t (t < len(kv_slot_mapping)) at
 z = bf16(RoPE(k, (p // r) * r)) on dims 64..127; FP8: one UE8M0 block of 128 (eps 1e-4), 128 e4m3 bytes
 at page + o * 128 and the fp32 scale at page + bs * 128 + o * 4; MXFP4: 4 blocks of 32 E2M1 values at
 page + o * 64 and their UE8M0 bytes at page + bs * 64 + o * 4 (page = slot // bs at ``k_cache.stride(0)``,
-o = slot % bs). The norm is that of the compressor kernels and the stores are theirs
-(dsv4_rocm/triton/compressor/compress_norm_rope_store.py), so the bytes equal the reference's on every device.
+o = slot % bs). The norm and the stores are those of the compressor kernels (dsv4_rocm/triton/_records.py),
+so the bytes equal the reference's on every device.
 
 Grid: one program per ROWS tokens, one warp.
 """
@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 
 from .._launch import cdiv, launch
-from ..compressor.compress_norm_rope_store import _rms_normalize, _rope_last64, _store_indexer_fp8, _store_indexer_mxfp4
-from ..compressor.rope_quant_insert import fnuz, record_token
+from .._records import _rms_normalize, _rope_last64, _store_indexer_fp8, _store_indexer_mxfp4, fnuz, record_token
 
 ROWS = 4
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ... import cache_views as V
 from .._launch import cdiv, device_cache, device_facts, launch
-from ..compressor.compress_norm_rope_store import _ue8m0_fp8
+from .._records import _ue8m0_fp8
 
 ROWS = 8
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .._fp8 import mma_operand
 from .._launch import cdiv, counters, device_cache, device_facts, launch, scratch
-from ..compressor.compress_norm_rope_store import _pow2, _ue8m0_fp8
+from .._records import _pow2, _ue8m0_fp8
 
 UE8M0_NAN_BITS = tl.constexpr(0x7FC00000)
 UE8M0_MIN_BITS = tl.constexpr(0x00400000)     # 2^-127, the fp32 subnormal of UE8M0 byte 0

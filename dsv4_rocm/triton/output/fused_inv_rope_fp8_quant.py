@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ...layout import tma_aligned_tokens
 from .._launch import device_cache, device_facts, launch
-from ..compressor.compress_norm_rope_store import _ceil_log2, _e4m3, _pow2
+from .._records import _ceil_log2, _e4m3, _pow2
 
 O_EPS = tl.constexpr(1e-10)
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .._fp8 import encode
 from .._launch import cdiv, device_facts, launch, next_power_of_2
-from ..compressor.compress_norm_rope_store import _e4m3
+from .._records import _e4m3
 
 FNUZ_MAX = tl.constexpr(224.0)       # vLLM's largest fnuz e4m3 value for quantized outputs (not 240)
 

@@ -5,12 +5,12 @@ Math (dsv4_rocm/reference/qkv.py): token t < len(slot_mapping) with a slot insid
 inside the cos/sin table: x = fp32(kv[t]), y = GPT-J RoPE of x's last 64 dims at p (e c - o s and e s + o c,
 three roundings each, fp fusion off), stored by MODE (a constexpr):
     0  a record of the cache's format FMT at page slot // bs (``page_stride`` bytes apart), record slot % bs,
-       by the stores of compress_norm_rope_store.py: V40_584 (UE8M0 fp8 of x[:448], bf16 of y[448:]) or
+       by the record stores of _records.py: V40_584 (UE8M0 fp8 of x[:448], bf16 of y[448:]) or
        V41_528 (UE8M0 fp8 of all 512 dims of bf(y): the bf16 step of the fused insert's kv)
     1  bf16 row bf(y) at k_cache[slot // bs, slot % bs]
     2  e4m3 row of y * fp32(1 / fp8_scale), saturating at +-448, -0 as 0x00, a non-finite y as 0x7F
 The bytes are OCP e4m3 on every target; FNUZ (gfx942) only picks the encoder: its fnuz convert of x / 2
-gives the same byte (compress_norm_rope_store._e4m3).
+gives the same byte (_records._e4m3).
 Grid: one program per ROWS tokens.
 """
 import torch
@@ -19,8 +19,7 @@ import triton.language as tl
 
 from ... import layout as L
 from .._launch import cdiv, launch
-from ..compressor.compress_norm_rope_store import _e4m3, _rope_last64, _store_main, _store_v41_fp8
-from ..compressor.rope_quant_insert import fnuz, record_token
+from .._records import _e4m3, _rope_last64, _store_main, _store_v41_fp8, fnuz, record_token
 
 ROWS = 4
 MODES = {torch.uint8: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}

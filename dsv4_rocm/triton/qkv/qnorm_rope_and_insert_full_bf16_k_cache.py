@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .._launch import launch
-from ..compressor.compress_norm_rope_store import _pairwise_sum, _rope_last64
+from .._records import _pairwise_sum, _rope_last64
 
 D = 512
 
