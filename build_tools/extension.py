@@ -9,7 +9,7 @@ setup.py takes its arguments from ``setup_extension_kwargs``: setuptools refuses
 path it is given must be relative to the directory of setup.py), so sources and include directories are
 given relative to ROOT there; the first-use build (torch's JIT loader) takes the absolute ones of
 ``sources``. ``python -m build_tools.extension --arch-env`` prints the arch-list setting for the GPU torch
-sees (what ci/gpu_suite.sh installs with).
+sees (what gpu/suite.sh installs with).
 """
 import glob
 import os

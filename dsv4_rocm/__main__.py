@@ -185,7 +185,7 @@ def cmd_run(a):
         takes = "layer ids (a DeepSeek-V4.1 stack)" if cfg.is_v41 else f"layer types ({', '.join(LAYER_TYPES)})"
         raise UsageError(f"--layers {','.join(a.layers)}: {a.config} takes {takes}")
     if cfg.is_v41:
-        from .serving_v41 import check_stack
+        from .serving import check_stack
         try:
             check_stack(cfg, [int(t) for t in a.layers])
         except ValueError as e:
@@ -196,8 +196,8 @@ def cmd_run(a):
     if a.long:
         _check_long_flags(a)
     a.device, a.heads, a.layers = device, heads, ",".join(a.layers)
-    from .main_job import main_job
-    return main_job(a)
+    from .trace_check import run_trace_check
+    return run_trace_check(a)
 
 
 def _check_long_flags(a):
@@ -224,7 +224,7 @@ def _default_layers(cfg):
     """V4.0: every layer type. V4.1: V4.1-Flash's one layer of each kind, or every layer of a smaller config."""
     if not cfg.is_v41:
         return list(LAYER_TYPES)
-    from .serving_v41 import FLASH_LAYERS
+    from .serving import FLASH_LAYERS
     if cfg.num_hidden_layers > max(FLASH_LAYERS):
         return [str(x) for x in FLASH_LAYERS]
     return [str(x) for x in range(cfg.num_hidden_layers)]

@@ -1,23 +1,29 @@
-"""DeepseekV4Attention: one DeepSeek-V4 attention layer as a torch module, in the shape of vLLM's layer.
+"""DeepseekV4Attention: one DeepSeek-V4 attention layer (V4.0 and V4.1 alike) as a torch module, in the shape
+of vLLM's layer.
 
 vLLM's platform subclasses provide ``get_padded_num_q_heads``, ``forward_mqa(q, kv, positions, output)``
-and ``_o_proj(o, positions)``; this module has the same three, and a ``forward(positions, hidden_states)``
-running vLLM's step order over the public ops (``dsv4_rocm.ops``, so each stage runs on the fastest
+and ``_o_proj(o, positions)``; this module has the same three, and a ``forward(positions, hidden_states,
+step)`` running vLLM's step order over the public ops (``dsv4_rocm.ops``, so each stage runs on the fastest
 implementation the platform has):
 
-    fused wq_a + wkv projection -> q / kv RMSNorm -> wq_b -> per-head q norm + RoPE, kv RoPE + fp8 insert
-    into the SWA cache -> compressor (state save, then pooled entries into the compressed cache) ->
-    indexer (C4: its own compressor into the indexer-K cache, q quant, logits, top-k) -> sparse attention
-    over the sliding window and the compressed entries, with the sink -> inverse RoPE + FP8 quant ->
-    grouped FP8 einsum with wo_a -> wo_b.
+    fused wq_a + wkv projection -> q / kv RMSNorm -> wq_b -> q (V4.0: per-head norm) + RoPE, kv RoPE + quant
+    insert into the SWA cache -> compressor -> indexer -> sparse attention over the sliding window and the
+    compressed entries, with the sink -> inverse RoPE + FP8 quant -> grouped FP8 einsum with wo_a -> wo_b.
 
-The step's batch comes as a ``StepMetadata`` (``dsv4_rocm.step``), passed to ``forward`` or set for a
-region with ``step_context``. Every token, decode and prefill alike, attends straight from the fp8 pages
-(no bf16 workspace): a decode step is a fixed sequence of kernels with no host sync, which
-``dsv4_rocm.graph`` captures into a CUDA/HIP graph. The indexer's prefill rows gather their request's
-indexer-K entries and run the contiguous logits op in chunks of rows, as vLLM does.
+What a layer runs is its plan (``dsv4_rocm.layer_plan``), built from the config: which compressor and
+indexer it owns (``dsv4_rocm.layer_parts``), which compressed entries it attends (none, the top-k, all
+visible), whose caches it reads. V4.0: swa / c4a / c128a. V4.1 (docs/math.md#v41): a kv source writes the
+compressed and indexer-K caches later layers read, an index source writes the top-k the layers up to the
+next index source attend with, through the stack's ``SharedBuffers``; as in vLLM, the layers of a step run
+in layer order. A layer reads only tensors it was built with (its caches, its kv source's, the shared
+buffers).
+
+The step's batch comes as a ``StepMetadata`` (``dsv4_rocm.step``) passed to ``forward``; without one,
+``forward`` is vLLM's memory-profiling run. Every token, decode and prefill alike, attends straight from the
+fp8 pages (``dsv4_rocm.attention_step``): a decode step is a fixed sequence of kernels with no host sync,
+which ``dsv4_rocm.graph`` captures into a CUDA/HIP graph.
 """
-import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -25,17 +31,17 @@ import torch.nn.functional as F
 
 from . import layout as L
 from . import ops
+from .attention_step import attend_step
 from .config import AttentionConfig, LayerType
-from .kv_cache import LayerCache
+from .kv_cache import RECORD_FORMATS, LayerCache, v41_records
+from .layer_parts import COMPRESSORS, INDEXERS
+from .layer_plan import LayerPlan, plan_of
 from .ops.indexer import MAX_NEXT_N
 from .platform import detect
-from .reference.compressor import coff, state_block_size
 from .reference.rope import build_cos_sin_cache
 from .step import StepMetadata
 from .weights import LayerWeights
 
-_CURRENT_STEP: Optional[StepMetadata] = None
-INDEXER_PREFILL_ROWS = 2048     # query rows per prefill logits launch: bounds the [rows, entries] fp32 buffer
 MAX_DECODE_QUERY_LEN = MAX_NEXT_N   # decode rows per request the paged indexer logits take (DeepGEMM's next_n)
 
 
@@ -46,45 +52,56 @@ def padded_q(q: torch.Tensor, padded_heads: int) -> torch.Tensor:
     return F.pad(q, (0, 0, 0, padded_heads - q.shape[1]))
 
 
-@contextlib.contextmanager
-def step_context(step: StepMetadata):
-    """The step every DeepseekV4Attention.forward inside the block runs (vLLM's forward context)."""
-    global _CURRENT_STEP
-    prev, _CURRENT_STEP = _CURRENT_STEP, step
-    try:
-        yield step
-    finally:
-        _CURRENT_STEP = prev
+@dataclass
+class SharedBuffers:
+    """What the layers of one V4.1 step hand to each other (vLLM's model-level buffers): the last index
+    source's top-k (local entry ids, int32 [max_tokens, index_topk], -1 padded) and the candidate source's
+    blocks (int32 [max_tokens, candidate_topk_blocks])."""
+    topk: torch.Tensor
+    candidates: Optional[torch.Tensor] = None
 
-
-def _current_step(step: Optional[StepMetadata]) -> StepMetadata:
-    """The step a forward runs: the one passed, else the one of the enclosing ``step_context``."""
-    step = step or _CURRENT_STEP
-    if step is None:
-        raise ValueError("no StepMetadata: pass step= or run inside dsv4_rocm.attention.step_context(step)")
-    return step
+    @classmethod
+    def allocate(cls, cfg: AttentionConfig, max_tokens: int, device=None) -> "SharedBuffers":
+        cand = None
+        if cfg.candidate_source_layer_id >= 0:
+            cand = torch.full((max_tokens, cfg.candidate_topk_blocks), -1, dtype=torch.int32, device=device)
+        return cls(torch.full((max_tokens, cfg.index_topk), -1, dtype=torch.int32, device=device), cand)
 
 
 class DeepseekV4Attention(torch.nn.Module):
-    timer = None        # an object with mark(stage): the main job's per-stage timing
+    """A DeepSeek-V4 attention layer of any kind, V4.0 or V4.1 (module docstring). ``cache``: the layer's
+    ``LayerCache`` (its record formats are the layer's); ``shared``: the stack's ``SharedBuffers`` (V4.1
+    layers that attend a top-k or publish candidates); ``record_format``, if given, must name the cache's
+    records (``kv_cache.V41_RECORDS``). ``DeepseekV41Attention`` is this same class (the name kept for code
+    written against it; a V4.1 layer takes its stack's buffers by keyword, ``shared=``)."""
+    timer = None        # an object with mark(stage): the trace run's per-stage timing
 
     def __init__(self, cfg: AttentionConfig, layer: int, weights: LayerWeights, cache: LayerCache,
-                 max_model_len: int, cos_sin_cache: Optional[torch.Tensor] = None, device=None):
+                 max_model_len: int, cos_sin_cache: Optional[torch.Tensor] = None, device=None, *,
+                 shared: Optional[SharedBuffers] = None, record_format: Optional[str] = None):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.layer_type: LayerType = cfg.layer_type(layer)
-        self.ratio = {LayerType.SWA: 1, LayerType.C4: 4, LayerType.C128: 128}[self.layer_type]
-        if cache.ratio != self.ratio:
-            raise ValueError(f"cache was allocated for ratio {cache.ratio}, layer {layer} has ratio {self.ratio}")
+        self.plan: LayerPlan = plan_of(cfg, layer)
+        self.ratio = self.plan.ratio
+        self.layer_type: Optional[LayerType] = None if cfg.is_v41 else cfg.layer_type(layer)
+        self.compressor, self.indexer = COMPRESSORS.get(self.plan.compressor), INDEXERS.get(self.plan.indexer)
+        if record_format is not None and v41_records(record_format) != (cache.swa_format, cache.comp_format):
+            raise ValueError(f"record_format must be one of {RECORD_FORMATS} and match the cache's, got "
+                             f"{record_format!r} (cache: {cache.record_format!r})")
+        self._check_cache(cache)
+        if self.plan.shared_topk and self.plan.keys == "topk":
+            if shared is None or shared.topk.shape[1] != cfg.index_topk or \
+                    (self.plan.candidates and shared.candidates is None):
+                raise ValueError("shared buffers do not fit the config (index_topk / candidate blocks)")
         device = torch.device(device) if device is not None else weights.wqkv8.device
         self.platform = detect(device)
         self.n_local_heads, self.n_local_groups = cfg.local_heads, cfg.local_groups
         self.padded_heads = self.get_padded_num_q_heads(cfg.local_heads)
         self.max_model_len = max_model_len
-        self.scale = cfg.softmax_scale
-        self.eps = cfg.rms_norm_eps
+        self.scale, self.eps = cfg.softmax_scale, cfg.rms_norm_eps
         self.w = weights.to(device)
-        self.cache = cache
+        self._check_weights()
+        self.cache, self.shared = cache, shared
         self._bounds = cache.bounds()           # what a step may index in the caches (StepMetadata.validate)
         # the views the public ops take, made once (a view costs a dispatch on every call)
         self._swa_pages = cache.swa_view().unsqueeze(-2)
@@ -92,8 +109,28 @@ class DeepseekV4Attention(torch.nn.Module):
         self._comp_pages = self._comp.unsqueeze(-2) if self._comp is not None else None
         self._idx = cache.idx_view() if cache.idx is not None else None
         if cos_sin_cache is None:
-            cos_sin_cache = build_cos_sin_cache(cfg.rope_base(self.layer_type), max_model_len + 1, device=device)
+            cos_sin_cache = build_cos_sin_cache(max_positions=max_model_len + 1, device=device, **dict(self.plan.rope))
         self.register_buffer("cos_sin_cache", cos_sin_cache.to(device), persistent=False)
+
+    def _check_cache(self, cache: LayerCache) -> None:
+        """The cache holds what the plan reads: the ratio, a compressed cache for a compressed layer, the
+        compressor's caches for the layer that owns it."""
+        p = self.plan
+        if cache.ratio != p.ratio or (p.keys != "window" and cache.comp is None):
+            raise ValueError(f"cache holds ratio {cache.ratio} caches, layer {self.layer} has ratio {p.ratio}")
+        missing = [n for n in (self.compressor.caches if self.compressor else ()) if getattr(cache, n) is None]
+        missing += ["ring"] if p.compressor == "latent" and p.ratio == 2 and cache.ring is None else []
+        if missing:
+            raise ValueError(f"layer {self.layer} ({p.label}) writes the caches {missing} its cache lacks")
+
+    def _check_weights(self) -> None:
+        need = (self.compressor.needs if self.compressor else ()) + (self.indexer.needs if self.indexer else ())
+        missing = [n for n in need if getattr(self.w, n, None) is None]
+        if missing:
+            raise ValueError(f"weights of layer {self.layer} ({self.plan.label}) lack {missing}")
+        if self.plan.compressor == "latent" and self.w.comp_w.shape[0] != 512 * self.ratio:
+            raise ValueError(f"layer {self.layer}: compressor weight has {self.w.comp_w.shape[0]} rows, ratio "
+                             f"{self.ratio} needs {512 * self.ratio}")
 
     # ---- vLLM's platform hooks ---------------------------------------------------------------------------
     @classmethod
@@ -105,58 +142,43 @@ class DeepseekV4Attention(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 step: Optional[StepMetadata] = None) -> torch.Tensor:
-        """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches.
-        Without a step (none passed, none set by ``step_context``) it is vLLM's memory-profiling run:
-        ``profile_run``."""
-        if step is None and _CURRENT_STEP is None:
+        """hidden_states bf16 [T, hidden] -> bf16 [T, hidden]; writes this step's tokens into the caches the
+        layer owns and (an index source of V4.1) its top-k into the shared buffer. Without a step it is
+        vLLM's memory-profiling run: ``profile_run``."""
+        if step is None:
             return self.profile_run(positions, hidden_states)
-        step = _current_step(step)
-        x, w = hidden_states, self.w
-        self._check_inputs(positions, x, step)
-        self._check_step(step, indexer=self.ratio == 4)
+        x = hidden_states
+        self._check(positions, x, step, attends=True)
         self._mark("start")
         qr, kv, q = self._projections(x)
         self._mark("projections")
-        q = ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-            q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
-            L.SWA_BLOCK_SIZE)
+        q = self._insert(q, kv, positions, step)
         self._mark("q norm + kv insert")
-        if self.ratio > 1:
-            self._compress(x, w.comp_w, w.comp_ape, w.comp_norm, positions, step, self.cache.comp_state,
-                           self._comp, step.compressed_slots[self.ratio], 512)
-            self._mark("compressor")
-        self._topk = self._indexer(x, qr, positions, step) if self.ratio == 4 else None
+        latent = self.compressor.write(self, x, positions, step) if self.compressor else None
+        self._mark("compressor")
+        topk = self.indexer.topk(self, x, qr, latent, positions, step) if self.indexer else None
         self._mark("indexer")
-        return self._attend_and_project(q, kv, positions, step)
-
-    def fill_caches(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                    step: Optional[StepMetadata] = None) -> None:
-        """Write this step's tokens into every cache ``forward`` writes (SWA records, compressor state and
-        entries, the indexer's keys), by the same kernels in the same order, without the indexer's scores,
-        attention or the output path: a prefix of a long context whose outputs nobody reads
-        (dsv4_rocm.long_context). The caches end exactly as after ``forward`` of the same step."""
-        step = _current_step(step)
-        x = hidden_states
-        self._check_inputs(positions, x, step)
-        self._check_step(step, indexer=False)
-        _, kv, q = self._projections(x)
-        ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
-            q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
-            L.SWA_BLOCK_SIZE)
-        if self.ratio > 1:
-            self._compress(x, self.w.comp_w, self.w.comp_ape, self.w.comp_norm, positions, step, self.cache.comp_state,
-                           self._comp, step.compressed_slots[self.ratio], 512)
-        if self.ratio == 4:
-            self._index_keys(x, positions, step)
-
-    def _attend_and_project(self, q, kv, positions, step: StepMetadata) -> torch.Tensor:
-        """Sparse attention (``forward_mqa``) into the padded output, then the output path."""
-        o_padded = torch.empty(q.shape[0], self.padded_heads, 512, dtype=torch.bfloat16, device=q.device)
-        self.forward_mqa(q, kv, positions, o_padded, step)
+        if topk is None and self.plan.shared_topk and self.plan.keys == "topk":
+            topk = self.shared.topk[:x.shape[0]]        # the top-k of the last index source before this layer
+        o_padded = torch.empty(x.shape[0], self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
+        self.forward_mqa(q, kv, positions, o_padded, step, topk)
         self._mark("attention")
         y = self._o_proj(o_padded[:, :self.n_local_heads], positions)
         self._mark("output")
         return y
+
+    def fill_caches(self, positions: torch.Tensor, hidden_states: torch.Tensor, step: StepMetadata) -> None:
+        """Write this step's tokens into every cache ``forward`` writes (SWA records; the compressor's state
+        or ring and entries; the index keys), by the same kernels in the same order, without the indexer's
+        scores, attention or the output path: a prefix of a long context whose outputs nobody reads
+        (dsv4_rocm.long_context). The caches end exactly as after ``forward`` of the same step."""
+        x = hidden_states
+        self._check(positions, x, step, attends=False)
+        _, kv, q = self._projections(x)
+        self._insert(q, kv, positions, step)
+        latent = self.compressor.write(self, x, positions, step) if self.compressor else None
+        if self.indexer:
+            self.indexer.write_keys(self, x, latent, positions, step)
 
     def profile_run(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """vLLM's memory-profiling forward (no metadata; vLLM passes dummy positions): every projection of a
@@ -167,11 +189,10 @@ class DeepseekV4Attention(torch.nn.Module):
         T = self._check_inputs(positions, x, None)
         qr, _, q = self._projections(x)
         padded_q(q, self.padded_heads)          # allocated as in a step; attention does not read it
-        if self.ratio > 1:
-            ops.compressor_kv_score(x, self.w.comp_w)
-        if self.ratio == 4:
-            ops.compressor_kv_score(x, self.w.idx_comp_w)
-            self._indexer_query(x, qr, positions)
+        if self.compressor:
+            self.compressor.profile(self, x)
+        if self.indexer:
+            self.indexer.profile(self, x, qr, positions)
         o = torch.zeros(T, self.padded_heads, 512, dtype=torch.bfloat16, device=x.device)
         return self._o_proj(o[:, :self.n_local_heads], positions)
 
@@ -188,11 +209,21 @@ class DeepseekV4Attention(torch.nn.Module):
                              f"cover the {T} tokens of hidden_states")
         return T
 
-    def _check_step(self, step: StepMetadata, indexer: bool) -> None:
-        """The whole step against this layer's caches (``StepMetadata.validate``) and, for a layer that runs an
-        indexer, the decode rows its paged logits take, before the first write: a rejected step writes
-        nothing."""
-        if indexer and step.num_decodes and step.decode_query_len > MAX_DECODE_QUERY_LEN:
+    def _check(self, positions, x, step: StepMetadata, attends: bool) -> None:
+        """The inputs, the step's built ratio and, for a forward (``attends``), the shared buffers' rows and
+        the decode rows an indexer's paged logits take; then the whole step against this layer's caches
+        (``StepMetadata.validate``: its own SWA cache, its kv source's compressed, indexer-K and state
+        caches), before the first write: a rejected step writes nothing."""
+        T = self._check_inputs(positions, x, step)
+        p = self.plan
+        uses = ([self.shared.topk] if attends and p.shared_topk and p.keys == "topk" else []) + \
+            ([self.shared.candidates] if attends and p.candidates else [])
+        rows = min((b.shape[0] for b in uses), default=T)
+        if T > rows:
+            raise ValueError(f"the step has {T} tokens; the shared top-k / candidate buffers hold {rows} rows")
+        if p.keys != "window" and p.ratio not in step.compressed_slots:
+            raise ValueError(f"the step was not built for ratio {p.ratio} (StepMetadata.build(ratios=...))")
+        if attends and self.indexer and step.num_decodes and step.decode_query_len > MAX_DECODE_QUERY_LEN:
             raise ValueError(f"the step's decode requests have {step.decode_query_len} tokens each; the indexer "
                              f"takes at most {MAX_DECODE_QUERY_LEN} (1 + speculative tokens)")
         step.validate(self._bounds, built=True)
@@ -205,32 +236,33 @@ class DeepseekV4Attention(torch.nn.Module):
                                         w.kv_norm, self.eps)
         return qr, kv, ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(x.shape[0], self.n_local_heads, 512)
 
+    def _insert(self, q, kv, positions, step: StepMetadata) -> torch.Tensor:
+        """q (normed by the plan) and RoPE'd, padded; kv RoPE'd and quantized into the SWA cache's records."""
+        fmt = self.cache.swa_format
+        return ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(
+            q, kv, self.cache.swa, step.slot_mapping, positions, self.cos_sin_cache, self.padded_heads, self.eps,
+            L.SWA_BLOCK_SIZE, self.plan.q_norm, kv_mxfp8=fmt.name == L.V41_528.name, kv_layout=fmt.layout)
+
     def _mark(self, stage: str):
-        """End of a stage, for a timer the main job attaches (``timer.mark(stage)``); nothing otherwise."""
+        """End of a stage, for a timer the trace run attaches (``timer.mark(stage)``); nothing otherwise."""
         if self.timer is not None:
             self.timer.mark(stage)
 
     def forward_mqa(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, output: torch.Tensor,
-                    step: Optional[StepMetadata] = None) -> None:
-        """Sparse attention of every token over its sliding window and its compressed entries (the indexer's
-        top-k for C4, all visible entries for C128), with the sink, into ``output`` [T, padded_heads, 512].
-        ``kv`` is unused: the keys are read from the caches the fused insert has written."""
-        del kv
-        step = step or _CURRENT_STEP
-        T = q.shape[0]
-        extra = dict(extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None)
-        if self.ratio == 4:
-            idx, lens = ops.compute_global_topk_indices_and_lens(
-                self._topk, step.token_to_req, step.compressed_block_table, self.cache.compressed_block_size,
-                step.is_valid_token)
-            extra = dict(extra_k_cache=self._comp_pages, extra_indices_in_kvcache=idx.unsqueeze(1),
-                         extra_topk_length=lens)
-        elif self.ratio == 128:
-            extra = dict(extra_k_cache=self._comp_pages,
-                         extra_indices_in_kvcache=step.c128_indices.unsqueeze(1), extra_topk_length=step.c128_lens)
-        ops.sparse_mla_decode(q.unsqueeze(1), self._swa_pages, step.swa_indices.unsqueeze(1),
-                              step.swa_lens, self.w.attn_sink, extra["extra_k_cache"], extra["extra_indices_in_kvcache"],
-                              extra["extra_topk_length"], self.scale, out=output.view(T, 1, self.padded_heads, 512))
+                    step: StepMetadata, topk: Optional[torch.Tensor] = None) -> None:
+        """Sparse attention of every token over its sliding window and its compressed entries (``topk``, the
+        local top-k int32 [T, K] the layer's indexer or its index source wrote; C128: all visible entries),
+        with the sink, into ``output`` [T, padded_heads, 512] (``attention_step.attend_step``). ``kv`` is
+        unused: the keys are read from the caches the fused insert has written."""
+        del kv, positions
+        p = self.plan
+        if p.keys == "topk" and topk is None:
+            raise ValueError(f"layer {self.layer} ({p.label}) attends a top-k: pass topk=")
+        attend_step(q, output, step, self._swa_pages, self.w.attn_sink, self.scale,
+                    self._comp_pages if p.keys != "window" else None,
+                    topk=topk if p.keys == "topk" else None, block_table=step.compressed_block_table,
+                    block_size=p.comp_block, indices=step.c128_indices if p.keys == "all" else None,
+                    lens=step.c128_lens if p.keys == "all" else None, kv_layout=self.cache.swa_format.layout)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE + FP8 quant per 128, grouped FP8 einsum with wo_a, then wo_b."""
@@ -240,86 +272,5 @@ class DeepseekV4Attention(torch.nn.Module):
         ops.fp8_einsum("bhr,hdr->bhd", (a8, sa), (w.wo_a8.view(torch.float8_e4m3fn), w.wo_a_s), z)
         return ops.fp8_linear(z.view(o.shape[0], G * self.cfg.o_lora_rank), w.wo_b8, w.wo_b_s)  # 0 rows too
 
-    # ---- compressor and indexer --------------------------------------------------------------------------
-    def _compress(self, x, w_kv_gate, ape, norm_w, positions, step, state, kv_cache, kslots, dim: int,
-                  ratio: Optional[int] = None):
-        """vLLM's DeepseekCompressor.forward: projection, state save, then the pooled entries of the tokens
-        that close a window, normed, roped, quantized into ``kv_cache`` at ``kslots``."""
-        r = ratio or self.ratio
-        c, sbs, main = coff(r), state_block_size(r), dim == 512
-        kv, score = ops.compressor_kv_score(x, w_kv_gate).split([c * dim, c * dim], dim=-1)
-        sslots = step.state_slots[r]
-        ops.save_partial_states(kv, score, ape, positions, state, sslots, sbs, c * dim, r)
-        ops.compress_norm_rope_store(
-            state_cache=state, num_actual=x.shape[0], token_to_req_indices=step.token_to_req, positions=positions,
-            slot_mapping=sslots, block_table=step.state_block_table, block_size=sbs, state_width=c * dim,
-            cos_sin_cache=self.cos_sin_cache, kv_cache=kv_cache, k_cache_metadata=kslots, pdl_kwargs={},
-            head_dim=dim, rope_head_dim=64, compress_ratio=r, overlap=r == 4, use_fp4_cache=False,
-            rms_norm_weight=norm_w, rms_norm_eps=self.eps, quant_block=64 if main else 128,
-            token_stride=576 if main else 128, scale_dim=8 if main else 4)
 
-    def _indexer(self, x, qr, positions, step: StepMetadata) -> torch.Tensor:
-        """The lightning indexer of a C4 layer: writes the indexer-K cache, returns each token's top-k local
-        compressed indices int32 [T, index_topk] (valid first, -1 after)."""
-        cfg, w = self.cfg, self.w
-        T, nh, K = x.shape[0], cfg.index_n_heads, cfg.index_topk
-        idx_kv = self._idx
-        self._index_keys(x, positions, step)
-        q8, wq = self._indexer_query(x, qr, positions)
-        topk = torch.empty(T, K, dtype=torch.int32, device=x.device)
-        n_entries = -(-self.max_model_len // 4)
-        nd, ndr, nn = step.num_decode_tokens, step.num_decodes, step.decode_query_len
-        if not nn:
-            nd = ndr = 0    # decode requests of different query lengths are scored as prefill rows are
-        if nd:
-            lens = step.indexer_lens[:nd].view(ndr, nn)
-            logits = ops.fp8_paged_mqa_logits(q8[:nd].view(ndr, nn, nh, 128), idx_kv.unsqueeze(-2), wq[:nd], lens,
-                                              step.compressed_block_table[:ndr],
-                                              ops.get_paged_mqa_logits_metadata(lens, 64, 1), n_entries)
-            ops.top_k_per_row_decode(logits, nn, lens, topk[:nd], nd, logits.stride(0), logits.stride(1), K)
-        if nd < T:
-            self._indexer_prefill(q8, wq, idx_kv, step, topk, K, first_request=ndr)
-        return topk
-
-    def _index_keys(self, x, positions, step: StepMetadata) -> None:
-        """The indexer's compressor: its state, and the index keys of the tokens that close a window."""
-        w = self.w
-        self._compress(x, w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm, positions, step, self.cache.idx_state,
-                       self._idx, step.compressed_slots[4], 128, ratio=4)
-
-    def _indexer_query(self, x, qr, positions):
-        """The indexer's query heads and weights, RoPE'd and quantized: (q fp8 [T, nh, 128], w fp32 [T, nh])."""
-        w, nh = self.w, self.cfg.index_n_heads
-        qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(x.shape[0], nh, 128)
-        wi = torch.matmul(x, w.idx_wproj.t())
-        return ops.fused_indexer_q_rope_quant(positions, qi, self.cos_sin_cache, wi, 128 ** -0.5, nh ** -0.5)
-
-    def _indexer_prefill(self, q8, wq, idx_kv, step: StepMetadata, topk, K: int, first_request: int,
-                         ratio: int = 4, lens=None, logits_hook=None):
-        """Rows of the requests from ``first_request`` on: each request's indexer-K entries gathered once,
-        logits over them in row chunks. ``lens``: the entries each token sees (default the step's C4
-        indexer_lens), ``ratio`` the positions an entry stands for; ``logits_hook(logits, ends, first_row)``
-        runs on each chunk's logits before its top-k (DeepSeek-V4.1's candidate blocks)."""
-        lens = step.indexer_lens if lens is None else lens
-        dev = q8.device
-        qsl = step.query_start_loc_cpu if getattr(step, "query_start_loc_cpu", None) is not None \
-            else step.query_start_loc.cpu()
-        seq = step.seq_lens_cpu if getattr(step, "seq_lens_cpu", None) is not None else step.seq_lens.cpu()
-        for b in range(first_request, step.num_requests):
-            a, e = int(qsl[b]), int(qsl[b + 1])
-            n = int(seq[b]) // ratio
-            if e == a:
-                continue
-            k8 = torch.empty(max(n, 1), 128, dtype=torch.float8_e4m3fn, device=dev)
-            ks = torch.empty(max(n, 1), dtype=torch.float32, device=dev)
-            ops.cp_gather_indexer_k_quant_cache(idx_kv, k8[:n], ks[:n], step.compressed_block_table[b:b + 1],
-                                                torch.tensor([0, n], dtype=torch.int32, device=dev))
-            for r0 in range(a, e, INDEXER_PREFILL_ROWS):
-                r1 = min(e, r0 + INDEXER_PREFILL_ROWS)
-                ends = lens[r0:r1]
-                starts = torch.zeros_like(ends)
-                logits = ops.fp8_mqa_logits(q8[r0:r1], (k8, ks), wq[r0:r1], starts, ends)
-                if logits_hook is not None:
-                    logits_hook(logits, ends, r0)
-                ops.top_k_per_row_prefill(logits, starts, ends, topk[r0:r1], r1 - r0, logits.stride(0),
-                                          logits.stride(1), K)
+DeepseekV41Attention = DeepseekV4Attention      # the same class (its docstring)

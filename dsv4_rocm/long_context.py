@@ -122,14 +122,10 @@ class Capture:
         self._orig = module.forward_mqa
         module.forward_mqa = self._hook
 
-    def _hook(self, q, kv, positions, output, step=None):
-        self._orig(q, kv, positions, output, step)
+    def _hook(self, q, kv, positions, output, step, topk=None):
+        self._orig(q, kv, positions, output, step, topk)
         pos = positions.tolist() if positions.device.type == "cpu" else positions.cpu().tolist()
-        m = self.module
-        topk = getattr(m, "_topk", None)
-        shared = getattr(m, "shared", None)
-        if shared is not None and m.ratio:
-            topk = shared.topk[:q.shape[0]]
+        shared = self.module.shared
         cand = shared.candidates[:q.shape[0]] if shared is not None and shared.candidates is not None else None
         for t, p in enumerate(pos):
             if p in self.want:
@@ -153,15 +149,18 @@ def _step_fill(srv, x_rows, modules):
     srv.done[0] += x_rows.shape[0]
 
 
+def _keys(srv) -> list:
+    """The key of each layer of a server in the rows: a V4.0 layer's type, a V4.1 layer's id."""
+    return [srv.layer_type.value] if srv.layer_type is not None else list(srv.layers)
+
+
 def _modules(srv):
-    return [srv.modules[x] for x in srv.layers] if hasattr(srv, "modules") else [srv.layer]
+    return [srv.modules[x] for x in srv.layers]
 
 
-def _forward(srv, x_rows) -> Dict[int, torch.Tensor]:
+def _forward(srv, x_rows) -> Dict:
     """One step of request 0 through every layer: {layer key: output rows}."""
-    if hasattr(srv, "step_all"):
-        return {x: ys[0] for x, ys in srv.step_all({0: x_rows}).items()}
-    return {srv.layer_type.value: srv.step({0: x_rows})[0]}
+    return {k: ys[0] for k, ys in zip(_keys(srv), srv.step_all({0: x_rows}).values())}
 
 
 def run_rows(srv, x, rows: Sequence[int], decode_steps: int, prompt: int, chunk: int = FILL_CHUNK,
@@ -171,8 +170,7 @@ def run_rows(srv, x, rows: Sequence[int], decode_steps: int, prompt: int, chunk:
     forward step [p - 1, p + 1), every decode step by forward. Returns {layer key: {position: captured
     row, with its layer output "y"}}."""
     mods = _modules(srv)
-    keys = [str(x) for x in srv.layers] if hasattr(srv, "layers") and hasattr(srv, "modules") \
-        else [srv.layer_type.value]
+    keys = [str(k) for k in _keys(srv)]
     caps = {k: Capture(m, rows) for k, m in zip(keys, mods)}
     want = sorted(p for p in rows if p < prompt)
     try:
@@ -221,7 +219,7 @@ class LayerReference:
         self.x = x
         self.dev = x.device                     # where the reference functions run (their results go to the CPU)
         self.W = module.w
-        src = srv.modules[module.spec.kv_source] if v41 and module.ratio else module
+        src = srv.modules[module.plan.kv_source] if v41 and module.ratio else module
         self.Wd = src.w                         # the kv source's, on the device, for the entries' projections
         self.cs = module.cos_sin_cache
         self.swa_fmt, self.comp_fmt, self.v41 = swa_fmt, comp_fmt, v41
@@ -506,7 +504,7 @@ def check_row(ref: LayerReference, p: int, cap: dict, classes=(), planted=()) ->
             if any(j >= n for j in sel):        # an entry not visible to the row (not yet written)
                 errs["top-k"] = float("inf")
                 sel = [j for j in sel if j < n]
-            index_src = is_c4 or (ref.v41 and m.spec.owns_index)
+            index_src = is_c4 or (ref.v41 and m.plan.owns_index)
             if index_src and n:
                 keys_c = ref.cached_index_keys(n)
                 check_js = sorted((set(sel) | {0, n - 1} | set(range(max(0, n - 4), n))) - set(planted))
@@ -515,7 +513,7 @@ def check_row(ref: LayerReference, p: int, cap: dict, classes=(), planted=()) ->
                 q8, wq = ref.index_query(p)
                 lg = index_logits(q8, wq, keys_c)
                 allowed = None
-                if ref.v41 and m.spec.uses_candidates:
+                if ref.v41 and m.plan.candidates == "mask":
                     cb = cap["cand"]
                     blocks = set(int(b) for b in cb[cb >= 0].tolist())
                     allowed = torch.tensor([j // cfg.candidate_block_size in blocks for j in range(n)])
@@ -540,10 +538,10 @@ def check_row(ref: LayerReference, p: int, cap: dict, classes=(), planted=()) ->
 # ---- the check of one (kind, length, record) -----------------------------------------------------------
 def _server(cfg, kind: str, max_len: int, device, record: Optional[str], seed=0, layers=None):
     if cfg.is_v41:
-        from .serving_v41 import V41Stack, FLASH_LAYERS
+        from .serving import FLASH_LAYERS, SyntheticServer
         if layers is None:
             layers = FLASH_LAYERS if cfg.num_hidden_layers > max(FLASH_LAYERS) else tuple(range(cfg.num_hidden_layers))
-        return V41Stack(cfg, None, 1, max_len, device=str(device), seed=seed, layers=layers,
+        return SyntheticServer(cfg, None, 1, max_len, device=str(device), seed=seed, layers=layers,
                         max_step_tokens=FILL_CHUNK, record_format=record or "V40_584")
     from .serving import SyntheticServer
     return SyntheticServer(cfg, LayerType(kind), 1, max_len, device=str(device), seed=seed)

@@ -383,13 +383,13 @@ def case_layer_v41_stack():
     """A DeepSeek-V4.1 stack sharing caches: a ratio-2 kv source and its reader, the ratio-1 kv and candidate
     source and an index source scoring inside its candidates; prefill, then decode."""
     from .config import tiny_v41_config
-    from .serving_v41 import V41Stack
+    from .serving import SyntheticServer
     g = _g(18)
     cfg = tiny_v41_config()
     inp = dict(x=torch.randn(44, cfg.hidden_size, generator=g).bfloat16())
 
     def run(i):
-        s = V41Stack(cfg, None, 1, 128, device=str(i["x"].device), layers=(1, 2, 3, 5))
+        s = SyntheticServer(cfg, None, 1, 128, device=str(i["x"].device), layers=(1, 2, 3, 5))
         steps = [s.step({0: i["x"][:40]})[0]] + [s.step({0: i["x"][t:t + 1]})[0] for t in range(40, 44)]
         return dict(y=torch.cat(steps))
     # as case_layer_c4, and a top-k taken among near-equal logits may pick another entry on another device

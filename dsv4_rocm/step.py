@@ -37,7 +37,7 @@ V41_COMPRESSED_BLOCK = 64         # V4.1 compressed / indexer-K entries a page (
 @dataclass(frozen=True)
 class CacheBounds:
     """What the caches of one layer let a step index, as ``StepMetadata.validate`` checks it; each cache class
-    describes itself (``LayerCache.bounds``, ``V41LayerCache.bounds`` in dsv4_rocm/kv_cache.py), so one
+    describes itself (``LayerCache.bounds`` in dsv4_rocm/kv_cache.py, for V4.0 and V4.1 caches alike), so one
     validation serves every model version.
 
     ``swa_pages``: SWA pages (64 slots each), which slot_mapping and swa_block_table index. ``ratio``: the key
@@ -243,7 +243,7 @@ class StepMetadata:
 
     # ---- whole-step validation (docs/conventions.md, "Argument checks") --------------------------------
     def validate(self, caches, built: bool = False) -> None:
-        """Check the whole step against the caches of the layers that run it (a LayerCache or V41LayerCache,
+        """Check the whole step against the caches of the layers that run it (a LayerCache,
         or several; or their ``bounds()``, a ``CacheBounds`` each, which a layer computes once) before any of
         them writes: a ValueError naming the table, slot or field, so that a rejected step changes no byte of
         any cache. Structure always; values where ``ops.value_checks`` allows (CPU tensors; GPU tensors

@@ -11,6 +11,7 @@ import torch
 # pytest-xdist the controller, which collects nothing, starts it before its workers and hands them its
 # directory in DSV4_COMPILE_MATRIX_DIR; a run started by anything else is attached to the same way.
 COMPILE_TESTS = ("test_compile_matrix.py", "test_hip_compile.py")
+COMPILE_TESTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tooling")
 MATRIX_DIR_VAR = "DSV4_COMPILE_MATRIX_DIR"
 _MATRIX = pytest.StashKey()
 
@@ -23,8 +24,7 @@ def _may_run_compile_tests(config):
     """Whether the paths pytest was given hold a compile test (before collection: -k may still drop them)."""
     for arg in config.args:
         path = os.path.abspath(str(arg).split("::")[0])
-        here = os.path.dirname(os.path.abspath(__file__))
-        if (os.path.isdir(path) and (here + os.sep).startswith(path.rstrip(os.sep) + os.sep)) or \
+        if (os.path.isdir(path) and (COMPILE_TESTS_DIR + os.sep).startswith(path.rstrip(os.sep) + os.sep)) or \
                 os.path.basename(path) in COMPILE_TESTS:
             return True
     return False
@@ -33,12 +33,12 @@ def _may_run_compile_tests(config):
 def pytest_addoption(parser):
     parser.addoption("--one-case", action="store_true",
                      help="run each test function once, with its first parameter set (the compute-sanitizer pass "
-                          "of ci/gpu_sanitize.sh: every test, at the cost of one case)")
+                          "of gpu/sanitize.sh: every test, at the cost of one case)")
     parser.addoption("--part", default=None, metavar="I/N",
                      help="keep the I-th of N interleaved parts of the selected tests (0 <= I < N): the sanitizer "
                           "pass splits its longest files this way")
     parser.addoption("--sanitizer", default=None, choices=("memcheck", "racecheck", "initcheck"),
-                     help="the tests run under this compute-sanitizer tool (ci/gpu_sanitize.sh): those listed in "
+                     help="the tests run under this compute-sanitizer tool (gpu/sanitize.sh): those listed in "
                           "tests/sanitizer_skips.py for it skip with their reason, and so does any test that "
                           "attempts a CUDA graph capture")
 

@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from dsv4_rocm import layout as L
 from dsv4_rocm.reference import cache as rc
@@ -142,26 +144,153 @@ def run_file_interpreted(test_file: str, timeout: int = 600):
     return r
 
 
-def patch_interpreter_scalars():
-    """Triton 3.6's interpreter turns a scalar used as a loop bound into int(array of shape (1,)), which
-    NumPy >= 2.3 rejects; take the element instead (the compiled kernels are unaffected)."""
-    import triton.runtime.interpreter as ti
-    patch = ti._patch_lang_tensor
+# ---- the Triton interpreter's known bugs: each fix is applied only where a probe shows the bug --------------
+# The fixes replace methods of triton.runtime.interpreter (the only way to change what the interpreter computes);
+# before each, a tiny kernel runs under the interpreter in use and the fix goes in only if the kernel shows the
+# bug, and only if the kernel is right afterwards. An interpreter that is fixed upstream runs unpatched. Probed
+# 2026-11-29 (NumPy 2.4): the loop bound under Triton 3.6 only; the scalar mask under 3.9 only; every bf16 fix
+# under 3.6, 3.8 and 3.9.
+@triton.jit
+def _probe_loop_bound(n_ptr, out_ptr):
+    n = tl.load(n_ptr)
+    count = 0
+    for _ in range(n):
+        count += 1
+    tl.store(out_ptr, count)
 
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-    ti._patch_lang_tensor = patched
+
+@triton.jit
+def _probe_bf16(x_ptr, y_ptr, f_ptr, sum_ptr, prod_ptr, less_ptr, widen_ptr, round_ptr, dot_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    x = tl.load(x_ptr + r)
+    y = tl.load(y_ptr + r)
+    tl.store(sum_ptr + r, x + y)
+    tl.store(prod_ptr + r, x * y)
+    tl.store(less_ptr + r, (x < y).to(tl.int8))
+    tl.store(widen_ptr + r, x.to(tl.float32))
+    tl.store(round_ptr + r, tl.load(f_ptr + r).to(tl.bfloat16))
+    a = tl.load(x_ptr + r[:, None] * 0 + r[None, :])          # [N, N], every row x
+    b = tl.load(y_ptr + r[:, None] + r[None, :] * 0)          # [N, N], every column y
+    tl.store(dot_ptr + r[:, None] * N + r[None, :], tl.dot(a, b))
+
+
+@triton.jit
+def _probe_scalar_mask(x_ptr, out_ptr, n, c, N: tl.constexpr):
+    r = tl.arange(0, N)
+    inb = r < n
+    tl.store(out_ptr + r, tl.load(x_ptr + r, mask=inb & (c > 0), other=-1), mask=inb)
+
+
+def _interpreting() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(_probe_loop_bound, InterpretedFunction)
+
+
+def _loop_bound_broken() -> bool:
+    """A scalar loaded from a tensor, used as a loop bound, counts the loop right."""
+    n, out = torch.tensor([5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    try:
+        _probe_loop_bound[(1,)](n, out)
+    except Exception:          # Triton 3.6 under NumPy >= 2.3: "only 0-dimensional arrays can be converted"
+        return True
+    return out.item() != 5
+
+
+def _bf16_broken() -> set:
+    """Which of the interpreter's bf16 paths differ from the GPUs' (exact fp32 math rounded once, to nearest
+    even, as torch computes bf16 on the CPU): "arithmetic" (+, *, <), "widen" (bf16 -> fp32, denormals
+    included), "round" (fp32 -> bf16: ties and round-ups), "dot" (bf16 tl.dot, small integers: exact sums)."""
+    n = 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g).bfloat16()
+    y = torch.randn(n, generator=g).bfloat16()
+    x.view(torch.int16)[:3] = torch.tensor([0x0001, -0x7FFF, 0x007F], dtype=torch.int16)   # denormals
+    f = torch.randn(n, generator=g)
+    f.view(torch.int32)[:2] = torch.tensor([0x3F80C000, 0x3F818000], dtype=torch.int32)   # round up; a tie to even
+    xi = torch.randint(-4, 5, (n,), generator=g).bfloat16()
+    yi = torch.randint(-4, 5, (n,), generator=g).bfloat16()
+    bf = torch.bfloat16
+    outs = [torch.empty(n, dtype=bf), torch.empty(n, dtype=bf), torch.empty(n, dtype=torch.int8), torch.empty(n),
+            torch.empty(n, dtype=bf), torch.empty(n, n)]
+    dot_outs = [torch.empty_like(o) for o in outs]
+    _probe_bf16[(1,)](x, y, f, *outs, N=n)
+    _probe_bf16[(1,)](xi, yi, f, *dot_outs, N=n)
+    s, p, less, widen, rounded, _ = outs
+    bits = lambda t: t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)  # noqa: E731
+    broken = set()
+    if not (torch.equal(bits(s), bits(x + y)) and torch.equal(bits(p), bits(x * y)) and
+            torch.equal(less, (x < y).to(torch.int8))):
+        broken.add("arithmetic")
+    if not torch.equal(bits(widen), bits(x.float())):
+        broken.add("widen")
+    if not torch.equal(bits(rounded), bits(f.bfloat16())):
+        broken.add("round")
+    if not torch.equal(dot_outs[5], torch.full((n, n), float(xi.float() @ yi.float()))):   # every entry x . y
+        broken.add("dot")
+    return broken
+
+
+def _scalar_mask_broken() -> bool:
+    """A mask made of a block comparison and a comparison of a scalar argument loads what it masks."""
+    x, out = torch.arange(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    try:
+        _probe_scalar_mask[(1,)](x, out, 5, 3, N=8)
+    except Exception:          # Triton 3.9: "mask has unsupported dtype"
+        return True
+    return not torch.equal(out[:5], x[:5])
+
+
+def patch_interpreter_scalars():
+    """Two scalar bugs of the interpreter (the compiled kernels are unaffected), each fixed only where its probe
+    shows it. "loop bound": Triton 3.6 turns a scalar used as a loop bound into int(array of shape (1,)), which
+    NumPy >= 2.3 rejects; take the element instead (3.8 and 3.9 take it themselves). "scalar mask": Triton
+    3.9 types ``block_mask & (scalar_arg > 0)`` as int32 under the interpreter (the compiler keeps it i1) and
+    its loads and stores then refuse the mask; hand them the mask as booleans. Returns the fixes applied."""
+    if not _interpreting():
+        return ()
+    import triton.runtime.interpreter as ti
+    fixed = []
+    if _loop_bound_broken():
+        patch = ti._patch_lang_tensor
+
+        def patched(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+        ti._patch_lang_tensor = patched
+        if _loop_bound_broken():
+            ti._patch_lang_tensor = patch
+            raise RuntimeError("the interpreter's loop-bound fix does not fix it under Triton " + triton.__version__)
+        fixed.append("loop bound")
+    if _scalar_mask_broken():
+        B = ti.InterpreterBuilder
+        load, store = B.create_masked_load, B.create_masked_store
+
+        def as_bool(mask):
+            return mask if mask.data.dtype == bool else ti.TensorHandle(mask.data != 0, mask.dtype)
+
+        B.create_masked_load = lambda self, ptrs, mask, *a: load(self, ptrs, as_bool(mask), *a)
+        B.create_masked_store = lambda self, ptrs, value, mask, *a: store(self, ptrs, value, as_bool(mask), *a)
+        if _scalar_mask_broken():
+            B.create_masked_load, B.create_masked_store = load, store
+            raise RuntimeError("the interpreter's scalar-mask fix does not fix it under Triton " + triton.__version__)
+        fixed.append("scalar mask")
+    return tuple(fixed)
 
 
 def patch_interpreter_bf16():
-    """Triton 3.6's interpreter holds bf16 as raw uint16 and computes with those integers: it multiplies bf16
-    ``tl.dot`` operands as integers, adds / multiplies / compares bf16 tensors as integers, rounds fp32 ->
-    bf16 by truncation. Make each what the GPUs do: exact fp32 products of the bf16 values accumulated in
-    fp32 (the MMA units), elementwise operations in fp32 rounded once to bf16, round-to-nearest-even
-    conversions (NaN -> 0x7FC0). The compiled kernels are unaffected."""
+    """The interpreter holds bf16 as raw uint16, and (Triton 3.6, 3.8 and 3.9 alike) computes with those
+    integers: it multiplies bf16 ``tl.dot`` operands as integers, adds / multiplies / compares bf16 tensors as
+    integers, rounds fp32 -> bf16 by truncation and widens bf16 denormals wrongly. Make each what the GPUs
+    do: exact fp32 products of the bf16 values accumulated in fp32 (the MMA units), elementwise operations in
+    fp32 rounded once to bf16, round-to-nearest-even conversions (NaN -> 0x7FC0), widening by a shift. Each
+    of the four fixes is applied only where ``_probe_bf16`` shows its bug. The compiled kernels are
+    unaffected. Returns the names of the fixes applied."""
+    if not _interpreting():
+        return ()
+    broken = _bf16_broken()
+    if not broken:
+        return ()
     import numpy as np
-    import triton.language as tl
     import triton.runtime.interpreter as ti
 
     def f32(h):
@@ -174,7 +303,7 @@ def patch_interpreter_bf16():
         return np.where(np.isnan(f), np.uint16(0x7FC0), rounded)
 
     B = ti.InterpreterBuilder
-    dot, cast, binary = B.create_dot, B.cast_impl, B.binary_op
+    saved = dot, cast, binary = B.create_dot, B.cast_impl, B.binary_op
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
@@ -183,9 +312,9 @@ def patch_interpreter_bf16():
 
     def cast_impl(self, src, dst_type):
         s, t = src.dtype.scalar, dst_type.scalar
-        if s == tl.float32 and t == tl.bfloat16:
+        if s == tl.float32 and t == tl.bfloat16 and "round" in broken:
             return ti.TensorHandle(bf16(src.data), t)
-        if s == tl.bfloat16 and t == tl.float32:
+        if s == tl.bfloat16 and t == tl.float32 and "widen" in broken:
             return ti.TensorHandle(f32(src.data), t)
         return cast(self, src, dst_type)
 
@@ -197,4 +326,14 @@ def patch_interpreter_bf16():
             return ti.TensorHandle(out, tl.int1)
         return binary(self, lhs, rhs, op)
 
-    B.create_dot, B.cast_impl, B.binary_op = create_dot, cast_impl, binary_op
+    if "dot" in broken:
+        B.create_dot = create_dot
+    if broken & {"round", "widen"}:
+        B.cast_impl = cast_impl
+    if "arithmetic" in broken:
+        B.binary_op = binary_op
+    left = _bf16_broken()
+    if left:
+        B.create_dot, B.cast_impl, B.binary_op = saved
+        raise RuntimeError(f"the interpreter's bf16 fixes leave {sorted(left)} wrong under Triton {triton.__version__}")
+    return tuple(sorted(broken))

@@ -10,7 +10,6 @@ from helpers import run_file_interpreted
 from dsv4_rocm import ops
 from dsv4_rocm.config import LayerType, tiny_config, tiny_v41_config
 from dsv4_rocm.serving import SyntheticServer
-from dsv4_rocm.serving_v41 import V41Stack
 from dsv4_rocm.step import StepMetadata
 
 CFG = tiny_config()
@@ -50,7 +49,7 @@ def check_v41_layers(device="cpu"):
     empty [0, hidden] bf16 result; no byte of any cache (SWA, compressed, indexer-K, ring) or of the shared
     top-k and candidate buffers changed."""
     cfg = tiny_v41_config()
-    s = V41Stack(cfg, None, 2, 512, device=str(device), layers=tuple(range(8)))
+    s = SyntheticServer(cfg, None, 2, 512, device=str(device), layers=tuple(range(8)))
     tensors = [t for c in s.caches.values() for t in (c.swa, c.comp, c.idx, c.ring) if t is not None]
     tensors += [s.shared.topk, s.shared.candidates]
     for t in tensors:                                    # not zeros: a write of zeros would show

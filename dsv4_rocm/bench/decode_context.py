@@ -28,7 +28,7 @@ def step_bytes(kind: str, ctx: int, window: int = 128, topk: int = 512) -> int:
 def decode_ms(srv, x, device, reps: int = 20) -> float:
     """Median ms of request 0's next decode step: a graph replay on a GPU, an eager step elsewhere."""
     if torch.device(device).type == "cuda":
-        from ..main_job import _graph_decode_ms
+        from ..trace_check import _graph_decode_ms
         return _graph_decode_ms(srv, [x], device, reps=reps)
     import time
     from ..long_context import _forward

@@ -6,10 +6,10 @@
   512), as ``bench/sparse_mla.py`` makes it.
 * ``simulated_gpu()``: Triton launches without a GPU: a stand-in driver (an sm_90 or gfx942 target,
   device 0, stream 0) and compiled kernels that launch nothing, so Triton's launcher (binder, cache key,
-  launch metadata) and dsv4_rocm's direct launch run as they do on a GPU.
+  launch metadata) runs as it does on a GPU.
 * ``ops_as_on_gpu()``: CPU tensors take the hip / triton implementations and skip value checks, as GPU
   tensors do; the HIP launchers are stubbed. Together with ``simulated_gpu`` a CPU machine measures the
-  host path of every op (``ci/host_overhead.py --cpu``).
+  host path of every op (``gpu/host_overhead.py --cpu``).
 """
 import contextlib
 import sys
@@ -22,8 +22,7 @@ from .. import ops
 
 # ---- simulated launches --------------------------------------------------------------------------------
 class _NullKernel:
-    """Stands for a compiled kernel: what Triton's launcher and ``_launch.Kernel`` read, and a run that
-    launches nothing."""
+    """Stands for a compiled kernel: what Triton's launcher reads, and a run that launches nothing."""
 
     def __init__(self, key):
         self.key = key
@@ -61,12 +60,11 @@ class _SimDriver:
 
 @contextlib.contextmanager
 def simulated_gpu(backend: str = "cuda"):
-    """Triton launches on CPU tensors go through Triton's launcher (or the direct launch) to kernels that
-    do nothing; nothing is compiled. Restores Triton's driver and forgets every simulated kernel on exit."""
+    """Triton launches on CPU tensors go through Triton's launcher to kernels that do nothing; nothing is
+    compiled. Restores Triton's driver and forgets every simulated kernel on exit."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
-    from ..triton import _launch
     target = GPUTarget("cuda", 90, 32) if backend == "cuda" else GPUTarget("hip", "gfx942", 64)
     touched = set()
     compile_ = JITFunction._do_compile
@@ -79,14 +77,11 @@ def simulated_gpu(backend: str = "cuda"):
     sim = _SimDriver(target)
     driver.set_active(sim)
     JITFunction._do_compile = null_compile
-    _launch.forget_kernels()
     try:
         yield
     finally:
         JITFunction._do_compile = compile_
         driver.reset_active() if driver._default is not None else driver.set_active(None)
-        _launch._HIP.pop(sim, None)
-        _launch.forget_kernels()
         for fn in touched:
             fn.device_caches.pop(0, None)
 
@@ -286,7 +281,7 @@ def main_job_decode_step_ms(device, layer: str, config: str = "v4-flash", heads=
     synchronized around each step as the main job does. With ``profile``: (ms, a cProfile top-25 of the
     timed decode steps by own time)."""
     from ..config import LayerType, get_config
-    from ..main_job import trace
+    from ..trace_check import trace
     from ..serving import SyntheticServer
     cfg = get_config(config)
     cfg = cfg.with_tp(cfg.num_heads // (heads or cfg.local_heads))

@@ -6,7 +6,7 @@ valid records. Kinds (V4.1-Flash layers): sliding window (0), ratio-2 kv source 
 caches and top-k (3), the ratio-1 kv source and candidate source (20), a layer reading its caches (21), an
 index source scoring inside the candidates (24). As for the V4.0 step (dsv4_rocm/bench/layer.py) the
 region timed is the attention work between the dense projections' outputs and the wo_a output, in the
-layer's order (dsv4_rocm/attention_v41.py): q / kv RMSNorm, q RoPE and the kv insert, the step's index
+layer's order (dsv4_rocm/attention.py, dsv4_rocm/layer_parts.py): q / kv RMSNorm, q RoPE and the kv insert, the step's index
 sets (V4.0 and V4.1 sets: every layer of a step reads them), then by kind the compressor (ring save and
 pooling into latents, their records), the index keys, the indexer's q quant, paged logits, candidate
 blocks (select or mask), top-k, the global slots of the top-k, sparse attention, inverse RoPE + FP8
@@ -21,9 +21,9 @@ blocks are all the visible ones (the select writes them; the mask keeps every en
 import torch
 
 from .. import ops
-from ..attention_v41 import V41SharedBuffers
+from ..attention import SharedBuffers
 from ..config import get_config
-from ..kv_cache import allocate_v41
+from ..kv_cache import allocate_caches
 from ..reference.rope import build_cos_sin_cache
 from ..step import V41_COMPRESSED_BLOCK, StepMetadata
 from ..weights import LayerWeights
@@ -156,9 +156,9 @@ def suite(ctx):
     dev = ctx.device
     cfg = get_config("v4.1-flash")
     g = torch.Generator(device=dev).manual_seed(0)
-    caches = allocate_v41(cfg, KINDS, B * CTX // V41_COMPRESSED_BLOCK, B, num_swa_blocks=B * CTX // 64, device=dev)
+    caches = allocate_caches(cfg, KINDS, B * CTX // V41_COMPRESSED_BLOCK, B, num_swa_blocks=B * CTX // 64, device=dev)
     _fill(caches, dev, g)
-    shared = V41SharedBuffers.allocate(cfg, B, dev)
+    shared = SharedBuffers.allocate(cfg, B, dev)
     shared.topk.copy_(torch.stack([torch.randperm(CTX // 2, device=dev, generator=g)[:cfg.index_topk]
                                    for _ in range(B)]).to(torch.int32))            # valid entries of either ratio
     step = _step(dev, g)

@@ -18,7 +18,7 @@ CASES = [  # name, rows, candidates per row, k
     ("topk k=512 n=2048 b=128", 128, 2048, 512),
 ]
 
-# --sweep (and ci/gpu_topk.py): overrides of ``default_config``, functions of it since sizes scale with k
+# --sweep (and gpu/topk.py): overrides of ``default_config``, functions of it since sizes scale with k
 SWEEP = {
     "default": lambda c: {},
     "ctas/4": lambda c: dict(ctas=c["ctas"] / 4),                  # fewer pass-1 CTAs: fewer atomic maxima

@@ -12,7 +12,9 @@ where the backend is chosen: the kernels only launch.
 
 ``use_backend(name)`` or ``DSV4_BACKEND=reference|triton|hip`` forces a backend; asking for one the
 machine lacks (Triton or a GPU missing, _C not built) is an error, never a silent fallback. An op with no
-kernel in the forced backend runs its best other implementation.
+kernel in the forced backend runs its best other implementation. ``DSV4_BACKEND`` is read once, when
+dsv4_rocm is imported (an op call reads a module variable, not the environment); ``use_backend`` changes
+the backend at run time and takes precedence over it.
 
 Value checks (index ranges, monotone offsets: anything that reads tensor contents) need the values on
 the host. ``value_checks(t)`` says whether to run them for a tensor: always for CPU tensors; for GPU
@@ -42,18 +44,9 @@ _override: Optional[str] = None
 _validation = "auto"
 
 
-def _env_backend() -> Optional[str]:
-    return os.environ.get("DSV4_BACKEND") or None
-
-
-try:    # read per op call: os.environ's own lookup costs half a microsecond (it raises KeyError when unset)
-    _ENV_KEY, _ENV_DATA, _ENV_DECODE = os.environ.encodekey("DSV4_BACKEND"), os.environ._data, os.environ.decodevalue
-
-    def _env_backend() -> Optional[str]:  # noqa: F811
-        v = _ENV_DATA.get(_ENV_KEY)
-        return _ENV_DECODE(v) or None if v is not None else None
-except AttributeError:        # an os.environ without CPython's internals: the plain lookup above
-    pass
+# DSV4_BACKEND as set when dsv4_rocm is imported; its value is checked when an op is resolved, so a bad one is
+# an error of the op call, not of the import
+_ENV_BACKEND: Optional[str] = os.environ.get("DSV4_BACKEND") or None
 
 
 def register(op: str, reference: Callable, triton: Optional[Callable] = None, hip: Optional[Callable] = None,
@@ -163,7 +156,7 @@ def backend_for(op: str, device) -> str:
     if op not in _REFERENCE:
         raise ValueError(f"unknown op {op!r}")
     have = machine_backends(device)
-    forced = _override or _env_backend()
+    forced = _override or _ENV_BACKEND
     if forced:
         _check_backend_name(forced)
         if forced not in have:
@@ -184,7 +177,7 @@ def implementation(op: str, device):
     """The function that runs ``op`` for tensors on ``device``, resolved once per (op, device, forced
     backend): a public op pays a dict lookup. Keyed by the device itself, not its type: whether a kernel
     runs (``runs_on``) can differ between two GPUs of one machine."""
-    key = (op, device, _override or _env_backend())
+    key = (op, device, _override or _ENV_BACKEND)
     fn = _IMPLEMENTATIONS.get(key)
     if fn is None:
         fn = _IMPLEMENTATIONS[key] = _resolve(op, device)

@@ -5,7 +5,7 @@ Every token's key set is built by hand (its sliding window, its compressed entri
 scores, the indexer's top-k of them), each record goes through the cache's encode/decode once, and the
 heads attend densely over that set; there are no paged caches, no step metadata, no chunking and no ops
 dispatch. So it checks the layer's cache layout, slot mapping, metadata, masks and chunked serving, which a
-comparison of the layer with itself on the reference backend cannot (tests/test_layer.py, and the check of
+comparison of the layer with itself on the reference backend cannot (tests/layer/test_layer.py, and the check of
 ``python -m dsv4_rocm run`` on a CPU). Slow (a Python loop per token and entry): for short traces only.
 """
 import torch

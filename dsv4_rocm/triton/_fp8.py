@@ -30,7 +30,7 @@ model of the instruction instead, in Triton operations on the same tensors, so t
 for every target ``_launch.emulate_target`` picks. ``mma_operand`` gives the exact fp32 values there: a
 product of two e4m3 values is exact in fp32 and ``tl.dot`` of fp32 tiles accumulates in fp32, which is what
 the fp8 matrix instructions compute up to the order (and, on NVIDIA, the width) of their accumulation.
-``tests/test_amd_tier.py`` checks the models against torch's casts over every byte and many fp32 values,
+``tests/tooling/test_amd_tier.py`` checks the models against torch's casts over every byte and many fp32 values,
 and, on a GPU, against the hardware convert.
 """
 import triton

@@ -1,6 +1,6 @@
 """What the kernel launchers keep between calls, so a launch costs no device query and no allocation
-beyond its outputs (a serving engine calls the attention launchers once per layer per step), and the
-direct launch of compiled kernels.
+beyond its outputs (a serving engine calls the attention launchers once per layer per step), and how
+``@triton.jit`` kernels are launched.
 
 * ``cdiv``, ``next_power_of_2``: host-side ``triton.cdiv`` / ``triton.next_power_of_2`` without their
   per-call overhead.
@@ -14,20 +14,21 @@ direct launch of compiled kernels.
 * ``counters(device, n)``: an int32 buffer of at least ``n`` zeros, kept the same way: kernels that count
   arrivals in it leave every entry at 0 when they finish.
 * ``launch(fn)``: the ``Kernel`` of a ``@triton.jit`` function, launched as ``launch(fn)[grid](*args,
-  **constexprs)`` (Triton's ``fn[grid](...)`` form). The first
-  launch of a variant goes through Triton's own launcher (binder, cache key, compilation); later
-  launches call the compiled kernel Triton picked, directly (below).
+  **constexprs)`` or, with the constexprs fixed, ``launch(fn).bind(**constexprs)[grid](*args)``: Triton's own
+  launch (``fn[grid](...)``), recorded inside ``record_launches``, its first compile in ``kernel_cache``.
 * ``kernel_cache()``: where dsv4_rocm's compiled kernels persist between processes, and the context in which
   its compiles run (below).
 
 Kernel cache. Triton keeps compiled kernels in its own directory (``TRITON_CACHE_DIR``, default
 ``~/.triton/cache``), which serving deployments often point at a per-process or temporary directory, so
 every new process compiles again. dsv4_rocm's compiles (``flash_mla.warmup`` and the first launch of each
-variant through ``launch``) run with Triton's cache directory set to ``DSV4_KERNEL_CACHE`` when set, else
-``$XDG_CACHE_HOME/dsv4_rocm/triton`` (``~/.cache/dsv4_rocm/triton``), so a second process on the machine
-loads them instead of compiling; Triton's own setting is restored afterwards and applies to every other
-kernel. ``DSV4_KERNEL_CACHE=triton`` keeps Triton's directory for ours too. The kernels are Triton's own
-cache entries (keyed by source, options and target), so a changed kernel or Triton misses and recompiles.
+variant through ``launch``: its constexprs, launch options and number of arguments) run with Triton's cache
+directory set to ``DSV4_KERNEL_CACHE`` when set, else ``$XDG_CACHE_HOME/dsv4_rocm/triton``
+(``~/.cache/dsv4_rocm/triton``), so a second process on the machine loads them instead of compiling;
+Triton's own setting is restored afterwards and applies to every other kernel (and to a later compile of a
+variant for arguments Triton specializes differently). ``DSV4_KERNEL_CACHE=triton`` keeps Triton's directory
+for ours too. The kernels are Triton's own cache entries (keyed by source, options and target), so a changed
+kernel or Triton misses and recompiles.
 
 CPU tensors (the Triton interpreter, ``TRITON_INTERPRET=1``) get arch "cpu", no fnuz and one "SM", except
 inside ``emulate_target(arch)``: there they get the facts of that target (gfx942, gfx950, sm_90, sm_100), so
@@ -37,34 +38,16 @@ instructions those branches use run as the bit-exact models of ``_fp8.py``). Lau
 device use ``device_cache``, which ``emulate_target`` empties on entry and exit. ``record_launches()`` lists
 the constexprs and launch options of each interpreted launch, for tests that say which branches they ran.
 
-Direct launch. Triton's ``JITFunction.run`` spends tens of microseconds of Python per launch: it
-specializes every argument, builds a cache key from the specialization and the options, checks the
-kernel's globals, builds launch metadata and calls the launch hooks. ``Kernel`` keeps, per variant (the
-constexprs and launch options of the call) and per key, the compiled kernel of the first launch and then
-calls ``CompiledKernel.run`` itself. The key holds everything Triton 3.6 specializes on (``jit.py``
-``create_function_from_signature`` and the backends' ``get_*_specialization``), so it picks exactly the
-kernel Triton's path would pick (``tests/test_fast_launch.py`` checks that against Triton's binder):
-
-    the current device; the type of every argument; for a tensor its dtype, whether its address is a
-    multiple of 16 (unless do_not_specialize_on_alignment) and on AMD, where buffer ops are on, whether
-    its storage fits in 2 GB; for an int its width class (i32 / i64 / u64) and, unless
-    do_not_specialize, whether it equals 1 and whether it is a multiple of 16. Floats, bools and None
-    specialize on their type only.
-
-Anything else goes through Triton's path every time: a Triton other than 3.6, launch hooks installed,
-``TRITON_DEBUG`` or instrumentation on, pre-run hooks, argument types the key does not cover (tuples,
-numpy scalars), tensors passed as keywords, an asynchronous compile still running, or the switch off
-(``set_fast_launch(False)`` or ``DSV4_FAST_LAUNCH=0``). What is not checked per launch: that the
-kernel's module globals keep the values the kernel was compiled with (Triton checks it; ours are
-module constants).
+Launches go through Triton's own launcher, which picks the compiled kernel for the arguments' specialization
+(alignment, int sizes, AMD's buffer-op range) on every call. A launcher of our own that skipped it would have
+to restate those rules, which are Triton's internals and no public interface (docs/platforms.md#launches);
+the host time of a launch is met instead by capturing steps into CUDA/HIP graphs and by fusing launches.
 """
 import contextlib
 import functools
 import os
-import weakref
 
 import torch
-import triton
 
 from typing import NamedTuple
 
@@ -161,8 +144,8 @@ def emulated_target():
 
 @contextlib.contextmanager
 def record_launches():
-    """Collect (kernel name, constexprs and launch options) of every launch that goes through Triton's own
-    launcher (all of them under the interpreter) inside the block."""
+    """Collect (kernel name, constexprs and launch options) of every launch through ``launch`` inside the
+    block."""
     global _RECORD
     prev, _RECORD = _RECORD, []
     try:
@@ -198,7 +181,7 @@ def kernel_cache(path=None):
     """Compiles inside the block read and write ``path`` (default ``kernel_cache_dir()``) as Triton's cache
     directory; Triton's setting is restored on exit. Yields the directory (None: Triton's own)."""
     path = path if path is not None else kernel_cache_dir()
-    knobs = _knobs if _TRITON_SUPPORTED else None
+    knobs = _knobs
     if path is None or knobs is None or not hasattr(knobs, "cache"):
         yield None
         return
@@ -210,239 +193,64 @@ def kernel_cache(path=None):
         knobs.cache.dir = prev
 
 
-# ---- direct launch -------------------------------------------------------------------------------------
-_fast = os.environ.get("DSV4_FAST_LAUNCH", "1") != "0"
-
-
-@contextlib.contextmanager
-def _restore_fast(prev):
-    global _fast
-    try:
-        yield
-    finally:
-        _fast = prev
-
-
-def set_fast_launch(enabled: bool):
-    """Turn the direct launch on or off (Triton's launcher for every launch). Usable as a plain call or as
-    a context manager."""
-    global _fast
-    prev, _fast = _fast, bool(enabled)
-    return _restore_fast(prev)
-
-
-def fast_launch_enabled() -> bool:
-    return _fast
-
-
-try:
-    from triton import knobs as _knobs
-    from triton.knobs import HookChain as _HookChain
-    from triton.runtime.driver import driver as _driver
-    from triton.runtime.jit import JITFunction as _JITFunction
-    _TRITON_SUPPORTED = triton.__version__.split(".")[:2] == ["3", "6"]
-except ImportError:            # another Triton: its own launcher only
-    _TRITON_SUPPORTED = False
-
-_PARAM_ATTRS = ("name", "is_constexpr", "do_not_specialize", "do_not_specialize_on_alignment", "annotation_type",
-                "default", "has_default")
-_I32_MIN, _I32_MAX, _I64_MAX = -2 ** 31, 2 ** 31 - 1, 2 ** 63 - 1
-
-
-def _supported(fn) -> bool:
-    """Whether ``fn`` is a Triton 3.6 JITFunction (or a subclass launched by JITFunction's own ``run``, as
-    Gluon's is: only its front end differs) with what the direct launch reads."""
-    if not _TRITON_SUPPORTED or not isinstance(fn, _JITFunction) or type(fn).run is not _JITFunction.run:
-        return False
-    if not all(hasattr(fn, a) for a in ("params", "pre_run_hooks", "run", "warmup")):
-        return False
-    return all(hasattr(p, a) for p in fn.params for a in _PARAM_ATTRS)
-
-
-def _hooks_clear() -> bool:
-    """No launch hooks, no debug mode, no instrumentation: a launch is the kernel and nothing else."""
-    rt = _knobs.runtime
-    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if h is not None and (type(h) is not _HookChain or h.calls):
-            return False
-    return not rt.debug and not _knobs.compilation.instrumentation_mode
-
-
-def _wide(v: int):
-    """Width class of an int outside int32 (Triton passes it as i64 or u64)."""
-    return "i64" if v <= _I64_MAX else "u64"
-
-
-def _within_2gb(t: torch.Tensor) -> bool:
-    """AMD's buffer-op specialization: the tensor's storage spans at most 2**31 - 1 bytes."""
-    return t.untyped_storage().size() <= _I32_MAX
-
-
-def _key_function(params, types, hip: bool):
-    """A function (dev, *args) -> key for arguments of these ``types``, or None if one is not covered."""
-    parts = ["dev"]
-    for i, (p, tp) in enumerate(zip(params, types)):
-        a = f"a{i}"
-        if p.is_constexpr:
-            parts.append(a)
-        elif p.annotation_type:
-            return None
-        elif issubclass(tp, torch.Tensor):
-            parts.append(f"{a}.dtype")
-            if not p.do_not_specialize:
-                if not p.do_not_specialize_on_alignment:
-                    parts.append(f"not {a}.data_ptr() & 15")
-                if hip:
-                    parts.append(f"_within_2gb({a})")
-        elif tp is int:
-            if p.do_not_specialize:
-                parts.append(f"({_I32_MIN} <= {a} <= {_I32_MAX} or _wide({a}))")
-            else:
-                div = f"(not {a} & 15)" if not p.do_not_specialize_on_alignment else "0"
-                parts.append(f"({div} + 2 * ({a} == 1) if {_I32_MIN} <= {a} <= {_I32_MAX} else "
-                             f"(_wide({a}), {div}))")
-        elif tp not in (float, bool, type(None)):
-            return None
-    args = ", ".join(f"a{i}" for i in range(len(types)))
-    src = f"def key(dev, {args}):\n    return ({', '.join(parts)},)\n"
-    scope = {"_wide": _wide, "_within_2gb": _within_2gb}
-    exec(src, scope)
-    return scope["key"]
-
-
-class _Variant:
-    """One set of constexprs / launch options and positional-argument count of a kernel: the constexpr
-    values Triton passes after the positional arguments, the key functions by argument types, and the
-    compiled kernels by key."""
-    __slots__ = ("tail", "params", "key_fns", "kernels")
-
-    def __init__(self, fn, nargs, consts):
-        self.params = fn.params[:nargs]
-        tail = []
-        for p in fn.params[nargs:]:
-            if p.name in consts:
-                tail.append(consts[p.name])
-            elif p.has_default:
-                tail.append(p.default)
-            else:
-                raise TypeError(f"{fn.__name__}: missing argument {p.name!r}")
-        self.tail = tuple(tail)
-        self.key_fns = {}
-        self.kernels = {}
-
-
+# ---- launches ------------------------------------------------------------------------------------------
 class Kernel:
-    """``kernel[grid](*args, **constexprs)`` for a ``@triton.jit`` function, with the direct launch described
-    in the module docstring. Runtime arguments are positional, constexprs and launch options keywords."""
+    """``kernel[grid](*args, **constexprs)`` for a ``@triton.jit`` function: Triton's launch, recorded inside
+    ``record_launches``; the first launch of each variant compiles inside ``kernel_cache``."""
+    __slots__ = ("fn", "_compiles", "_seen")
 
     def __init__(self, fn):
         self.fn = fn
-        self.supported = _supported(fn)
-        self._variants = {}
-        self._runtime = frozenset(p.name for p in fn.params if not p.is_constexpr) if self.supported else ()
-        _ALL.add(self)
+        self._compiles = _JITFunction is not None and isinstance(fn, _JITFunction)   # not the interpreter's
+        self._seen = set()             # variants launched: (number of arguments, constexprs and options)
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 
-    def warmup(self, *args, grid, **kwargs):
-        return self.fn.warmup(*args, grid=grid, **kwargs)
-
     def launch(self, grid, *args, **consts):
-        if not (_fast and self.supported):
-            return self._triton_launch(grid, args, consts)
-        vkey = (len(args), *consts.items())
-        try:
-            var = self._variants.get(vkey)
-        except TypeError:                         # an unhashable keyword value
-            return self.fn[grid](*args, **consts)
-        if var is None:
-            var = self._new_variant(vkey, args, consts)
-        return self._run(var, grid, args, consts)
-
-    def _triton_launch(self, grid, args, consts):
-        """Triton's own launcher (the interpreter's, for CPU tensors), recorded inside ``record_launches``."""
-        if _RECORD is not None:
-            _RECORD.append((self.fn.__name__, dict(consts)))
-        return self.fn[grid](*args, **consts)
+        return self._launch(grid, args, consts, (len(args), *consts.items()))
 
     def bind(self, **consts) -> "BoundKernel":
-        """This kernel with its constexprs and launch options fixed: ``bound[grid](*args)`` skips looking the
-        variant up by its keywords (for launchers that cache their constexprs)."""
+        """This kernel with its constexprs and launch options fixed: ``bound[grid](*args)``."""
         return BoundKernel(self, consts)
 
-    def _run(self, var, grid, args, consts):
-        if var is None or type(grid) is not tuple or self.fn.pre_run_hooks or not _hooks_clear():
-            return self.fn[grid](*args, **consts)
-        drv = _driver.active
-        dev = drv.get_current_device()
-        types = tuple(map(type, args))
-        hip = _is_hip(drv)
-        tkey = (types, bool(_knobs.amd.use_buffer_ops)) if hip else types   # AMD: a switch read per launch
-        kf = var.key_fns.get(tkey, _MISSING)
-        if kf is _MISSING:
-            kf = var.key_fns[tkey] = _key_function(var.params, types, hip and tkey[1])
-        if kf is None:
-            return self.fn[grid](*args, **consts)
-        key = kf(dev, *args)
-        k = var.kernels.get(key)
-        if k is None:
-            with kernel_cache():           # compiled once per process; persisted for the next one
-                kernel = self.fn.run(*args, grid=grid, warmup=False, **consts)
-            if kernel is not None and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")) \
-                    and kernel.function is not None:
-                var.kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
-            return kernel
-        run, function, meta = k
-        n = len(grid)
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, drv.get_current_stream(dev), function, meta,
-            None, None, None, *args, *var.tail)
+    def warmup(self, *args, grid, **kwargs):
+        """Compile without launching (``flash_mla.warmup`` runs these inside its own ``kernel_cache``)."""
+        return self.fn.warmup(*args, grid=grid, **kwargs)
 
-    def _new_variant(self, vkey, args, consts):
-        if any(name in self._runtime for name in consts) or len(args) > len(self.fn.params):
-            return None                       # a runtime argument passed as a keyword: Triton's path
-        var = self._variants[vkey] = _Variant(self.fn, len(args), consts)
-        return var
-
-    def clear(self):
-        """Forget the kept kernels (the next launch of each variant goes through Triton's path again)."""
-        for var in self._variants.values():
-            var.kernels.clear()
-            var.key_fns.clear()
-        self._variants.clear()
+    def _launch(self, grid, args, consts, variant):
+        if _RECORD is not None:
+            _RECORD.append((self.fn.__name__, dict(consts)))
+        if self._compiles:
+            try:
+                first = variant not in self._seen
+            except TypeError:          # an unhashable keyword value: not kept
+                first = False
+            if first:
+                with kernel_cache():
+                    kernel = self.fn[grid](*args, **consts)
+                self._seen.add(variant)
+                return kernel
+        return self.fn[grid](*args, **consts)
 
 
 class BoundKernel:
     """``Kernel.bind(**consts)``: ``bound[grid](*args)`` launches with those constexprs and options."""
-    __slots__ = ("kernel", "consts", "_vars")
+    __slots__ = ("kernel", "consts", "_items")
 
     def __init__(self, kernel: Kernel, consts: dict):
-        self.kernel, self.consts, self._vars = kernel, consts, {}
+        self.kernel, self.consts, self._items = kernel, consts, tuple(consts.items())
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
 
     def launch(self, grid, *args):
-        k = self.kernel
-        if not (_fast and k.supported):
-            return k._triton_launch(grid, args, self.consts)
-        var = self._vars.get(len(args))
-        if var is None:           # a variant outlives Kernel.clear (its kernels are emptied): kept for good
-            try:
-                vkey = (len(args), *self.consts.items())
-                var = k._variants.get(vkey) or k._new_variant(vkey, args, self.consts)
-            except TypeError:     # an unhashable keyword value
-                var = None
-            if var is not None:
-                self._vars[len(args)] = var
-        return k._run(var, grid, args, self.consts)
+        return self.kernel._launch(grid, args, self.consts, (len(args), *self._items))
 
     def warmup(self, *args, grid):
-        return self.kernel.fn.warmup(*args, grid=grid, **self.consts)
+        return self.kernel.warmup(*args, grid=grid, **self.consts)
 
 
-_MISSING = object()
-_ALL = weakref.WeakSet()     # every Kernel, for forget_kernels
 _BY_FN = {}                  # id of a JITFunction -> its Kernel
 
 
@@ -454,18 +262,11 @@ def launch(fn) -> Kernel:
     return k
 
 
-def forget_kernels() -> None:
-    """Every ``Kernel`` forgets its kept kernels (after Triton's driver or caches changed)."""
-    for k in list(_ALL):
-        k.clear()
-    _HIP.clear()
-
-
-_HIP = {}           # driver -> whether its target is AMD's
-
-
-def _is_hip(drv) -> bool:
-    hip = _HIP.get(drv)
-    if hip is None:
-        hip = _HIP[drv] = drv.get_current_target().backend == "hip"
-    return hip
+try:
+    from triton import knobs as _knobs
+except ImportError:            # a Triton without knobs: Triton's cache directory for every compile
+    _knobs = None
+try:
+    from triton.runtime.jit import JITFunction as _JITFunction
+except ImportError:
+    _JITFunction = None

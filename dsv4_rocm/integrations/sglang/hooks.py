@@ -6,9 +6,10 @@
   (the swap-AB kernel, index folding, the V4.1 layouts, the fused inverse RoPE) and passes the name to
   the entrypoint below.
 * ``attention`` wraps ``hip_flash_mla.flash_mla_with_kvcache_entrypoint``: for that name and 584-byte
-  caches it runs ``dsv4_rocm.ops.sparse_mla_decode`` on FlashMLA's keywords, exactly as the HIP backend
-  builds them (``q [b, s_q, h, 512]``, the sliding-window and compressed caches as ``[pages, page_size,
-  1, 584]`` views of SGLang's page buffers, int32 slot indices and lengths, the sink); with ``inv_rope``
+  caches it runs the one sparse attention step (``dsv4_rocm.attention_step.sparse_attention``, the layer's
+  and the vLLM plugin's too) on FlashMLA's keywords, exactly as the HIP backend builds them (``q [b, s_q, h,
+  512]``, the sliding-window and compressed caches as ``[pages, page_size, 1, 584]`` views of SGLang's page
+  buffers, int32 slot indices and lengths, the sink); with ``inv_rope``
   (``(freqs_real, positions)``, SGLang's interleaved cos / sin table) it rotates the rows back with
   ``rocm_inverse_rope_rows_``. Anything else goes to SGLang's entrypoint.
 * ``store`` wraps ``attn.fused_store_cache``: a V4-layout FlashMLA store (``type="flashmla"``, no in-kernel
@@ -22,6 +23,7 @@ are converted; that is the only copy.
 import torch
 
 from ... import ops
+from ...attention_step import KeySet, sparse_attention
 from . import guards
 
 BACKEND = "dsv4_rocm"
@@ -69,8 +71,9 @@ def flash_mla_call(q, k_cache, head_dim_v=512, block_table=None, cache_seqlens=N
                          "num_splits=None, head_dim_v=512, indices given)")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    out, lse = ops.sparse_mla_decode(q, k_cache, indices, _int32(topk_length), attn_sink, extra_k_cache,
-                                     extra_indices_in_kvcache, _int32(extra_topk_length), softmax_scale)
+    out, lse = sparse_attention(q, KeySet(k_cache, indices, _int32(topk_length)),
+                                KeySet(extra_k_cache, extra_indices_in_kvcache, _int32(extra_topk_length)),
+                                attn_sink, softmax_scale)
     if inv_rope is not None:
         freqs_real, positions = inv_rope
         b, s_q, h, d = out.shape

@@ -8,9 +8,10 @@ attention hooks with dsv4_rocm's and otherwise is the base class unchanged:
 - ``get_padded_num_q_heads``: 64 or 128 (the heads the sparse kernels run);
 - ``_fused_qnorm_rope_kv_insert``: ``ops.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` (q norm + RoPE,
   padded q; kv RoPE + fp8 quant into the SWA cache), in place of ``torch.ops._C``'s;
-- ``forward_mqa``: ``ops.sparse_mla_decode`` for every token of the step, decode and prefill alike, over the
-  window's SWA slots and the compressed entries (C4: the indexer's top-k made global per token; C128: all
-  visible entries), with the sink, straight from the fp8 pages (no bf16 workspace, no prefill chunks);
+- ``forward_mqa``: the one attention step (``dsv4_rocm.attention_step.attend_step``, as dsv4_rocm's layer runs
+  it) for every token of the step, decode and prefill alike, over the window's SWA slots and the compressed
+  entries (C4: the indexer's top-k made global per token; C128: all visible entries), with the sink,
+  straight from the fp8 pages (no bf16 workspace, no prefill chunks);
 - ``backend_cls`` / ``swa_backend_cls``: dsv4_rocm's backends, whose builders make the step's metadata.
 
 Building a layer with our backend selected first refuses a ``--kv-cache-dtype`` that has no fp8_ds_mla
@@ -22,6 +23,7 @@ runs the layer once with no metadata to size memory) writes no cache and leaves 
 from ... import layout as L
 from ... import ops
 from ...attention import padded_q
+from ...attention_step import attend_step
 from .backend import BACKEND_NAME, SparseMLABackend, SWABackend
 
 from vllm.forward_context import get_forward_context
@@ -90,20 +92,18 @@ class _Hooks:
 
 
 def sparse_mla_forward(layer, q, output, step, layer_metadata) -> None:
-    """Attention of the step's tokens (q bf16 [T, padded_heads, 512]) into ``output`` [T, padded_heads, 512]:
-    the SWA set from ``step``, the compressed set from the layer's group metadata and, for C4, the
-    indexer's per-token top-k (``layer.topk_indices_buffer``, local entry ids)."""
-    T = q.shape[0]
-    extra = (None, None, None)
-    if layer.compress_ratio == 4:
-        idx, lens = ops.compute_global_topk_indices_and_lens(
-            layer.topk_indices_buffer[:T], step.token_to_req, layer_metadata.block_table,
-            L.compressed_block_size(4), step.is_valid_token)
-        extra = (layer.kv_cache.unsqueeze(-2), idx.unsqueeze(1), lens)
-    elif layer.compress_ratio == 128:
-        extra = (layer.kv_cache.unsqueeze(-2), layer_metadata.c128_indices.unsqueeze(1), layer_metadata.c128_lens)
-    ops.sparse_mla_decode(q.unsqueeze(1), layer.swa_cache_layer.kv_cache.unsqueeze(-2), step.swa_indices.unsqueeze(1),
-                          step.swa_lens, layer.attn_sink, *extra, layer.scale, out=output.unsqueeze(1))
+    """Attention of the step's tokens (q bf16 [T, padded_heads, 512]) into ``output`` [T, padded_heads, 512]
+    by the one attention step (``dsv4_rocm.attention_step.attend_step``): the SWA set from ``step``, the
+    compressed set from the layer's group metadata and, for C4, the indexer's per-token top-k
+    (``layer.topk_indices_buffer``, local entry ids)."""
+    r, T = layer.compress_ratio, q.shape[0]
+    comp = layer.kv_cache.unsqueeze(-2) if r in (4, 128) else None
+    attend_step(q, output, step, layer.swa_cache_layer.kv_cache.unsqueeze(-2), layer.attn_sink, layer.scale, comp,
+                topk=layer.topk_indices_buffer[:T] if r == 4 else None,
+                block_table=layer_metadata.block_table if r == 4 else None,
+                block_size=L.compressed_block_size(4) if r == 4 else 0,
+                indices=layer_metadata.c128_indices if r == 128 else None,
+                lens=layer_metadata.c128_lens if r == 128 else None)
 
 
 _CLASSES = {}

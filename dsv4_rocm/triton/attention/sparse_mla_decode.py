@@ -453,7 +453,7 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stri
 
 
 # the decode kernel Hopper runs by default: "ws" (sparse_mla_decode_ws.py) or "triton" (this file's), as the
-# H100 timing of ci/gpu_decode_ws.py decides (its VERDICT line; BENCHMARKS.md): the Hopper kernel took
+# H100 timing of gpu/decode_ws.py decides (its VERDICT line; BENCHMARKS.md): the Hopper kernel took
 # 0.80-0.97 of this file's kernel's time on all eight timed rows
 DEFAULT_SM90_KERNEL = "ws"
 

@@ -85,7 +85,7 @@ def _sparse_mla_prefill_kernel(q_ptr, stride_qt, stride_qh, kv_ptr, stride_kv, s
 
 
 # the prefill kernel Hopper runs by default: "ws" (sparse_mla_decode_ws.py over bf16 rows) or "triton" (this
-# file's), as the H100 timing of ci/gpu_decode_ws.py decides (BENCHMARKS.md): the Hopper kernel over bf16 rows
+# file's), as the H100 timing of gpu/decode_ws.py decides (BENCHMARKS.md): the Hopper kernel over bf16 rows
 # was faster on all four timed rows (s_q 4096, h 64 / 128, s_kv 8K / 64K)
 DEFAULT_SM90_KERNEL = "ws"
 

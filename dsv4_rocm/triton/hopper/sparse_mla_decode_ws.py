@@ -829,7 +829,7 @@ def _consumer0(sa, la, oa, bufs, bars, HEADS: gl.constexpr, BLOCK_N: gl.constexp
             # partition barrier, a named barrier (bar.sync 2 or 3, 128), and racecheck orders nothing through
             # named barriers: it reports Triton's own warp-specialize start-up state too, written and read around
             # `barrier.sync 1` with no mbarrier at all, while the same hand-off with the default partition's
-            # barrier 0 is clean (ci/racecheck_control.py). Ordering: consumer 1 loads alpha of live tile n - 1
+            # barrier 0 is clean (gpu/racecheck_control.py). Ordering: consumer 1 loads alpha of live tile n - 1
             # before its partition barrier and its p_free arrive; this wait (parity (n & 1) ^ 1) is for that
             # arrive; every store here precedes the partition barrier ahead of p_ready, which consumer 1 waits
             # for (parity n & 1) before its load. test_ws_hand_offs_hold_under_random_stalls pauses both sides.
@@ -1020,9 +1020,9 @@ def default_config(num_heads: int = 64) -> dict:
     """The H100 defaults: 64-key tiles, two K slots, consumer 0 at 200 registers, consumer 1 at 160 (the
     loader gets 144), no spills (compile matrix); L2 requests a tile ahead with 64 heads only (with 128 the
     second head block's gathers hit L2 anyway: 1-3% faster without, 0-2% slower with 64 heads; H100,
-    ci/gpu_decode_ws.py). The register gathers measured 10-18% faster on every timed row than the earlier
+    gpu/decode_ws.py). The register gathers measured 10-18% faster on every timed row than the earlier
     raw ring in shared memory fed by cp.async (BENCHMARKS.md). ``PROBE`` is for measurement only
-    (ci/gpu_decode_ws.py): 1 masks off every record load, 2 skips the matrix products, 3 both; the outputs
+    (gpu/decode_ws.py): 1 masks off every record load, 2 skips the matrix products, 3 both; the outputs
     are then wrong. ``PROBE`` 4 (STALL) is for the stress test of the hand-offs only: pseudo-random pauses
     at each of them (``_stall``), the outputs unchanged."""
     return dict(BLOCK_N=64, K_STAGES=2, L2_AHEAD=num_heads <= 64, C0_REGS=200, C1_REGS=160, PROBE=0, num_warps=4)

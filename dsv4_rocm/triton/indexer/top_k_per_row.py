@@ -492,7 +492,7 @@ def default_config(arch: str, k: int) -> dict:
     # split pass 1 in tiles of 8192 columns, pass 2 in scans of 4096 group maxima (one each a CTA at batch
     # 1 and 64), with 16 warps on NVIDIA up to k = 2048 (8 with 255 registers beyond: 8192 candidates);
     # the fused kernel in 8 warps with smaller blocks (no spill at 255 registers). Measured on the H100
-    # (ci/gpu_topk.py, BENCHMARKS.md): 6-bit digits beat 8-bit ones on every shape (a 64-bin histogram a
+    # (gpu/topk.py, BENCHMARKS.md): 6-bit digits beat 8-bit ones on every shape (a 64-bin histogram a
     # round costs less than the rounds it saves: 21.6 against 24.3 us at b = 1 x 256K, 7.7 against 9.5 us
     # for the C4 step's 128 x 2048); from k = 1024 on, a quarter of the split CTAs, which makes b = 64 rows
     # of 32K fused (39.3 against 47.0 us at k = 1024, 47.8 against 63.1 at k = 2048). Blackwell (untimed)

@@ -15,9 +15,9 @@ them with the same arguments and compares every output element:
 bf16 conversions run as the GPUs round them (``helpers.patch_interpreter_bf16``: Triton 3.6's interpreter
 truncates). Not run here: the bf16 weights of ``fused_indexer_q_rope_quant(..., weights_out_dtype=
 torch.bfloat16)`` (vLLM's MXFP4 kernel uses inline assembly, which the interpreter cannot run;
-tests/test_indexer.py holds ours to the float32 weights rounded to nearest even, what vLLM's store does),
+tests/indexer/test_indexer.py holds ours to the float32 weights rounded to nearest even, what vLLM's store does),
 and the bf16 full-cache insert (a CUDA C++ kernel in vLLM; its schema is compared with vLLM's in
-tests/test_cache_qkv_library.py).
+tests/layer/test_cache_qkv_library.py).
 """
 import pytest
 import torch

@@ -10,7 +10,7 @@ of vLLM's runs as on CPU (test_vllm_layer.py's docstring), here with vLLM's GPU 
 compressor kernels, its indexer (C4; index_topk 512 as DeepSeek-V4 has it, so outside a graph capture
 its short-context path selects every entry, and inside one its scored path runs: logits and top-k), its
 output projection. The device machine carries vLLM's Python files
-only (ci/vllm_carry.sh, ci/gpu_vllm_tests.sh): where vLLM's compiled modules are absent, the engine tier's
+only (gpu/vllm_carry.sh, gpu/vllm_tests.sh): where vLLM's compiled modules are absent, the engine tier's
 plugin module (``vllm_suite``) stands in for the two its CUDA platform imports unguarded, answers its CUTLASS
 capability queries with False and defines the ``torch.ops`` kernels vLLM calls and lacks (its top-k and
 indexer-cache ops) over dsv4_rocm's. vLLM's Python-level ops are not swapped: its own Triton kernels run.
@@ -23,7 +23,7 @@ its fp32 state within torch's default fp32 tolerance. Graph replay: each replaye
 hidden states and metadata in the captured buffers, pages handed out as the trace goes on) is held to the same
 checks.
 
-Run on the GPU machine after ci/gpu_vllm_tests.sh has unpacked the carry (VLLM_CARRY_DIR, default
+Run on the GPU machine after gpu/vllm_tests.sh has unpacked the carry (VLLM_CARRY_DIR, default
 /tmp/dsv4_vllm), from the repository root:
 
     PYTHONPATH=/tmp/dsv4_vllm/vllm_py/site:/tmp/dsv4_vllm/entry_point:$PWD:$PWD/tests/engines/with_vllm \\
@@ -86,6 +86,12 @@ def test_vllm_layer_matches_reference_layer_and_replays_in_a_graph(vllm_gpu_env,
         if not has_deep_gemm():
             pytest.skip("vLLM's CUDA indexer (SparseAttnIndexer) refuses to be built without DeepGEMM, which this "
                         "machine lacks; the C4 layer over the plugin runs in the CPU test")
+    if layer_type != LayerType.SWA and torch.version.hip is None:
+        import importlib.util
+        if importlib.util.find_spec("cutlass") is None:
+            pytest.skip("vLLM's CUDA compressor (head 512) is its CUTLASS-DSL kernel (the `cutlass` package of "
+                        "nvidia-cutlass-dsl), which this machine lacks; the compressed layers over the plugin run "
+                        "in the CPU test")
     built = TR.build_layer(gpu_layer_class(), cfg, model_dir, layer_type, dev)
     trace = TR.Trace(built, cfg, dev, exact_attention=False)
     for name, T, rel in trace.run():

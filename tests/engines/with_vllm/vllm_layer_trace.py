@@ -171,7 +171,7 @@ class Trace:
     """Drives ``built.layer`` through the trace and checks every step (module docstring of the tests).
     ``exact_attention``: the attention output must equal dsv4_rocm's reference bit for bit (the plugin runs
     the reference backend, as on CPU); otherwise within the tolerance the sparse MLA kernels are tested to
-    (tests/sparse_mla_inputs.py: 2/128 relative plus 2^-8 of the largest key)."""
+    (tests/attention/sparse_mla_inputs.py: 2/128 relative plus 2^-8 of the largest key)."""
 
     def __init__(self, built: Built, cfg, device, exact_attention: bool):
         import vllm_layer_harness as H
@@ -276,10 +276,10 @@ class Trace:
                 n = int((step.compressed_slots[4] >= 0).sum())
                 self.same_records(f"{name}: indexer-K cache", self.live.idx, idx, n * L.INDEXER_TOKEN_BYTES)
                 self.same_state(f"{name}: indexer compressor state", self.live.idx_state, idx_state)
-                self.over_vllm._topk = layer.topk_indices_buffer[:batch.positions.shape[0]]
+            topk = layer.topk_indices_buffer[:batch.positions.shape[0]] if ratio == 4 else None
             q_attn, out = self.rec.seen["mqa"]
             want_out = torch.full_like(out, 7.0)
-            self.over_vllm.forward_mqa(q_attn, None, pos, want_out, step)
+            self.over_vllm.forward_mqa(q_attn, None, pos, want_out, step, topk)
             if self.exact:
                 assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), f"{name}: attention output"
             else:

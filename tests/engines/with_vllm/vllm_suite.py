@@ -14,7 +14,7 @@ Before collection the plugin points vLLM's kernels at ours, through the extensio
   parameters start with vLLM's, in order; the others are listed in the summary as call-form differences;
 - vLLM's top-k (``torch.ops._C``) and indexer-cache (``torch.ops._C_cache_ops``) ops this vLLM build lacks are
   defined over dsv4_rocm's ops by the plugin itself (dsv4_rocm.integrations.vllm.torch_ops, as in a served
-  process): on a GPU machine, where vLLM's compiled files are not carried (ci/gpu_vllm_tests.sh), every such
+  process): on a GPU machine, where vLLM's compiled files are not carried (gpu/vllm_tests.sh), every such
   op vLLM's tests call is ours;
 - vLLM's plugin loader loads dsv4_rocm's vLLM plugin, as in a served process.
 
@@ -103,7 +103,7 @@ SKIPS = {
     "test_indexer_deepseek_v4_slot_mapping.py": {
         "test_indexer_prefill_budget_matches_compressed_workspace": _HUB,
         # its case of get_compressed_slot_mapping (slots other than -1 are not padding) runs as our own test:
-        # tests/test_metadata.py::test_compressed_slot_mapping_only_minus_one_is_padding
+        # tests/metadata/test_metadata.py::test_compressed_slot_mapping_only_minus_one_is_padding
         "test_indexer_builder_deepseek_v4_compressed_slot_mapping_uses_num_states": _HUB},
     "test_deepseek_v4_swa_visible.py": {
         **{t: _HUB for t in ("test_builder_in_image_visibility", "test_builder_no_image_spans_fast_path",
@@ -142,9 +142,10 @@ XFAILS = {f"tests/kernels/test_deepseek_v4_cpu_kernels.py::test_qnorm_rope_kv_in
           _SUBNORMALS for p in ("1-8-64", "8-8-64", "8-16-64")}
 
 GPU_ONLY = "GPU-only: vLLM puts this test's tensors on a CUDA device"
-# cases each file must run on a CPU machine (passed or xfailed): fewer means a swap stopped working and
-# vLLM's tests went back to skipping
-MIN_RAN = {"tests/kernels/test_deepseek_v4_cpu_kernels.py": 45,
+# cases each file must run (passed or xfailed): fewer means a swap stopped working and vLLM's tests went back
+# to skipping. vLLM's CPU-kernel tests run on a CPU platform only (their module-level mark), so a GPU machine
+# expects none of them.
+MIN_RAN = {"tests/kernels/test_deepseek_v4_cpu_kernels.py": 0 if torch.cuda.is_available() else 45,
            "tests/v1/attention/test_deepseek_v4_rocm_adaptive.py": 8,
            "tests/v1/attention/test_indexer_deepseek_v4_slot_mapping.py": 7}
 
@@ -162,6 +163,20 @@ def _stand_in_for_compiled_modules():
             sys.modules[name] = types.ModuleType(name)
             _state["stand_ins"].append(name)
     _state["libs"] += _answer_capability_queries()
+    if _state["stand_ins"]:
+        _inspect_models_with_the_stand_ins()
+
+
+def _inspect_models_with_the_stand_ins():
+    """vLLM's model registry inspects a model class in a fresh interpreter (``ModelConfig`` asks it which
+    architectures the checkpoint names); that interpreter imports the model's modules too, so it needs the
+    same stand-ins. The registry keeps its command in ``_SUBPROCESS_COMMAND`` for callers to change: run the
+    stand-ins there first, then vLLM's own entry point."""
+    from vllm.model_executor.models import registry
+    registry._SUBPROCESS_COMMAND = [
+        sys.executable, "-c",
+        "import vllm_suite; vllm_suite._stand_in_for_compiled_modules(); "
+        "from vllm.model_executor.models.registry import _run; _run()"]
 
 
 @contextlib.contextmanager
