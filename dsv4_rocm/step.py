@@ -188,7 +188,7 @@ class StepMetadata:
         return self._build_v41(v41, impl)
 
     def _build_v41(self, ratios, impl) -> "StepMetadata":
-        """The DeepSeek-V4.1 sets of ``ratios`` (1, 2) in one launch of v41_step_index_sets (the oracle
+        """The DeepSeek-V4.1 sets of ``ratios`` (1, 2) in one launch of step_index_sets_v41 (the oracle
         module's function when ``impl`` is not dsv4_rocm.ops), into the buffers of the previous build when
         the step's shape is unchanged."""
         if not ratios:
@@ -202,7 +202,7 @@ class StepMetadata:
             return d[r]
         outs = {r: (buf(self.compressed_slots, r, torch.int64), buf(self.v41_lens, r, torch.int32))
                 + ((buf(self.state_slots, r, torch.int64),) if r == 2 else ()) for r in ratios}
-        fn = impl.v41_step_index_sets if impl is ops else _rm41.v41_step_index_sets
+        fn = impl.step_index_sets_v41 if impl is ops else _rm41.step_index_sets_v41
         fn(self.positions, self.token_to_req, self.is_valid_token, self.compressed_block_table, self.state_block_table,
            V41_COMPRESSED_BLOCK, RING_CAPACITY, outs.get(1), outs.get(2))
         return self
