@@ -96,14 +96,16 @@ class TritonKernel:
 
 
 def triton_kernels():
-    """Every entry of the ``COMPILE_SPECS`` lists that the modules of ``dsv4_rocm.triton`` declare: dicts
-    with the TritonKernel fields (``constexprs`` and ``options`` are functions of the platform arch)."""
+    """Every entry of the ``COMPILE_SPECS`` lists that the modules of ``dsv4_rocm.triton`` and its stage packages
+    declare: dicts with the TritonKernel fields (``constexprs`` and ``options`` are functions of the platform
+    arch). Modules are taken in the order of their own names, whatever their stage."""
     import importlib
     import pkgutil
     import dsv4_rocm.triton as pkg
     kernels = []
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
-        mod = importlib.import_module(f"dsv4_rocm.triton.{info.name}")
+    infos = [i for i in pkgutil.walk_packages(pkg.__path__, prefix="dsv4_rocm.triton.") if not i.ispkg]
+    for info in sorted(infos, key=lambda i: i.name.rsplit(".", 1)[1]):
+        mod = importlib.import_module(info.name)
         kernels += [TritonKernel(**spec) for spec in getattr(mod, "COMPILE_SPECS", ())]
     return kernels
 
@@ -246,7 +248,7 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
                    spills=str(spill))
         mma = "wgmma" if arch == 90 else "tcgen05"
         # fp8 readers decode with the hardware convert, or with the integer path (inline prmt with the
-        # sign-replicate selector, dsv4_rocm/triton/sparse_mla_decode.py): never a software float path
+        # sign-replicate selector, dsv4_rocm/triton/attention/sparse_mla_decode.py): never a software float path
         if k.fp8_convert and "cvt.rn.f16x2.e4m3x2" not in ptx and "0x9180" not in ptx:
             row["problems"].append("no hardware fp8 convert")
         if k.fp8_encode and "cvt.rn.satfinite.e4m3x2.f32" not in ptx:

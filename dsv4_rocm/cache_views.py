@@ -123,3 +123,10 @@ def record_byte_index(slots: torch.Tensor, block_size: int, page_stride: int, fm
 def new_pages(num_blocks: int, block_size: int, fmt: L.RecordFormat = FP8_DS_MLA, device=None, fill: int = 0):
     """A ``[num_blocks, layout.page_bytes(bs, fmt)]`` uint8 cache filled with ``fill``."""
     return torch.full((num_blocks, L.page_bytes(block_size, fmt)), fill, dtype=torch.uint8, device=device)
+
+
+def is_plain_row_cache(kv_cache) -> bool:
+    """Whether ``kv_cache`` holds plain [448 NoPE | 64 RoPE] rows (bfloat16, or float8_e4m3fn 512 wide) rather
+    than paged records (uint8, or their float8_e4m3fn view, 584 / 528 / 288 wide): vLLM's dispatch."""
+    return kv_cache.dtype == torch.bfloat16 or (kv_cache.dtype == torch.float8_e4m3fn
+                                                and kv_cache.shape[-1] == L.HEAD_DIM)

@@ -229,12 +229,12 @@ def warmup(device=None, configs=None, prefill: bool = True, threads: Optional[in
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     jobs = []
     if ops.backend_for("sparse_mla_decode", device) == "triton":
-        from .triton.sparse_mla_decode import sparse_mla_decode
+        from .triton.attention.sparse_mla_decode import sparse_mla_decode
         for cfg in (configs if configs is not None else model_warmup_configs(model=model)):
             args = _warmup_inputs(cfg, device)
             jobs += [(sparse_mla_decode, args, dict(num_splits=ns, formats=_warmup_formats(cfg))) for ns in (1, 2)]
     if prefill and ops.backend_for("sparse_mla_prefill", device) == "triton":
-        from .triton.sparse_mla_prefill import sparse_mla_prefill
+        from .triton.attention.sparse_mla_prefill import sparse_mla_prefill
         q = torch.zeros(1, 64, 512, dtype=torch.bfloat16, device=device)
         kv = torch.zeros(2, 1, 512, dtype=torch.bfloat16, device=device)
         idx = torch.zeros(1, 1, 128, dtype=torch.int32, device=device)

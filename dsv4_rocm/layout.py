@@ -1,5 +1,7 @@
-"""Paged-cache geometry (docs/cache_format.md#page): record formats as values, page and slot arithmetic.
-Numbers only; no tensors are touched here.
+"""Paged-cache geometry (docs/cache_format.md#page): record formats as values, page and slot arithmetic; and
+the geometry of the ops' other buffers (index widths, state-cache blocks, scale rows, the slices the
+metadata ops write), which the oracles (dsv4_rocm/reference) and the kernels (dsv4_rocm/triton) both take
+from here. Numbers and shapes only: no tensor's values are read or written here.
 
 A record format (``RecordFormat``) says how one token's 512-dim latent is stored: how many bytes, which
 leading dims are quantized (e4m3 or e2m1) in blocks of how many dims, the scale encoding, what follows as
@@ -29,6 +31,8 @@ The indexer K cache (C4 layers) is INDEXER_K_132 (128 e4m3 + one fp32 scale). A 
 ``block * block_size + offset``; -1 means "no slot".
 """
 from typing import NamedTuple
+
+import torch
 
 HEAD_DIM = 512
 NOPE_DIM = 448
@@ -218,3 +222,72 @@ def token_byte_offsets(slot: int, block_size: int, fmt: RecordFormat = V40_584) 
     blk, off = split_slot(slot, block_size)
     base = blk * page_bytes(block_size, fmt)
     return base + data_offset(fmt, off), base + record_scale_offset(fmt, block_size, off)
+
+
+# ---- geometry of the ops' other buffers (the oracles and the kernels take it from here) ------------------
+# FlashMLA's sparse prefill wants the index width to be a multiple of 128 (its B_TOPK); vLLM pads the
+# combined prefill indices and the C128A width to it, the padding stays -1
+TOPK_ALIGNMENT = 128
+
+
+def state_block_size(ratio: int) -> int:
+    """Tokens per state-cache block, as vLLM's CompressorStateCache allocates them."""
+    return 4 if ratio == 4 else 8
+
+
+def tma_aligned_tokens(num_tokens: int) -> int:
+    """Rows of the MN-major scale storage: T rounded up to a multiple of 4 (16 bytes of 4-byte scales)."""
+    return (num_tokens + 3) // 4 * 4
+
+
+def c128a_effective_width(max_seq_len: int, compress_ratio: int, max_compressed_tokens: int) -> int:
+    """Width of the C128A index rows when the caller passes ``max_seq_len`` (later vLLM): the entries the
+    longest sequence can see, rounded up to 128, capped at max_compressed_tokens (0 for an empty batch)."""
+    max_pos = int(max_seq_len) - 1
+    if max_pos < 0:
+        return 0
+    n = min(max((max_pos + 1) // compress_ratio, 0), max_compressed_tokens)
+    if n == 0:
+        return min(max_compressed_tokens, TOPK_ALIGNMENT)
+    return min(max_compressed_tokens, -(-n // TOPK_ALIGNMENT) * TOPK_ALIGNMENT)
+
+
+def combined_width(topk: int, window_size: int, max_image_tokens: int = 0) -> int:
+    """Columns of combine_topk_swa_indices' output: topk + window + max_image_tokens rounded up to 128."""
+    return -(-(topk + window_size + max_image_tokens) // TOPK_ALIGNMENT) * TOPK_ALIGNMENT
+
+
+# The buffers three metadata ops write, as slices of the caller's buffers or new tensors: shapes only, no
+# value is read or written here.
+def c128a_slices(num_tokens: int, num_decode_tokens: int, compress_ratio: int, global_decode_buffer,
+                 decode_lens_buffer, prefill_buffer, max_compressed_tokens: int, max_seq_len=None):
+    """(the three buffer slices build_c128a_topk_metadata returns, the cap on entries per token): the first
+    ``max_compressed_tokens`` columns of each row (vLLM's form: a buffer allocated wider keeps its stride,
+    and its columns past the slice are not touched), the first ``c128a_effective_width`` columns when
+    ``max_seq_len`` is given."""
+    nd, npf = num_decode_tokens, num_tokens - num_decode_tokens
+    if max_seq_len is None:
+        w = max_compressed_tokens
+        return (global_decode_buffer[:nd, :w], decode_lens_buffer[:nd], prefill_buffer[:npf, :w]), w
+    w = c128a_effective_width(max_seq_len, compress_ratio, max_compressed_tokens) if num_tokens else 0
+    return (global_decode_buffer[:nd, :w], decode_lens_buffer[:nd], prefill_buffer[:npf, :w]), w
+
+
+def combine_outputs(topk_indices, topk: int, window_size: int, combined_indices=None, combined_lens=None,
+                    max_image_tokens: int = 0):
+    """(indices, lens) combine_topk_swa_indices writes: the first len(topk_indices) rows of the caller's
+    buffers, or new int32 tensors of ``combined_width`` columns."""
+    T, dev = topk_indices.shape[0], topk_indices.device
+    ci = combined_indices[:T] if combined_indices is not None else \
+        torch.empty(T, combined_width(topk, window_size, max_image_tokens), dtype=torch.int32, device=dev)
+    cl = combined_lens[:T] if combined_lens is not None else torch.empty(T, dtype=torch.int32, device=dev)
+    return ci, cl
+
+
+def global_topk_outputs(topk_indices, output_buffers=None):
+    """(indices, lens) compute_global_topk_indices_and_lens writes: the caller's pair, or new tensors."""
+    if output_buffers is not None:
+        return tuple(output_buffers)
+    T, K = topk_indices.shape
+    return (torch.empty(T, K, dtype=topk_indices.dtype, device=topk_indices.device),
+            torch.empty(T, dtype=torch.int32, device=topk_indices.device))

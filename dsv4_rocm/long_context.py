@@ -834,7 +834,7 @@ def _kernel(which: str, device):
         yield ops.backend_for("sparse_mla_decode", torch.device(device))
         return
     from .platform import detect
-    from .triton import sparse_mla_decode as D
+    from .triton.attention import sparse_mla_decode as D
     if which == "portable":
         with D.portable_kernel():
             yield "triton"

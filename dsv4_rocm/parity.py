@@ -373,7 +373,7 @@ def case_v41_candidates_and_step_sets():
         e64 = lambda: torch.empty(40, dtype=torch.int64, device=dev)           # noqa: E731
         e32 = lambda: torch.empty(40, **i32, device=dev)                       # noqa: E731
         r1, r2 = (e64(), e32()), (e64(), e32(), e64())
-        ops.v41_step_index_sets(i["pos"], i["t2r"], i["valid"], i["cbt"], i["sbt"], 64, 8, r1, r2)
+        ops.step_index_sets_v41(i["pos"], i["t2r"], i["valid"], i["cbt"], i["sbt"], 64, 8, r1, r2)
         return dict(candidates=cand, masked_bits=masked.view(torch.int32), slots1=r1[0], lens1=r1[1], slots2=r2[0],
                     lens2=r2[1], ring=r2[2])
     return inp, run, (0, 0)

@@ -13,7 +13,7 @@ state in blocks of 4 (C4) or 8 (C128) token positions.
 
 ``StepMetadata.build`` computes the index sets once per step (what vLLM's builders do), into tensors whose
 shapes depend only on the batch shape, so a decode step builds and runs inside a CUDA/HIP graph. On a GPU
-that is one kernel launch (dsv4_rocm/triton/step_index_sets.py); ``build_from_ops`` composes the same sets
+that is one kernel launch (dsv4_rocm/triton/metadata/step_index_sets.py); ``build_from_ops`` composes the same sets
 from the public metadata ops, the reference the kernel is tested against. Padding tokens (slot -1, or past
 the last request's query range) get token_to_req -1 where outside every request, lengths 0 and rows of
 -1. The host integers (request and token counts) come from the scheduler, never from device tensors.
@@ -106,7 +106,7 @@ class StepMetadata:
 
     def build(self, ratios=(4, 128), *, caches=None) -> "StepMetadata":
         """Fill the shared index sets for the layer ratios of the model (no host sync): one launch of the
-        step's index-set kernel (dsv4_rocm/triton/step_index_sets.py) where the metadata ops run Triton,
+        step's index-set kernel (dsv4_rocm/triton/metadata/step_index_sets.py) where the metadata ops run Triton,
         else ``build_from_ops``. The results are the same; the kernel writes into the buffers of the
         previous build when the step's shape is unchanged (a captured graph keeps their addresses).
         ``caches`` (a LayerCache, or several): the step is validated against them first (``validate``),
@@ -120,7 +120,7 @@ class StepMetadata:
 
     def build_fused(self, ratios=(4, 128)) -> "StepMetadata":
         """``build`` in one kernel launch (a GPU, or CPU tensors under TRITON_INTERPRET=1)."""
-        from .triton.step_index_sets import step_index_sets
+        from .triton.metadata.step_index_sets import step_index_sets
         ratios, v41 = _split(self._check(ratios))
         T, dev = self.num_tokens, self.positions.device
 
@@ -188,7 +188,7 @@ class StepMetadata:
         return self._build_v41(v41, impl)
 
     def _build_v41(self, ratios, impl) -> "StepMetadata":
-        """The DeepSeek-V4.1 sets of ``ratios`` (1, 2) in one launch of v41_step_index_sets (the oracle
+        """The DeepSeek-V4.1 sets of ``ratios`` (1, 2) in one launch of step_index_sets_v41 (the oracle
         module's function when ``impl`` is not dsv4_rocm.ops), into the buffers of the previous build when
         the step's shape is unchanged."""
         if not ratios:
@@ -202,7 +202,7 @@ class StepMetadata:
             return d[r]
         outs = {r: (buf(self.compressed_slots, r, torch.int64), buf(self.v41_lens, r, torch.int32))
                 + ((buf(self.state_slots, r, torch.int64),) if r == 2 else ()) for r in ratios}
-        fn = impl.v41_step_index_sets if impl is ops else _rm41.v41_step_index_sets
+        fn = impl.step_index_sets_v41 if impl is ops else _rm41.step_index_sets_v41
         fn(self.positions, self.token_to_req, self.is_valid_token, self.compressed_block_table, self.state_block_table,
            V41_COMPRESSED_BLOCK, RING_CAPACITY, outs.get(1), outs.get(2))
         return self

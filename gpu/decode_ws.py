@@ -1,4 +1,4 @@
-"""The warp-specialized Hopper kernel (dsv4_rocm/triton/sparse_mla_decode_ws.py) on an H100, decode and prefill
+"""The warp-specialized Hopper kernel (dsv4_rocm/triton/hopper/sparse_mla_decode_ws.py) on an H100, decode and prefill
 over bf16 rows: checked against the reference, then timed beside the Triton kernels and FlashMLA on identical
 tensors.
 
@@ -114,7 +114,7 @@ def check(name, fn):
 # ---- correctness ----------------------------------------------------------------------------------------------
 def check_case(case, cfg, splits, label):
     from dsv4_rocm.reference import attention as ra
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     from sparse_mla_inputs import check_lse, check_out, decode_args, decode_case, decode_key_amax
     b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
     a = decode_case(b, s_q, h, bs, topk, ebs, etopk, "cuda", 11 + b, sink, lshape)
@@ -128,7 +128,7 @@ def check_case(case, cfg, splits, label):
 
 
 def check_call_forms(cfg, splits):
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     from sparse_mla_inputs import decode_args, decode_case, padded_out, strided
     a = decode_case(6, 2, 64, 64, 128, 2, 256, "cuda", 7)
     base, base_lse = sparse_mla_decode(*decode_args(a), config=cfg, num_splits=splits)
@@ -147,7 +147,7 @@ def check_call_forms(cfg, splits):
 
 
 def check_all_invalid(cfg):
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     from sparse_mla_inputs import decode_args, decode_case
     for sink in ("random", "-inf", "+inf", "none"):
         a = decode_case(6, 1, 64, 64, 128, 64, 512, "cuda", 2, sink)
@@ -163,7 +163,7 @@ def check_all_invalid(cfg):
 def check_prefill(case, sink):
     """The Hopper kernel over bf16 rows (``sparse_mla_prefill`` config kernel="ws") against the reference."""
     from dsv4_rocm.reference import attention as ra
-    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     from sparse_mla_inputs import check_lonely, check_lse, check_out, prefill_case, prefill_key_amax
     s_q, h, topk, s_kv = case
     q, kv, idx, lens, sk = prefill_case(s_q, h, topk, s_kv, "cuda", s_q * 7 + topk, sink)
@@ -181,7 +181,7 @@ def check_prefill(case, sink):
 def check_public_default():
     from dsv4_rocm import ops
     from dsv4_rocm.reference import attention as ra
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     from sparse_mla_inputs import check_out, decode_args, decode_case, decode_key_amax
     assert D.default_kernel("sm_90") == D.DEFAULT_SM90_KERNEL, "sm_90 does not run DEFAULT_SM90_KERNEL"
     a = decode_case(5, 2, 128, 256, 128, 64, 512, "cuda", 3)
@@ -233,7 +233,7 @@ def precompile(cases):
     """Compile every variant's kernels for the checked and timed configurations in parallel (one worker
     thread per CPU, Triton's asynchronous compiles), so the checks and timings that follow find them."""
     from dsv4_rocm.flash_mla import _compile_all
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     from sparse_mla_inputs import decode_args, decode_case
     t0 = time.perf_counter()
     shapes = [(2, 1, h, bs, topk, ebs, etopk, sink, lshape) for b, s_q, h, bs, topk, ebs, etopk, sink, lshape in cases]
@@ -243,7 +243,7 @@ def precompile(cases):
         args = decode_args(decode_case(*case[:7], "cuda", 1, *case[7:]))
         for _, cfg, _ in VARIANTS + [TRITON]:
             jobs += [(sparse_mla_decode, args, dict(config=cfg, num_splits=ns)) for ns in (1, 3)]
-    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     from sparse_mla_inputs import prefill_case
     for h in (64, 128):
         q, kv, idx, lens, sk = prefill_case(2, h, 64, 16, "cuda", 1)
@@ -290,7 +290,7 @@ def timed_inputs(c, seed=0):
 def timing(ok, peer):
     from dsv4_rocm.bench.sparse_mla import decode_call
     from dsv4_rocm.bench.timing import time_graph_ms, time_ms
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     rows = []
     log("\n== timing (us; graph = CUDA-graph replay median, eager = launch by launch median)")
     for c in TIMED:
@@ -349,7 +349,7 @@ def prefill_timing(ok, peer):
     FlashMLA's when built), the Hopper kernel's output checked against the Triton kernel's first."""
     from dsv4_rocm.bench.sparse_mla import count_prefill, make_prefill_inputs
     from dsv4_rocm.bench.timing import time_ms
-    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     log("\n== prefill (eager, TFLOP/s = 2 h topk 1024 s_q / time)")
     rows = []
     for label, c in PREFILL_TIMED:
@@ -401,7 +401,7 @@ def check_timed(args, label):
     """The default Hopper kernel on a timed case (its persistent schedule at full size) against the
     reference."""
     from dsv4_rocm.reference import attention as ra
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     from sparse_mla_inputs import check_lse, check_out, decode_key_amax
     ref_out, ref_lse = ra.flash_mla_with_kvcache_sparse(*args)
     out = torch.full_like(ref_out, float("nan"))
@@ -456,7 +456,7 @@ def verdict(rows):
     """Per case, the faster of the default Hopper kernel and the Triton kernel (CUDA-graph times), and the
     value of sparse_mla_decode.DEFAULT_SM90_KERNEL the run supports: "ws" when it wins every case it was
     timed on and passed every check, else "triton"."""
-    log("\n== verdict (graph times; DEFAULT_SM90_KERNEL in dsv4_rocm/triton/sparse_mla_decode.py)")
+    log("\n== verdict (graph times; DEFAULT_SM90_KERNEL in dsv4_rocm/triton/attention/sparse_mla_decode.py)")
     wins = []
     for r in rows:
         g = r["graph"]
@@ -490,7 +490,7 @@ def main(argv=None):
     if cap != (9, 0):
         log("gpu_decode_ws: the warp-specialized decode kernel is written for Hopper (sm_90)")
         return 2
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     if D._ws is None:
         log("gpu_decode_ws: this Triton has no Gluon")
         return 2
@@ -508,7 +508,7 @@ def main(argv=None):
         pick = table(rows)
         rows.append(dict(prefill=prefill_timing(ok, peer)))
     else:
-        from dsv4_rocm.triton import sparse_mla_decode_ws as W
+        from dsv4_rocm.triton.hopper import sparse_mla_decode_ws as W
         log(f"compiled: {compile_report({}, compiled_kernels(W._sparse_mla_ws_kernel))}")
     if a.json:
         with open(a.json, "w") as f:

@@ -88,7 +88,7 @@ def check_flash_mla(fn, args):
     """The b = 2 call: the same bytes when repeated, for the combine in the kernel and in its own launch;
     those two within fp32 summation order of each other; the reference agrees."""
     from dsv4_rocm.reference.attention import flash_mla_with_kvcache_sparse
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
     cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
     ref, ref_lse = flash_mla_with_kvcache_sparse(*cpu[:2], cpu[2], cpu[3], cpu[4], cpu[5], cpu[6], cpu[7], sm)
@@ -118,7 +118,7 @@ def check_flash_mla(fn, args):
 
 def gpu_main(a):
     from dsv4_rocm.bench.timing import gpu_span_us, time_graph_ms
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     dev = torch.device("cuda")
     calls, outputs = H.c4_decode_calls(dev)
     check_decode_ops(calls, outputs)

@@ -40,7 +40,7 @@ DEVICE = "cuda"
 
 def configs(names):
     from dsv4_rocm.bench.top_k import SWEEP
-    from dsv4_rocm.triton.top_k_per_row import _facts, default_config
+    from dsv4_rocm.triton.indexer.top_k_per_row import _facts, default_config
     arch = _facts(torch.device(DEVICE))[0]
     return {(v, k): SWEEP[v](default_config(arch, k)) for v in names for k in sorted({s[3] for s in SHAPES})}
 
@@ -62,7 +62,7 @@ def inputs(rows, n, data, seed):
 
 
 def call(x, lens, out, k, cfg):
-    from dsv4_rocm.triton.top_k_per_row import top_k_per_row_decode
+    from dsv4_rocm.triton.indexer.top_k_per_row import top_k_per_row_decode
     top_k_per_row_decode(x, 1, lens, out, x.shape[0], x.stride(0), x.stride(1), k, config=cfg)
 
 
@@ -94,7 +94,7 @@ def check(x, lens, out, k):
 def main(argv=None):
     from dsv4_rocm.bench.timing import time_graph_ms, time_ms
     from dsv4_rocm.bench.top_k import SWEEP
-    from dsv4_rocm.triton.top_k_per_row import _facts, _plan, _resolve
+    from dsv4_rocm.triton.indexer.top_k_per_row import _facts, _plan, _resolve
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(SWEEP), help="comma-separated names of SWEEP")
     p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))

@@ -147,8 +147,8 @@ def _host_us(fn, n=20):
 
 
 def _sweep(ctx, name, ratio, target, decode, save, comp, nbytes, save_bytes, pages):
-    from ..triton.compress_norm_rope_store import compress_norm_rope_store as compress
-    from ..triton.save_partial_states import save_partial_states as save_states
+    from ..triton.compressor.compress_norm_rope_store import compress_norm_rope_store as compress
+    from ..triton.compressor.save_partial_states import save_partial_states as save_states
     from .timing import time_graph_ms, time_ms
     state = save["state_cache"]
     init_state, init_pages = state.clone(), pages.clone()

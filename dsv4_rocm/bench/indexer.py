@@ -85,7 +85,7 @@ def _q_case(T, device, g):
 
 def suite(ctx):
     from .. import ops
-    from ..triton import fp8_paged_mqa_logits as K
+    from ..triton.indexer import fp8_paged_mqa_logits as K
     from .timing import time_graph_ms, time_ms
     dev = ctx.device
     g = torch.Generator(device=dev).manual_seed(0)

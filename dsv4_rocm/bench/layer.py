@@ -12,7 +12,7 @@ projections, wo_b) are torch matmuls and stay out.
 Each op's floor is max(bytes / copy bandwidth, FLOP / matrix rate) with bytes counted once (inputs read,
 outputs written) and the fp8 rate for fp8 matrix work; the step's target is 1.3x the sum of the floors.
 
-The step's index sets (``StepMetadata.build``: one kernel, dsv4_rocm/triton/step_index_sets.py) are timed
+The step's index sets (``StepMetadata.build``: one kernel, dsv4_rocm/triton/metadata/step_index_sets.py) are timed
 beside their peer, the composition of the public metadata ops they replace (``build_from_ops``), for the
 C4 sets this layer reads and for both ratios (what a V4 model's step builds for its C4 and C128 layers).
 ``--sweep`` also times the kernel's launch configurations, each checked against the default first.
@@ -29,7 +29,7 @@ from ..kv_cache import LayerCache
 from ..reference.compressor import coff, state_block_size
 from ..reference.rope import build_cos_sin_cache
 from ..step import StepMetadata
-from ..triton.step_index_sets import step_index_sets
+from ..triton.metadata.step_index_sets import step_index_sets
 from ..weights import LayerWeights
 from . import timing
 

@@ -40,8 +40,8 @@ def _packed_weight_scales(ws, d):
 
 def suite(ctx):
     from .. import ops
-    from ..triton.fp8_einsum import SWEEP
-    from ..triton.fp8_einsum import fp8_einsum as triton_einsum
+    from ..triton.output.fp8_einsum import SWEEP
+    from ..triton.output.fp8_einsum import fp8_einsum as triton_einsum
     from .timing import time_graph_ms, time_ms
     names = [(f"{k} T={T}", k, T) for k in MODELS for T in TOKENS]
     if not any(ctx.wants(f"inv_rope_quant {n}") or ctx.wants(f"fp8_einsum {n}") for n, _, _ in names):

@@ -135,7 +135,7 @@ def decode_call(mod, args, kernel: str = None, formats=None):
     ``kernel`` ("triton" or "ws"), our decode of the caches of ``formats`` on that kernel instead."""
     q, kc, idx, lens, sink, ekc, eidx, elens, sm = args
     if kernel is not None:
-        from ..triton.sparse_mla_decode import sparse_mla_decode
+        from ..triton.attention.sparse_mla_decode import sparse_mla_decode
 
         def fn():
             return sparse_mla_decode(q, kc, idx, lens, sink, ekc, eidx, elens, sm, formats=formats,
@@ -228,8 +228,8 @@ def startup() -> dict:
 
 def suite(ctx):
     from .. import flash_mla as ours
-    from ..triton.sparse_mla_decode import sparse_mla_decode
-    from ..triton.sparse_mla_prefill import sparse_mla_prefill
+    from ..triton.attention.sparse_mla_decode import sparse_mla_decode
+    from ..triton.attention.sparse_mla_prefill import sparse_mla_prefill
     from .timing import gpu_span_us, host_us_per_call, time_graph_ms, time_ms
     peer = flashmla_peer()
     for name, c in decode_cases():

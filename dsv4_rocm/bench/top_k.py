@@ -43,7 +43,7 @@ def make_inputs(rows, n, k, device, seed=0):
 
 
 def suite(ctx):
-    from ..triton.top_k_per_row import _facts, default_config, top_k_per_row_decode
+    from ..triton.indexer.top_k_per_row import _facts, default_config, top_k_per_row_decode
     from .timing import time_graph_ms, time_ms
     for name, rows, n, k in CASES:
         if not ctx.wants(name):

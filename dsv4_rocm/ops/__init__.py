@@ -12,7 +12,7 @@ from .compressor import *  # noqa: F401,F403
 from .indexer import *  # noqa: F401,F403
 from .metadata import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
-from .rocm_attention import *  # noqa: F401,F403
+from .vllm_rocm_sparse_attn import *  # noqa: F401,F403
 from .output import *  # noqa: F401,F403
 from .compressor_v41 import *  # noqa: F401,F403
 from .indexer_v41 import *  # noqa: F401,F403

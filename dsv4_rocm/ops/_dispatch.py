@@ -1,8 +1,14 @@
 """Backend selection and argument-check policy shared by every public op.
 
 Each op has up to three implementations: ``reference`` (dsv4_rocm.reference, any device), ``triton``
-and ``hip`` (dsv4_rocm._C). A stage module registers its ops with ``register``; ``implementation``
-returns the fastest one present for the device: hip > triton > reference.
+and ``hip`` (dsv4_rocm._C). A stage module registers its ops with ``register``, naming the functions
+themselves: it imports its kernels (dsv4_rocm/triton/<stage>/, dsv4_rocm/hip_ops.py), so a reader or a tool
+follows an ordinary import from the op to its kernel. Triton is optional: a stage imports its Triton
+kernels only where ``HAVE_TRITON`` (importing them imports Triton), and without it registers none.
+``implementation`` returns the fastest implementation present for a device: hip > triton > reference. A
+kernel that runs only on some devices of its backend says so with ``runs_on`` (the fp8 logits kernels
+need fp8 matrix instructions); on the others the op runs its next implementation. This is the one place
+where the backend is chosen: the kernels only launch.
 
 ``use_backend(name)`` or ``DSV4_BACKEND=reference|triton|hip`` forces a backend; asking for one the
 machine lacks (Triton or a GPU missing, _C not built) is an error, never a silent fallback. An op with no
@@ -17,19 +23,22 @@ graph is being captured. The kernels never read or write outside their tensors w
 """
 import contextlib
 import functools
-import importlib
 import importlib.util
 import os
 import shutil
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
 BACKENDS = ("reference", "triton", "hip")
 VALIDATION_LEVELS = ("auto", "full")
 
-_REFERENCE: Dict[str, object] = {}          # op name -> oracle function
-_KERNELS: Dict[str, Dict[str, str]] = {}    # op name -> {backend: "module:function"}
+_REFERENCE: Dict[str, Callable] = {}                  # op name -> oracle function
+_KERNELS: Dict[str, Dict[str, Callable]] = {}         # op name -> {backend: kernel function}
+_RUNS_ON: Dict[str, Dict[str, Callable]] = {}         # op name -> {backend: predicate of a torch.device}
+
+# whether Triton can be imported here: the stage modules import their Triton kernels only then
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 _override: Optional[str] = None
 _validation = "auto"
@@ -40,13 +49,18 @@ _validation = "auto"
 _ENV_BACKEND: Optional[str] = os.environ.get("DSV4_BACKEND") or None
 
 
-def register(op: str, reference, **kernels: str) -> None:
-    """Declare an op: its reference function and the "module:function" of its kernels per backend."""
-    for b in kernels:
-        if b not in BACKENDS[1:]:
-            raise ValueError(f"unknown backend {b!r} for op {op!r}")
+def register(op: str, reference: Callable, triton: Optional[Callable] = None, hip: Optional[Callable] = None,
+             runs_on: Optional[Dict[str, Callable]] = None) -> None:
+    """Declare an op: its reference function and its kernel function per backend (None: no kernel there).
+    ``runs_on``: {backend: predicate(torch.device) -> bool} for a kernel that runs on some devices of its
+    backend only; on the others the op runs its next implementation."""
+    kernels = {b: fn for b, fn in (("triton", triton), ("hip", hip)) if fn is not None}
+    for b in runs_on or {}:
+        if b not in kernels:
+            raise ValueError(f"runs_on names backend {b!r}, which has no kernel for op {op!r}")
     _REFERENCE[op] = reference
-    _KERNELS[op] = dict(kernels)
+    _KERNELS[op] = kernels
+    _RUNS_ON[op] = dict(runs_on or {})
 
 
 def registered_ops() -> tuple:
@@ -123,11 +137,19 @@ def machine_backends(device) -> tuple:
 def _machine_backends(device_type: str) -> tuple:
     have = ["reference"]
     if device_type == "cuda":
-        if importlib.util.find_spec("triton") is not None:
+        if HAVE_TRITON:
             have.append("triton")
         if _hip_buildable():
             have.append("hip")
     return tuple(have)
+
+
+def _runs(op: str, backend: str, device) -> bool:
+    """Whether ``op`` has a kernel in ``backend`` that runs on ``device``."""
+    if backend not in _KERNELS[op]:
+        return False
+    runs_on = _RUNS_ON[op].get(backend)
+    return runs_on is None or runs_on(torch.device(device))
 
 
 def backend_for(op: str, device) -> str:
@@ -140,34 +162,31 @@ def backend_for(op: str, device) -> str:
         if forced not in have:
             raise ValueError(f"backend {forced!r} is not available for {torch.device(device)} on this machine "
                              f"(available: {have})")
-        if forced == "reference" or forced in _KERNELS[op]:
+        if forced == "reference" or _runs(op, forced, device):
             return forced
     for b in ("hip", "triton"):
-        if b in have and b in _KERNELS[op]:
+        if b in have and _runs(op, b, device):
             return b
     return "reference"
 
 
-_IMPLEMENTATIONS: Dict[tuple, object] = {}   # (op, device type, forced backend) -> function
+_IMPLEMENTATIONS: Dict[tuple, object] = {}   # (op, device, forced backend) -> function
 
 
 def implementation(op: str, device):
-    """The function that runs ``op`` for tensors on ``device``, resolved once per (op, device type, forced
-    backend): a public op pays a dict lookup, not an import."""
-    dt = device.type if isinstance(device, torch.device) else torch.device(device).type
-    key = (op, dt, _override or _ENV_BACKEND)
+    """The function that runs ``op`` for tensors on ``device``, resolved once per (op, device, forced
+    backend): a public op pays a dict lookup. Keyed by the device itself, not its type: whether a kernel
+    runs (``runs_on``) can differ between two GPUs of one machine."""
+    key = (op, device, _override or _ENV_BACKEND)
     fn = _IMPLEMENTATIONS.get(key)
     if fn is None:
-        fn = _IMPLEMENTATIONS[key] = _resolve(op, dt)
+        fn = _IMPLEMENTATIONS[key] = _resolve(op, device)
     return fn
 
 
-def _resolve(op: str, device_type: str):
-    b = backend_for(op, device_type)
-    if b == "reference":
-        return _REFERENCE[op]
-    mod, fn = _KERNELS[op][b].split(":")
-    return getattr(importlib.import_module(mod), fn)
+def _resolve(op: str, device):
+    b = backend_for(op, device)
+    return _REFERENCE[op] if b == "reference" else _KERNELS[op][b]
 
 
 def forget_implementations() -> None:

@@ -28,14 +28,17 @@ from .. import _checks as C
 from .. import cache_views as V
 from .. import layout as L
 from ..reference import attention as _ra
-from ._dispatch import register, run as _run, value_checks
+from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 
 __all__ = ["sparse_mla_decode", "sparse_mla_prefill"]
 
-register("sparse_mla_decode", _ra.flash_mla_with_kvcache_sparse,
-         triton="dsv4_rocm.triton.sparse_mla_decode:sparse_mla_decode")
-register("sparse_mla_prefill", _ra.flash_mla_sparse_fwd,
-         triton="dsv4_rocm.triton.sparse_mla_prefill:sparse_mla_prefill")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.attention.sparse_mla_decode import sparse_mla_decode as _triton_decode
+    from ..triton.attention.sparse_mla_prefill import sparse_mla_prefill as _triton_prefill
+else:
+    _triton_decode = _triton_prefill = None
+register("sparse_mla_decode", _ra.flash_mla_with_kvcache_sparse, triton=_triton_decode)
+register("sparse_mla_prefill", _ra.flash_mla_sparse_fwd, triton=_triton_prefill)
 
 _CACHE_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
 

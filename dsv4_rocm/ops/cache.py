@@ -21,17 +21,16 @@ import torch
 from .. import _checks as C
 from .. import cache_views as V
 from .. import layout as L
+from .. import hip_ops as _hip    # builds dsv4_rocm._C on a kernel's first call, not on import
 from ..reference import cache as _rc
 from ._dispatch import register, run as _run, value_checks
 
 __all__ = ["quantize_and_insert_k_cache", "dequantize_and_gather_k_cache", "dequantize_global_slots_k_cache"]
 
-register("quantize_and_insert_k_cache", _rc.quantize_and_insert_k_cache,
-         hip="dsv4_rocm.hip_ops:quantize_and_insert_k_cache")
-register("dequantize_and_gather_k_cache", _rc.dequantize_and_gather_k_cache,
-         hip="dsv4_rocm.hip_ops:dequantize_and_gather_k_cache")
+register("quantize_and_insert_k_cache", _rc.quantize_and_insert_k_cache, hip=_hip.quantize_and_insert_k_cache)
+register("dequantize_and_gather_k_cache", _rc.dequantize_and_gather_k_cache, hip=_hip.dequantize_and_gather_k_cache)
 register("dequantize_global_slots_k_cache", _rc.dequantize_global_slots_k_cache,
-         hip="dsv4_rocm.hip_ops:dequantize_global_slots_k_cache")
+         hip=_hip.dequantize_global_slots_k_cache)
 
 
 def encoding_flags(is_ue8m0=True, use_fnuz=False):

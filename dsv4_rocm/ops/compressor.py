@@ -7,16 +7,19 @@ import torch
 from .. import _checks as C
 from .. import layout as L
 from ..reference import compressor as _rc
-from ._dispatch import register, run as _run, value_checks
+from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 
 __all__ = ["compressor_kv_score", "save_partial_states", "compress_norm_rope_store",
            "compress_norm_rope_store_triton", "compress_norm_rope_store_cutedsl"]
 
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.compressor.compress_norm_rope_store import compress_norm_rope_store as _triton_compress
+    from ..triton.compressor.save_partial_states import save_partial_states as _triton_save
+else:
+    _triton_compress = _triton_save = None
 register("compressor_kv_score", _rc.compressor_kv_score)
-register("save_partial_states", _rc.save_partial_states,
-         triton="dsv4_rocm.triton.save_partial_states:save_partial_states")
-register("compress_norm_rope_store", _rc.compress_norm_rope_store,
-         triton="dsv4_rocm.triton.compress_norm_rope_store:compress_norm_rope_store")
+register("save_partial_states", _rc.save_partial_states, triton=_triton_save)
+register("compress_norm_rope_store", _rc.compress_norm_rope_store, triton=_triton_compress)
 
 # (head_dim, use_fp4_cache) -> (quant_block, token_stride, scale_dim) of the indexer records the op writes; a
 # head-512 cache's record format is named by its last dimension (584, 528 or 288): (quant_block, data_bytes,

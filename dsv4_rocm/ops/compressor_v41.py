@@ -9,13 +9,17 @@ import torch
 from .. import _checks as C
 from .. import layout as L
 from ..reference import compressor_v41 as _rv
-from ._dispatch import register, run as _run, value_checks
+from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 
 __all__ = ["fused_save_compress_norm", "rope_quant_insert"]
 
-register("fused_save_compress_norm", _rv.fused_save_compress_norm,
-         triton="dsv4_rocm.triton.fused_save_compress_norm:fused_save_compress_norm")
-register("rope_quant_insert", _rv.rope_quant_insert, triton="dsv4_rocm.triton.rope_quant_insert:rope_quant_insert")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.compressor.fused_save_compress_norm import fused_save_compress_norm as _triton_save_compress
+    from ..triton.compressor.rope_quant_insert import rope_quant_insert as _triton_rope_quant_insert
+else:
+    _triton_save_compress = _triton_rope_quant_insert = None
+register("fused_save_compress_norm", _rv.fused_save_compress_norm, triton=_triton_save_compress)
+register("rope_quant_insert", _rv.rope_quant_insert, triton=_triton_rope_quant_insert)
 
 D = _rv.LATENT_DIM
 

@@ -17,23 +17,33 @@ from .. import _checks as C
 from .. import cache_views as V
 from .. import layout as L
 from ..reference import indexer as _ri
-from ._dispatch import register, run as _run, value_checks
+from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 from .library import _define, _none
 
 __all__ = ["fused_indexer_q_rope_quant", "fp8_mqa_logits", "fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata",
            "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "indexer_k_quant_and_cache",
            "cp_gather_indexer_k_quant_cache"]
 
-_T = "dsv4_rocm.triton."
-register("fused_indexer_q_rope_quant", _ri.fused_indexer_q_rope_quant,
-         triton=_T + "fused_indexer_q_rope_quant:fused_indexer_q_rope_quant")
-register("fp8_mqa_logits", _ri.fp8_mqa_logits, triton=_T + "fp8_mqa_logits:fp8_mqa_logits")
-register("fp8_paged_mqa_logits", _ri.fp8_paged_mqa_logits, triton=_T + "fp8_paged_mqa_logits:fp8_paged_mqa_logits")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.indexer.cp_gather_indexer_k_quant_cache import cp_gather_indexer_k_quant_cache as _triton_gather
+    from ..triton.indexer.fp8_mqa_logits import fp8_mqa_logits as _triton_logits
+    from ..triton.indexer.fp8_paged_mqa_logits import fp8_paged_mqa_logits as _triton_paged_logits, has_fp8_mma
+    from ..triton.indexer.fused_indexer_q_rope_quant import fused_indexer_q_rope_quant as _triton_q_quant
+    from ..triton.indexer.indexer_k_quant_and_cache import indexer_k_quant_and_cache as _triton_k_insert
+    from ..triton.indexer.top_k_per_row import (persistent_topk as _triton_persistent_topk,
+                                                top_k_per_row_decode as _triton_topk_decode,
+                                                top_k_per_row_prefill as _triton_topk_prefill)
+    # the logits kernels need fp8 matrix instructions: on gfx90a or sm_80 the ops run their oracles
+    _LOGITS_RUN_ON = {"triton": has_fp8_mma}
+else:
+    _triton_gather = _triton_logits = _triton_paged_logits = _triton_q_quant = _triton_k_insert = None
+    _triton_persistent_topk = _triton_topk_decode = _triton_topk_prefill = _LOGITS_RUN_ON = None
+register("fused_indexer_q_rope_quant", _ri.fused_indexer_q_rope_quant, triton=_triton_q_quant)
+register("fp8_mqa_logits", _ri.fp8_mqa_logits, triton=_triton_logits, runs_on=_LOGITS_RUN_ON)
+register("fp8_paged_mqa_logits", _ri.fp8_paged_mqa_logits, triton=_triton_paged_logits, runs_on=_LOGITS_RUN_ON)
 register("get_paged_mqa_logits_metadata", _ri.get_paged_mqa_logits_metadata)
-register("indexer_k_quant_and_cache", _ri.indexer_k_quant_and_cache,
-         triton=_T + "indexer_k_quant_and_cache:indexer_k_quant_and_cache")
-register("cp_gather_indexer_k_quant_cache", _ri.cp_gather_indexer_k_quant_cache,
-         triton=_T + "cp_gather_indexer_k_quant_cache:cp_gather_indexer_k_quant_cache")
+register("indexer_k_quant_and_cache", _ri.indexer_k_quant_and_cache, triton=_triton_k_insert)
+register("cp_gather_indexer_k_quant_cache", _ri.cp_gather_indexer_k_quant_cache, triton=_triton_gather)
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 FP8 = (torch.float8_e4m3fn, torch.uint8)
@@ -280,12 +290,10 @@ _define("cp_gather_indexer_k_quant_cache(Tensor kv_cache, Tensor(a!) dst_k, Tens
 # ---- top-k per row: vLLM's top_k_per_row_prefill / top_k_per_row_decode / persistent_topk ----------------
 __all__ += ["top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk"]
 
-register("top_k_per_row_prefill", _ri.top_k_per_row_prefill,
-         triton="dsv4_rocm.triton.top_k_per_row:top_k_per_row_prefill")
-register("top_k_per_row_decode", _ri.top_k_per_row_decode,
-         triton="dsv4_rocm.triton.top_k_per_row:top_k_per_row_decode")
-register("persistent_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.top_k_per_row:persistent_topk")
-register("cooperative_topk", _ri.persistent_topk, triton="dsv4_rocm.triton.top_k_per_row:persistent_topk")
+register("top_k_per_row_prefill", _ri.top_k_per_row_prefill, triton=_triton_topk_prefill)
+register("top_k_per_row_decode", _ri.top_k_per_row_decode, triton=_triton_topk_decode)
+register("persistent_topk", _ri.persistent_topk, triton=_triton_persistent_topk)
+register("cooperative_topk", _ri.persistent_topk, triton=_triton_persistent_topk)
 
 TOP_K_MAX = 4096
 

@@ -8,17 +8,20 @@ import torch
 
 from .. import _checks as C
 from ..reference import indexer_v41 as _ri
-from ._dispatch import register, run as _run, value_checks
+from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 from .compressor_v41 import check_record_slots
 
 __all__ = ["indexer_k_norm_rope_store", "select_candidate_blocks", "mask_candidate_logits"]
 
-_T = "dsv4_rocm.triton."
-register("indexer_k_norm_rope_store", _ri.indexer_k_norm_rope_store,
-         triton=_T + "indexer_k_norm_rope_store:indexer_k_norm_rope_store")
-register("select_candidate_blocks", _ri.select_candidate_blocks,
-         triton=_T + "select_candidate_blocks:select_candidate_blocks")
-register("mask_candidate_logits", _ri.mask_candidate_logits, triton=_T + "mask_candidate_logits:mask_candidate_logits")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.indexer.indexer_k_norm_rope_store import indexer_k_norm_rope_store as _triton_k_store
+    from ..triton.indexer.mask_candidate_logits import mask_candidate_logits as _triton_mask
+    from ..triton.indexer.select_candidate_blocks import select_candidate_blocks as _triton_select
+else:
+    _triton_k_store = _triton_mask = _triton_select = None
+register("indexer_k_norm_rope_store", _ri.indexer_k_norm_rope_store, triton=_triton_k_store)
+register("select_candidate_blocks", _ri.select_candidate_blocks, triton=_triton_select)
+register("mask_candidate_logits", _ri.mask_candidate_logits, triton=_triton_mask)
 
 MAX_CANDIDATE_BLOCKS = 4096     # the kernels hold a row's candidate list in registers
 

@@ -15,14 +15,28 @@ import torch
 
 from .. import _checks as C
 from ..reference import metadata as _rm
-from ._dispatch import register, run as _run, value_checks
+from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 
 __all__ = [
     "get_compressed_slot_mapping", "compute_swa_indices_and_lens", "compute_prefill_gather_lens",
     "compute_global_topk_indices_and_lens", "build_c128a_topk_metadata", "combine_topk_swa_indices"]
 
-for _op in __all__:        # each op: its oracle and its kernel, dsv4_rocm/triton/<op>.py
-    register(_op, getattr(_rm, _op), triton=f"dsv4_rocm.triton.{_op}:{_op}")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.metadata.build_c128a_topk_metadata import build_c128a_topk_metadata as _triton_c128a
+    from ..triton.metadata.combine_topk_swa_indices import combine_topk_swa_indices as _triton_combine
+    from ..triton.metadata.compute_global_topk_indices_and_lens import \
+        compute_global_topk_indices_and_lens as _triton_global_topk
+    from ..triton.metadata.compute_prefill_gather_lens import compute_prefill_gather_lens as _triton_gather_lens
+    from ..triton.metadata.compute_swa_indices_and_lens import compute_swa_indices_and_lens as _triton_swa
+    from ..triton.metadata.get_compressed_slot_mapping import get_compressed_slot_mapping as _triton_slots
+else:
+    _triton_c128a = _triton_combine = _triton_global_topk = _triton_gather_lens = _triton_swa = _triton_slots = None
+register("get_compressed_slot_mapping", _rm.get_compressed_slot_mapping, triton=_triton_slots)
+register("compute_swa_indices_and_lens", _rm.compute_swa_indices_and_lens, triton=_triton_swa)
+register("compute_prefill_gather_lens", _rm.compute_prefill_gather_lens, triton=_triton_gather_lens)
+register("compute_global_topk_indices_and_lens", _rm.compute_global_topk_indices_and_lens, triton=_triton_global_topk)
+register("build_c128a_topk_metadata", _rm.build_c128a_topk_metadata, triton=_triton_c128a)
+register("combine_topk_swa_indices", _rm.combine_topk_swa_indices, triton=_triton_combine)
 
 INT32_MAX = 2 ** 31 - 1
 

@@ -1,4 +1,4 @@
-"""The per-step index sets of DeepSeek-V4.1's compressed layers (``v41_step_index_sets``): compressed-cache
+"""The per-step index sets of DeepSeek-V4.1's compressed layers (``step_index_sets_v41``): compressed-cache
 slots, visible entries and compressor ring slots of every token, for ratios 1 and 2, in one launch. The
 math is in ``dsv4_rocm.reference.metadata_v41``; invalid requests, positions, columns and pages give -1
 slots and 0 entries, never another request's (docs/conventions.md).
@@ -7,12 +7,15 @@ import torch
 
 from .. import _checks as C
 from ..reference import metadata_v41 as _rm
-from ._dispatch import register, run as _run
+from ._dispatch import HAVE_TRITON, register, run as _run
 
-__all__ = ["v41_step_index_sets"]
+__all__ = ["step_index_sets_v41", "v41_step_index_sets"]
 
-register("v41_step_index_sets", _rm.v41_step_index_sets,
-         triton="dsv4_rocm.triton.v41_step_index_sets:v41_step_index_sets")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the op runs its oracle
+    from ..triton.metadata.step_index_sets_v41 import step_index_sets_v41 as _triton_step_sets
+else:
+    _triton_step_sets = None
+register("step_index_sets_v41", _rm.step_index_sets_v41, triton=_triton_step_sets)
 
 
 def _out(name, t, T, dtype):
@@ -21,7 +24,7 @@ def _out(name, t, T, dtype):
         raise ValueError(f"{name} must be contiguous")
 
 
-def v41_step_index_sets(positions, token_to_req, is_valid_token, compressed_block_table, state_block_table,
+def step_index_sets_v41(positions, token_to_req, is_valid_token, compressed_block_table, state_block_table,
                         block_size: int, ring_capacity: int, r1=None, r2=None) -> None:
     """positions int64 [T], token_to_req int32 [T], is_valid_token bool [T], block tables int32 [R, *] with
     contiguous rows; fills r1 = (slots int64 [T], lens int32 [T]) and r2 = (slots, lens, ring int64 [T])
@@ -52,5 +55,9 @@ def v41_step_index_sets(positions, token_to_req, is_valid_token, compressed_bloc
                   **{f"out{i}": t for i, t in enumerate(outs)})
     if not outs or T == 0:
         return
-    _run("v41_step_index_sets", positions.device, positions, token_to_req, is_valid_token, compressed_block_table,
+    _run("step_index_sets_v41", positions.device, positions, token_to_req, is_valid_token, compressed_block_table,
          state_block_table, block_size, ring_capacity, r1, r2)
+
+
+# the op's name before the V4.1 modules took one style (the suffix, as the V4.0 kernel step_index_sets)
+v41_step_index_sets = step_index_sets_v41

@@ -4,17 +4,20 @@ import torch
 
 from .. import _checks as C
 from ..reference import output as _ro
-from ._dispatch import register, run as _run
+from ._dispatch import HAVE_TRITON, register, run as _run
 
 __all__ = ["fused_inv_rope_fp8_quant", "fp8_einsum", "fp8_linear", "merge_attn_states"]
 
-_TRITON_EINSUM = "dsv4_rocm.triton.fp8_einsum"
-register("fused_inv_rope_fp8_quant", _ro.fused_inv_rope_fp8_quant,
-         triton="dsv4_rocm.triton.fused_inv_rope_fp8_quant:fused_inv_rope_fp8_quant")
-register("fp8_einsum", _ro.fp8_einsum, triton=f"{_TRITON_EINSUM}:fp8_einsum")
-register("fp8_linear", _ro.fp8_linear, triton=f"{_TRITON_EINSUM}:fp8_linear")
-register("merge_attn_states", _ro.merge_attn_states,
-         triton="dsv4_rocm.triton.merge_attn_states:merge_attn_states")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.output.fp8_einsum import fp8_einsum as _triton_einsum, fp8_linear as _triton_linear
+    from ..triton.output.fused_inv_rope_fp8_quant import fused_inv_rope_fp8_quant as _triton_inv_rope_quant
+    from ..triton.output.merge_attn_states import merge_attn_states as _triton_merge
+else:
+    _triton_einsum = _triton_linear = _triton_inv_rope_quant = _triton_merge = None
+register("fused_inv_rope_fp8_quant", _ro.fused_inv_rope_fp8_quant, triton=_triton_inv_rope_quant)
+register("fp8_einsum", _ro.fp8_einsum, triton=_triton_einsum)
+register("fp8_linear", _ro.fp8_linear, triton=_triton_linear)
+register("merge_attn_states", _ro.merge_attn_states, triton=_triton_merge)
 
 
 def _flag(name, v):

@@ -11,23 +11,28 @@ import torch
 from .. import _checks as C
 from .. import cache_views as V
 from .. import layout as L
+from .. import hip_ops as _hip    # builds dsv4_rocm._C on a kernel's first call, not on import
 from ..reference import norm as _rn, qkv as _rq
-from ._dispatch import register, run as _run, value_checks
+from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 
 __all__ = ["fused_q_kv_rmsnorm", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert",
            "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out", "qnorm_rope_and_insert_full_k_cache",
            "qnorm_rope_and_insert_full_bf16_k_cache", "fused_deepseek_v4_kv_rope_insert"]
 
-register("fused_q_kv_rmsnorm", _rn.fused_q_kv_rmsnorm, hip="dsv4_rocm.hip_ops:fused_q_kv_rmsnorm")
+if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.qkv.fused_deepseek_v4_kv_rope_insert import fused_deepseek_v4_kv_rope_insert as _triton_kv_insert
+    from ..triton.qkv.qnorm_rope_and_insert_full_bf16_k_cache import \
+        qnorm_rope_and_insert_full_bf16_k_cache as _triton_bf16_insert
+else:
+    _triton_kv_insert = _triton_bf16_insert = None
+register("fused_q_kv_rmsnorm", _rn.fused_q_kv_rmsnorm, hip=_hip.fused_q_kv_rmsnorm)
 register("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", _rq.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
-         hip="dsv4_rocm.hip_ops:fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert")
+         hip=_hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert)
 register("qnorm_rope_and_insert_full_k_cache", _rq.qnorm_rope_and_insert_full_k_cache,
-         hip="dsv4_rocm.hip_ops:qnorm_rope_and_insert_full_k_cache")
+         hip=_hip.qnorm_rope_and_insert_full_k_cache)
 register("qnorm_rope_and_insert_full_bf16_k_cache", _rq.qnorm_rope_and_insert_full_bf16_k_cache,
-         triton="dsv4_rocm.triton.qnorm_rope_and_insert_full_bf16_k_cache:qnorm_rope_and_insert_full_bf16_k_cache")
-
-register("fused_deepseek_v4_kv_rope_insert", _rq.fused_deepseek_v4_kv_rope_insert,
-         triton="dsv4_rocm.triton.fused_deepseek_v4_kv_rope_insert:fused_deepseek_v4_kv_rope_insert")
+         triton=_triton_bf16_insert)
+register("fused_deepseek_v4_kv_rope_insert", _rq.fused_deepseek_v4_kv_rope_insert, triton=_triton_kv_insert)
 
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -40,6 +40,7 @@ a window row whose block-table entry is negative or out of range is absent (scor
 import torch
 
 from .. import layout as L
+from ..layout import state_block_size  # noqa: F401
 from .cache import encode_values
 from .quant import exponent_to_ue8m0, mxfp4_quantize, quantize_blocks
 from .rope import rope_fwd
@@ -56,11 +57,6 @@ F32_NAN = 0x7FC00000
 
 def coff(ratio: int) -> int:
     return 2 if ratio == 4 else 1
-
-
-def state_block_size(ratio: int) -> int:
-    """Tokens per state-cache block, as vLLM's CompressorStateCache allocates them."""
-    return 4 if ratio == 4 else 8
 
 
 def window(ratio: int) -> int:

@@ -47,6 +47,7 @@ out-of-range slot, request id or position skips the token.
 import torch
 
 from .. import layout as L
+from ..cache_views import is_plain_row_cache  # noqa: F401
 from .cache import insert_k_records
 from .compressor import _as_pages, _records, bf16_bits, pool, rms_normalize
 from .qkv import _encode_scaled, kv_rope
@@ -132,13 +133,6 @@ def store_records(cache, slots, data, scales, record_bytes: int, token_stride: i
     blk, off = (slots // bs).unsqueeze(1), (slots % bs).unsqueeze(1)
     pages[blk, off * token_stride + torch.arange(token_stride, device=slots.device)] = data
     pages[blk, bs * token_stride + off * sd + torch.arange(sd, device=slots.device)] = scales
-
-
-def is_plain_row_cache(kv_cache) -> bool:
-    """Whether ``kv_cache`` holds plain [448 NoPE | 64 RoPE] rows (bfloat16, or float8_e4m3fn 512 wide) rather
-    than paged records (uint8, or their float8_e4m3fn view, 584 / 528 / 288 wide): vLLM's dispatch."""
-    return kv_cache.dtype == torch.bfloat16 or (kv_cache.dtype == torch.float8_e4m3fn
-                                                and kv_cache.shape[-1] == LATENT_DIM)
 
 
 def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio, fp8_scale=None,

@@ -16,9 +16,9 @@ import math
 
 import torch
 
-# FlashMLA's sparse prefill wants the index width to be a multiple of 128 (its B_TOPK); vLLM pads the
-# combined prefill indices and the C128A width to it, the padding stays -1
-TOPK_ALIGNMENT = 128
+from ..layout import (TOPK_ALIGNMENT, c128a_effective_width, c128a_slices, combine_outputs,  # noqa: F401
+                      combined_width, global_topk_outputs)
+
 
 
 def token_to_req_indices(query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -195,15 +195,6 @@ def compute_prefill_gather_lens(prefill_gather_lens, seq_lens, query_start_loc, 
     return prefill_gather_lens[:num_prefills]
 
 
-def global_topk_outputs(topk_indices, output_buffers=None):
-    """(indices, lens) compute_global_topk_indices_and_lens writes: the caller's pair, or new tensors."""
-    if output_buffers is not None:
-        return tuple(output_buffers)
-    T, K = topk_indices.shape
-    return (torch.empty(T, K, dtype=topk_indices.dtype, device=topk_indices.device),
-            torch.empty(T, dtype=torch.int32, device=topk_indices.device))
-
-
 def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, block_table, block_size: int,
                                          is_valid_token, output_buffers=None, *, needs_constant_topk: bool = False):
     """C4 decode: local compressed indices -> slots of the compressed cache, valid ones first.
@@ -231,35 +222,9 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
     return out, lens
 
 
-def c128a_effective_width(max_seq_len: int, compress_ratio: int, max_compressed_tokens: int) -> int:
-    """Width of the C128A index rows when the caller passes ``max_seq_len`` (later vLLM): the entries the
-    longest sequence can see, rounded up to 128, capped at max_compressed_tokens (0 for an empty batch)."""
-    max_pos = int(max_seq_len) - 1
-    if max_pos < 0:
-        return 0
-    n = min(max((max_pos + 1) // compress_ratio, 0), max_compressed_tokens)
-    if n == 0:
-        return min(max_compressed_tokens, TOPK_ALIGNMENT)
-    return min(max_compressed_tokens, -(-n // TOPK_ALIGNMENT) * TOPK_ALIGNMENT)
-
-
 def c128_max_entries(max_model_len: int, ratio: int = 128) -> int:
     """The C128A row width vLLM allocates: round_up(ceil(max_model_len / 128), 128)."""
     return int(math.ceil(math.ceil(max_model_len / ratio) / TOPK_ALIGNMENT) * TOPK_ALIGNMENT)
-
-
-def c128a_slices(num_tokens: int, num_decode_tokens: int, compress_ratio: int, global_decode_buffer,
-                 decode_lens_buffer, prefill_buffer, max_compressed_tokens: int, max_seq_len=None):
-    """(the three buffer slices build_c128a_topk_metadata returns, the cap on entries per token): the first
-    ``max_compressed_tokens`` columns of each row (vLLM's form: a buffer allocated wider keeps its stride,
-    and its columns past the slice are not touched), the first ``c128a_effective_width`` columns when
-    ``max_seq_len`` is given."""
-    nd, npf = num_decode_tokens, num_tokens - num_decode_tokens
-    if max_seq_len is None:
-        w = max_compressed_tokens
-        return (global_decode_buffer[:nd, :w], decode_lens_buffer[:nd], prefill_buffer[:npf, :w]), w
-    w = c128a_effective_width(max_seq_len, compress_ratio, max_compressed_tokens) if num_tokens else 0
-    return (global_decode_buffer[:nd, :w], decode_lens_buffer[:nd], prefill_buffer[:npf, :w]), w
 
 
 def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens: int, token_to_req_indices,
@@ -298,22 +263,6 @@ def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens:
         loc = i.unsqueeze(0).expand(T - nd, -1)
         pf.copy_(torch.where(loc < n[nd:].unsqueeze(1), loc, torch.full_like(loc, -1)))
     return gd, dl, pf
-
-
-def combined_width(topk: int, window_size: int, max_image_tokens: int = 0) -> int:
-    """Columns of combine_topk_swa_indices' output: topk + window + max_image_tokens rounded up to 128."""
-    return -(-(topk + window_size + max_image_tokens) // TOPK_ALIGNMENT) * TOPK_ALIGNMENT
-
-
-def combine_outputs(topk_indices, topk: int, window_size: int, combined_indices=None, combined_lens=None,
-                    max_image_tokens: int = 0):
-    """(indices, lens) combine_topk_swa_indices writes: the first len(topk_indices) rows of the caller's
-    buffers, or new int32 tensors of ``combined_width`` columns."""
-    T, dev = topk_indices.shape[0], topk_indices.device
-    ci = combined_indices[:T] if combined_indices is not None else \
-        torch.empty(T, combined_width(topk, window_size, max_image_tokens), dtype=torch.int32, device=dev)
-    cl = combined_lens[:T] if combined_lens is not None else torch.empty(T, dtype=torch.int32, device=dev)
-    return ci, cl
 
 
 def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens, window_size: int,

@@ -1,5 +1,5 @@
 """The per-step index sets of DeepSeek-V4.1's compressed layers (docs/math.md#v41-step), the oracle of
-``dsv4_rocm/triton/v41_step_index_sets.py``.
+``dsv4_rocm/triton/metadata/step_index_sets_v41.py``.
 
 For each token t of request b = token_to_req[t] at position p = positions[t], valid when
 is_valid_token[t] (its slot is >= 0), b is a request of the step and p >= 0, and for each V4.1 ratio r:
@@ -16,7 +16,7 @@ import torch
 from .metadata import _page, _slots
 
 
-def v41_step_index_sets(positions, token_to_req, is_valid_token, compressed_block_table, state_block_table,
+def step_index_sets_v41(positions, token_to_req, is_valid_token, compressed_block_table, state_block_table,
                         block_size: int, ring_capacity: int, r1=None, r2=None) -> None:
     """Fill r1 = (slots int64 [T], lens int32 [T]) and r2 = (slots, lens, ring int64 [T]) where given."""
     req = token_to_req.long()
@@ -34,3 +34,6 @@ def v41_step_index_sets(positions, token_to_req, is_valid_token, compressed_bloc
             ring = torch.where(valid & ok, page * ring_capacity + p.clamp(min=0) % ring_capacity,
                                torch.full_like(p, -1))
             out[2].copy_(ring)
+
+
+v41_step_index_sets = step_index_sets_v41     # the op's former name (dsv4_rocm.ops.metadata_v41)

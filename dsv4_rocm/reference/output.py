@@ -26,6 +26,7 @@ are quantized per token per 128 columns with eps 1e-4.
 """
 import torch
 
+from ..layout import tma_aligned_tokens  # noqa: F401
 from .quant import UE8M0_NAN, e4m3_decode, e4m3_encode, e4m3fnuz_encode, exponent_to_ue8m0, quantize_blocks
 from .rope import rope_inv
 
@@ -38,11 +39,6 @@ QUANT_GROUPS = (32, 64, 128, 256, 512)
 
 def _pow2(e):
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.float())
-
-
-def tma_aligned_tokens(num_tokens: int) -> int:
-    """Rows of the MN-major scale storage: T rounded up to a multiple of 4 (16 bytes of 4-byte scales)."""
-    return (num_tokens + 3) // 4 * 4
 
 
 def _mn_major(values: torch.Tensor) -> torch.Tensor:

@@ -137,5 +137,5 @@ def test_gpu_kernel_equals_the_hand_loop(gpu):
 
 if __name__ == "__main__":
     patch_interpreter_scalars()
-    from dsv4_rocm.triton.ragged_indices_to_dense import ragged_indices_to_dense
+    from dsv4_rocm.triton.attention.ragged_indices_to_dense import ragged_indices_to_dense
     print("interpreter cases passed:", check_kernel(ragged_indices_to_dense, "cpu"))

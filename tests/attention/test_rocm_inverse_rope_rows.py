@@ -136,5 +136,5 @@ if __name__ == "__main__":
     from helpers import patch_interpreter_scalars
     patch_interpreter_scalars()
     rne_bf16_casts()
-    from dsv4_rocm.triton.rocm_inverse_rope_rows import rocm_inverse_rope_rows_
+    from dsv4_rocm.triton.attention.rocm_inverse_rope_rows import rocm_inverse_rope_rows_
     print("interpreter cases passed:", check_kernel(rocm_inverse_rope_rows_, "cpu"))

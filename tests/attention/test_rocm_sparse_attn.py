@@ -390,7 +390,7 @@ def adapter_calls(d, T, out):
 def test_adapters_allocate_nothing_once_a_shape_has_run(monkeypatch):
     """A serving step calls the adapters at shapes that have run before: they then allocate nothing (the
     attention's own buffers aside). Value checks are off, as they are for GPU tensors by default."""
-    from dsv4_rocm.ops import rocm_attention as RA
+    from dsv4_rocm.ops import vllm_rocm_sparse_attn as RA
     d = decode_inputs(T=6, H=16, seed=11)
     d["kv"] = torch.randn(300, 1, 512).bfloat16()
     mode = Allocations()
@@ -410,7 +410,7 @@ def test_adapters_allocate_nothing_once_a_shape_has_run(monkeypatch):
 def test_adapters_reuse_their_workspaces_and_stay_exact(monkeypatch):
     """Two decode steps at one shape hand the attention the same buffers (addresses), and each result is
     the oracle's: the workspaces carry nothing from one call into the next."""
-    from dsv4_rocm.ops import rocm_attention as RA
+    from dsv4_rocm.ops import vllm_rocm_sparse_attn as RA
     seen = []
 
     def spy(*args, **kwargs):     # (q, k_cache, idx, lens, sink, extra_cache, extra_idx, extra_lens, scale, out)

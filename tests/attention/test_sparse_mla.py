@@ -146,7 +146,7 @@ _INTERPRETER = textwrap.dedent("""
 """)
 
 _DECODE_FORMS = textwrap.dedent("""
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     CFG = dict(BLOCK_N=16, num_warps=4, num_stages=1, DEQ_INT=False)
     a = decode_case(3, 2, 64, 64, 32, 3, 24, "cpu", 5, num_blocks=6)
     a["indices"][2, 1] = -1                      # query (2, 1): no valid key in either set
@@ -210,7 +210,7 @@ _DECODE_FORMS = textwrap.dedent("""
 """)
 
 _PREFILL_FORMS = textwrap.dedent("""
-    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     CFG = dict(BLOCK_N=16, num_warps=4, num_stages=1)
     for sink in ("-inf", "random", "+inf", "none"):
         q, kv, idx, lens, s = prefill_case(6, 64, 32, 40, "cpu", 3, sink)
@@ -239,7 +239,7 @@ _PREFILL_FORMS = textwrap.dedent("""
 
 _DECODE_V41 = textwrap.dedent("""
     from dsv4_rocm import layout as L
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     CFG = dict(BLOCK_N=16, num_warps=4, num_stages=1, DEQ_INT=False)
     IL = L.interleaved
     for fmts in ((L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288), (IL(L.V41_528), IL(L.V41_FP4_288)),
@@ -295,7 +295,7 @@ def test_decode_kernel_choice(monkeypatch):
     """Hopper runs DEFAULT_SM90_KERNEL by default (the warp-specialized kernel only where Triton has Gluon),
     every other target this file's kernel; either is forced with config=dict(kernel=...), and the Hopper
     kernel is refused elsewhere by name."""
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     assert D.DEFAULT_SM90_KERNEL in ("ws", "triton")
     if D._ws is not None:
         assert D.default_config("sm_90", 64, "ws")["kernel"] == "ws"
@@ -344,7 +344,8 @@ def test_decode_plan_routes_record_formats(fmts, ws, monkeypatch):
     cache or one of the same format and layout), bound with that format; a V41_FP4_288 extra cache, mixed
     layouts and FNUZ-flavour records take the Triton kernel, and forcing the Hopper kernel on them is refused.
     The route is the one ``sparse_mla_decode`` binds (compile_only) on an H100's device facts."""
-    from dsv4_rocm.triton import _launch, sparse_mla_decode as D
+    from dsv4_rocm.triton import _launch
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     if D._ws is None:
         pytest.skip("no Gluon in this Triton: the Hopper kernel is not built")
     assert D._ws.reads(*fmts) == ws
@@ -372,7 +373,7 @@ def test_decode_plan_routes_record_formats(fmts, ws, monkeypatch):
 
 
 def test_ws_constexprs_refuse_other_formats():
-    ws = pytest.importorskip("dsv4_rocm.triton.sparse_mla_decode_ws")
+    ws = pytest.importorskip("dsv4_rocm.triton.hopper.sparse_mla_decode_ws")
     cfg = tuple(ws.default_config(64).items())
     assert ws.constexprs(cfg, 64, 64, 2, True, True, True, True, True, L.interleaved(L.V41_528))["FMT"].interleaved
     for f in (L.V41_FP4_288, L.with_fnuz(L.V41_528), L.interleaved(L.V41_FP4_288)):
@@ -450,7 +451,7 @@ def test_integer_decode_ptx_follows_the_formats():
 
 
 def test_split_plan():
-    from dsv4_rocm.triton.sparse_mla_decode import MAX_SPLITS, _num_splits
+    from dsv4_rocm.triton.attention.sparse_mla_decode import MAX_SPLITS, _num_splits
     assert _num_splits(200, 20, 132) == 1                 # the grid fills the GPU
     assert _num_splits(4, 10, 132) == 10                  # at most one split per tile
     assert _num_splits(2, 100, 132) == MAX_SPLITS
@@ -462,7 +463,7 @@ def test_ws_schedule():
     """The Hopper kernel's persistent schedule of one head block's units: every unit (a token's 64 heads, m key
     tiles) falls into at most max_parts(m, w) <= 16 CTAs of w tiles each, the grid covers every tile, whole
     units where that costs at most 10% more tiles per CTA, one unit per CTA when asked for one split."""
-    ws = pytest.importorskip("dsv4_rocm.triton.sparse_mla_decode_ws")
+    ws = pytest.importorskip("dsv4_rocm.triton.hopper.sparse_mla_decode_ws")
     rng = random.Random(0)
     for _ in range(3000):
         units, m, sms = rng.randint(1, 700), rng.randint(1, 60), rng.choice([132, 114, 7, 1])
@@ -506,7 +507,7 @@ DECODE_KERNELS = ["triton", "ws"]
 def decode_kernel_config(kernel, device):
     """``config`` forcing a decode kernel; skips the test where that kernel does not run."""
     from dsv4_rocm.triton._launch import device_facts
-    from dsv4_rocm.triton.sparse_mla_decode import _ws
+    from dsv4_rocm.triton.attention.sparse_mla_decode import _ws
     if kernel == "ws":
         arch = device_facts(device)[0]
         if arch != "sm_90" or _ws is None:
@@ -520,7 +521,7 @@ def decode_kernel_config(kernel, device):
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[str(c) for c in DECODE_CASES])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_triton_decode_matches_reference(case, splits, kernel, gpu):
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     cfg = decode_kernel_config(kernel, gpu)
     b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
     a = decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 11 + b, sink, lshape)
@@ -543,7 +544,7 @@ V41_FORMATS = [(L.V41_528, L.V41_528), (L.V41_528, L.V41_FP4_288),
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_triton_decode_v41_formats_match_reference(case, splits, fmts, gpu):
     """The Triton kernel (the V4.1 formats' kernel on every GPU, Hopper included) over V4.1 records."""
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
     a = decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 31 + b, sink, lshape, formats=fmts)
     f = (fmts[0], fmts[1] if ebs else None)
@@ -569,7 +570,7 @@ WS_V41_FORMATS = [L.V41_528, L.interleaved(L.V41_528)]
 def test_ws_decode_v41_528_matches_reference(case, splits, fmt, gpu):
     """The Hopper kernel over V41_528 caches (its default route for them), out poisoned first, with padding
     (-1) and out-of-range indices in both sets: out and lse as the reference's, within the decode tolerances."""
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     cfg = decode_kernel_config("ws", gpu)
     b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
     a = decode_case(b, s_q, h, bs, topk, ebs, etopk, gpu, 51 + b, sink, lshape, formats=(fmt, fmt))
@@ -597,7 +598,7 @@ def test_ws_decode_v41_528_matches_reference(case, splits, fmt, gpu):
 def test_ws_decode_v41_528_lonely_queries_and_strided_q(fmt, gpu):
     """V41_528 on the Hopper kernel: queries with no valid key get out 0 and lse +inf; a q whose rows are not
     16-byte aligned (Q through registers) gives the same bits as a contiguous one."""
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     cfg = decode_kernel_config("ws", gpu)
     a = decode_case(6, 1, 64, 64, 128, 64, 512, gpu, 2, "random", formats=(fmt, fmt))
     a["indices"][:3] = -1
@@ -631,9 +632,9 @@ def test_ws_hand_offs_hold_under_random_stalls(case, fmt, gpu):
     on fresh random inputs, out poisoned before each, every one bit-equal to the launch without pauses and
     within the reference's tolerance. A wait missing from the protocol would let a paused producer's
     buffer be read stale, or a paused reader's buffer be overwritten, and change the output."""
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     cfg = decode_kernel_config("ws", gpu)
-    from dsv4_rocm.triton import sparse_mla_decode_ws as ws
+    from dsv4_rocm.triton.hopper import sparse_mla_decode_ws as ws
     stall = dict(cfg, PROBE=int(ws.STALL))
     b, s_q, h, bs, topk, ebs, etopk, sink, lshape = case
     f = (fmt, fmt)
@@ -655,8 +656,8 @@ def test_ws_hand_offs_hold_under_random_stalls(case, fmt, gpu):
 def test_ws_prefill_hand_offs_hold_under_random_stalls(gpu):
     """The same for the kernel over bf16 rows (its row loader, sparse_mla_prefill): paused launches on
     fresh random inputs give the bits of the launch without pauses."""
-    from dsv4_rocm.triton.sparse_mla_decode import _ws
-    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from dsv4_rocm.triton.attention.sparse_mla_decode import _ws
+    from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     decode_kernel_config("ws", gpu)
     for rep in range(3):
         q, kv, idx, lens, s = prefill_case(40, 128, 512, 3000, gpu, 77 + rep)
@@ -673,7 +674,7 @@ def test_ws_prefill_hand_offs_hold_under_random_stalls(gpu):
 def test_triton_decode_call_forms(splits, kernel, gpu):
     """Strided q / indices, [b, s_q] lengths of stride 0, fp8 and int8 cache views, an out buffer inside a
     larger one: the same bits as the contiguous call, nothing outside the buffer's rows written."""
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     cfg = decode_kernel_config(kernel, gpu)
     a = decode_case(6, 2, 64, 64, 128, 2, 256, gpu, 7)
     base, base_lse = sparse_mla_decode(*decode_args(a), num_splits=splits, config=cfg)
@@ -694,7 +695,7 @@ def test_triton_decode_call_forms(splits, kernel, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
 def test_triton_decode_all_invalid_and_zero_lengths(kernel, gpu):
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     cfg = decode_kernel_config(kernel, gpu)
     for sink in ("random", "-inf", "+inf", "none"):
         a = decode_case(6, 1, 64, 64, 128, 64, 512, gpu, 2, sink)
@@ -712,7 +713,7 @@ def test_triton_decode_split_combine_in_kernel(gpu):
     _merge_splits), call after call and replay after replay (the arrival counts return to 0), out 0 / lse
     +inf where no split saw a key."""
     from dsv4_rocm.triton import _launch
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
     # the Triton kernel's two merges (the Hopper kernel, the default on sm_90, always merges in a launch)
     one, two = dict(kernel="triton", split_combine="kernel"), dict(kernel="triton", split_combine="launch")
     for case in ((2, 2, 64, 256, 128, 64, 512), (4, 1, 128, 64, 128, 64, 1024), (1, 1, 64, 256, 128, 2, 512)):
@@ -801,7 +802,7 @@ PREFILL_CASES = [(1, 64, 64, 300), (37, 64, 640, 5000), (128, 128, 1152, 70000),
 def test_triton_prefill_matches_reference(case, sink, kernel, gpu):
     """Both prefill kernels (this file's Triton kernel, the Hopper kernel over bf16 rows) against the
     reference: out, lse, max logits, lonely queries."""
-    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     cfg = decode_kernel_config(kernel, gpu)
     s_q, h, topk, s_kv = case
     q, kv, idx, lens, s = prefill_case(s_q, h, topk, s_kv, gpu, s_q * 7 + topk, sink)
@@ -818,7 +819,7 @@ def test_triton_prefill_matches_reference(case, sink, kernel, gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
 def test_triton_prefill_call_forms(kernel, gpu):
-    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     cfg = decode_kernel_config(kernel, gpu)
     q, kv, idx, lens, s = prefill_case(50, 128, 256, 1000, gpu, 5)
     base = sparse_mla_prefill(q, kv, idx, SM, 512, s, lens, config=cfg)
@@ -837,7 +838,7 @@ def test_warmup_leaves_nothing_to_compile(gpu):
     """After flash_mla.warmup with a model's configurations, calls of those configurations (any batch,
     s_q 1 or 2, [b] lengths, topk a multiple of 16) compile nothing."""
     from dsv4_rocm import flash_mla
-    from dsv4_rocm.triton import sparse_mla_decode as D, sparse_mla_prefill as P
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D, sparse_mla_prefill as P
     cfgs = [flash_mla.WarmupConfig(64, 64, 2, True), flash_mla.WarmupConfig(128, 256, None, False)]
     rep = flash_mla.warmup(gpu, cfgs)
     print(rep)
@@ -865,8 +866,8 @@ def test_warmup_leaves_nothing_to_compile(gpu):
 def test_smoke_small_decode_and_prefill(gpu):
     """Small cases that exercise every code path (splits, odd block sizes, invalid ids, strided inputs);
     the suite runs this one under compute-sanitizer memcheck."""
-    from dsv4_rocm.triton.sparse_mla_decode import sparse_mla_decode
-    from dsv4_rocm.triton.sparse_mla_prefill import sparse_mla_prefill
+    from dsv4_rocm.triton.attention.sparse_mla_decode import sparse_mla_decode
+    from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     a = decode_case(3, 2, 64, 100, 96, 3, 40, gpu, 21)
     ref, _ = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
     s = dict(a, q=strided(a["q"]), indices=strided(a["indices"]))

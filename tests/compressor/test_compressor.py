@@ -278,7 +278,7 @@ _INTERPRETED_ENTRY = textwrap.dedent("""
     import torch, triton, triton.language as tl
     from dsv4_rocm.reference import compressor as rc
     from dsv4_rocm.reference.rope import rope_fwd, build_cos_sin_cache
-    from dsv4_rocm.triton import compress_norm_rope_store as K
+    from dsv4_rocm.triton.compressor import compress_norm_rope_store as K
 
     @triton.jit
     def entry(state, s0, s1, nb, bt, ncols, pos, w, eps, cs, y_buf, yh_out, ro_out, D: tl.constexpr,
@@ -348,7 +348,7 @@ _INTERPRETED_EXP = textwrap.dedent("""
     patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch, triton, triton.language as tl
     from dsv4_rocm.reference import compressor as rc
-    from dsv4_rocm.triton import compress_norm_rope_store as K
+    from dsv4_rocm.triton.compressor import compress_norm_rope_store as K
 
     @triton.jit
     def exp_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
@@ -386,7 +386,7 @@ _INTERPRETED_SAVE = textwrap.dedent("""
     patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch
     from dsv4_rocm.reference import compressor as rc
-    from dsv4_rocm.triton.save_partial_states import save_partial_states
+    from dsv4_rocm.triton.compressor.save_partial_states import save_partial_states
     g = torch.Generator().manual_seed(0)
     for ratio, D in ((4, 512), (128, 512), (4, 128)):
         c, sbs = rc.coff(ratio), rc.state_block_size(ratio)
@@ -422,7 +422,7 @@ _INTERPRETED_ENTRIES = textwrap.dedent("""
     from helpers import patch_interpreter_scalars
     patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
     import torch
-    from dsv4_rocm.triton.compressor_entries import compressor_entries
+    from dsv4_rocm.triton.compressor.compressor_entries import compressor_entries
     g = torch.Generator().manual_seed(0)
     for ratio in (4, 128):
         n = 3000
@@ -463,7 +463,7 @@ _INTERPRETED_CONFIGS = textwrap.dedent("""
     import torch
     from dsv4_rocm import ops
     from dsv4_rocm.reference import compressor as rc
-    from dsv4_rocm.triton.compress_norm_rope_store import compress_norm_rope_store as kernel
+    from dsv4_rocm.triton.compressor.compress_norm_rope_store import compress_norm_rope_store as kernel
     from compressor_batches import RECORD, compress_kwargs, make_setup, step_inputs
 
     def records(S, pos, sslots, kslots):
@@ -577,8 +577,8 @@ def _sweep_configs():
                          ids=[f"C{r}-{t}-{v}" for r, t, v, _, _ in _sweep_configs()])
 def test_triton_sweep_configs_equal_oracle_bytes(ratio, target, variant, save_cfg, comp_cfg):
     """Every launch configuration the benchmark sweep times writes the oracle's bytes on mixed steps."""
-    from dsv4_rocm.triton.compress_norm_rope_store import compress_norm_rope_store
-    from dsv4_rocm.triton.save_partial_states import save_partial_states
+    from dsv4_rocm.triton.compressor.compress_norm_rope_store import compress_norm_rope_store
+    from dsv4_rocm.triton.compressor.save_partial_states import save_partial_states
     g = torch.Generator().manual_seed(7)
     lens = [int(x) for x in torch.randint(1, 700 if ratio == 128 else 200, (6,), generator=g)]
     lens[0] = 2 * ratio + ratio // 2

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from dsv4_rocm import ops
-from dsv4_rocm.triton import fused_save_compress_norm as K
+from dsv4_rocm.triton.compressor import fused_save_compress_norm as K
 from dsv4_rocm.reference import compressor_v41 as rv
 from dsv4_rocm.reference.norm import rmsnorm
 from helpers import float_mismatch, patch_interpreter_scalars, run_file_interpreted

@@ -263,7 +263,7 @@ def _exact_case(ratio, seed):
 
 def interpreter_main():
     from dsv4_rocm.reference.compressor_v41 import rope_quant_insert as oracle
-    from dsv4_rocm.triton.rope_quant_insert import rope_quant_insert as kernel
+    from dsv4_rocm.triton.compressor.rope_quant_insert import rope_quant_insert as kernel
     patch_interpreter_scalars()
     for fmt in (L.V40_584, L.with_layout(L.V41_528), L.with_layout(L.V41_FP4_288),
                 L.with_layout(L.V41_FP4_288, "page_split")):

@@ -500,7 +500,7 @@ _INTERPRETED_Q = textwrap.dedent("""
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.quant import e2m1_encode
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import fused_indexer_q_rope_quant as K
+    from dsv4_rocm.triton.indexer import fused_indexer_q_rope_quant as K
 
     @triton.jit
     def codes(v_ptr, out_ptr, N: tl.constexpr):
@@ -557,7 +557,7 @@ _INTERPRETED_LOGITS = textwrap.dedent("""
     sys.path.insert(0, "tests/indexer")
     from dsv4_rocm import cache_views as V
     from dsv4_rocm.reference import indexer as ri
-    from dsv4_rocm.triton import fp8_mqa_logits as Q, fp8_paged_mqa_logits as P
+    from dsv4_rocm.triton.indexer import fp8_mqa_logits as Q, fp8_paged_mqa_logits as P
     from indexer_inputs import abs_bytes, assert_logits_close, filled_cache, paged_magnitude
 
     # numpy 2 refuses int() of the 1-element arrays the interpreter holds scalars in; loops over runtime

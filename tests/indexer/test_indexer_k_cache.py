@@ -226,7 +226,7 @@ _INTERPRETED_GATHER = textwrap.dedent("""
     import torch
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.compressor import kv_cache_view
-    from dsv4_rocm.triton.cp_gather_indexer_k_quant_cache import cp_gather_indexer_k_quant_cache
+    from dsv4_rocm.triton.indexer.cp_gather_indexer_k_quant_cache import cp_gather_indexer_k_quant_cache
 
     g = torch.Generator().manual_seed(0)
     for bs, lens in ((32, [70, 0, 33, 5]), (64, [1]), (16, [20, 3, 0, 0, 40, 17, 2])):
@@ -266,7 +266,7 @@ _INTERPRETED_WRITER = textwrap.dedent("""
     import torch
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.compressor import kv_cache_view
-    from dsv4_rocm.triton.indexer_k_quant_and_cache import indexer_k_quant_and_cache
+    from dsv4_rocm.triton.indexer.indexer_k_quant_and_cache import indexer_k_quant_and_cache
 
     g = torch.Generator().manual_seed(0)
     # rows of normal e4m3 values times a power of two: every fp8 cast is exact, even in the interpreter

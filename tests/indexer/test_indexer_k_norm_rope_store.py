@@ -115,7 +115,7 @@ def _exact_case(fp4, seed):
 
 
 def interpreter_main():
-    from dsv4_rocm.triton.indexer_k_norm_rope_store import indexer_k_norm_rope_store as kernel
+    from dsv4_rocm.triton.indexer.indexer_k_norm_rope_store import indexer_k_norm_rope_store as kernel
     patch_interpreter_scalars()
     for ratio in (1, 2):
         for fp4 in (False, True):

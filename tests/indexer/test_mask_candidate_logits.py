@@ -54,7 +54,7 @@ def _cases():
 
 
 def interpreter_main():
-    from dsv4_rocm.triton.mask_candidate_logits import mask_candidate_logits as kernel
+    from dsv4_rocm.triton.indexer.mask_candidate_logits import mask_candidate_logits as kernel
     patch_interpreter_scalars()
     bad = 0
     for (x, lens, cand), bs in zip(_cases(), (4, 8, 1, 8)):

@@ -76,7 +76,7 @@ def _cases():
 
 
 def interpreter_main():
-    from dsv4_rocm.triton.select_candidate_blocks import select_candidate_blocks as kernel
+    from dsv4_rocm.triton.indexer.select_candidate_blocks import select_candidate_blocks as kernel
     patch_interpreter_scalars()
     bad = 0
     for x, lens, C, bs in _cases():

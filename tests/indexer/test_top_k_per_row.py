@@ -242,7 +242,7 @@ def _state_is_zero():
 
 
 def interpreter_cases():
-    from dsv4_rocm.triton import top_k_per_row as T
+    from dsv4_rocm.triton.indexer import top_k_per_row as T
     patch_interpreter_scalars()
     g = torch.Generator().manual_seed(0)
     # k = 512 with the default sizes: rows past 4096 columns are long (split: 2 + 2 CTAs a row, or fused)
@@ -296,7 +296,7 @@ def interpreter_cases():
 
 # ---------------------------------------------------------------- GPU
 def _run_form(form, lg, k, rows, starts=None, ends=None, seq=None, next_n=1, out=None, config=None):
-    from dsv4_rocm.triton import top_k_per_row as T
+    from dsv4_rocm.triton.indexer import top_k_per_row as T
     out = out if out is not None else torch.full((rows, k), POISON, dtype=torch.int32, device=lg.device)
     if form == "prefill":
         T.top_k_per_row_prefill(lg, starts, ends, out, rows, lg.stride(0), lg.stride(1), k, config=config)
@@ -432,7 +432,7 @@ def test_gpu_vllm_strided_short_rows(gpu):
 def test_gpu_persistent_topk_graph_replay(rows, k, gpu):
     """vLLM's persistent_topk graph test: lengths (viewed [rows/4, 4] or [rows, 1]) change between replays,
     among them -1, 0, k - 1, k, and beyond the width; NaN past each length; logits flipped on one step."""
-    from dsv4_rocm.triton import top_k_per_row as T
+    from dsv4_rocm.triton.indexer import top_k_per_row as T
     width = 98304 + 3
     lengths = torch.full((rows,), width, dtype=torch.int32, device=gpu)
     g = torch.Generator(device=gpu).manual_seed(rows)
@@ -463,7 +463,7 @@ def test_gpu_persistent_topk_graph_replay(rows, k, gpu):
 
 @pytest.mark.gpu
 def test_gpu_decode_graph_capture_and_bf16_persistent(gpu):
-    from dsv4_rocm.triton import top_k_per_row as T
+    from dsv4_rocm.triton.indexer import top_k_per_row as T
     g = torch.Generator(device=gpu).manual_seed(9)
     rows, width, k = 16, 70000, 512
     lg = torch.randn(rows, width, device=gpu, generator=g)

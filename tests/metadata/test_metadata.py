@@ -1360,7 +1360,7 @@ def check_kernel_case(op, args, kwargs, kernel, device):
 
 def kernel_of(op):
     import importlib
-    return getattr(importlib.import_module(f"dsv4_rocm.triton.{op}"), op)
+    return getattr(importlib.import_module(f"dsv4_rocm.triton.metadata.{op}"), op)
 
 
 def interpreter_main(seeds=range(40)):

@@ -1,5 +1,5 @@
 """The index sets of a scheduler step (dsv4_rocm/step.py): the one-launch kernel
-(dsv4_rocm/triton/step_index_sets.py) against the composition of the public metadata ops.
+(dsv4_rocm/triton/metadata/step_index_sets.py) against the composition of the public metadata ops.
 
 * ``build_from_ops`` on consistent random batches: the public ops (CPU: value checks on) and the oracle
   module compose the same sets, and the parts the composition owns (token_to_req, state slots, indexer
@@ -307,7 +307,7 @@ def kernel_cases():
 
 def interpreter_main():
     patch_interpreter_scalars()
-    from dsv4_rocm.triton.step_index_sets import step_index_sets
+    from dsv4_rocm.triton.metadata.step_index_sets import step_index_sets
     n = 0
     for st, ratios in kernel_cases():
         check_fused(st, ratios)

@@ -53,7 +53,7 @@ def garbage_case(seed, T=300, R=7):
 
 
 def interpreter_main():
-    from dsv4_rocm.triton.v41_step_index_sets import v41_step_index_sets as kernel
+    from dsv4_rocm.triton.metadata.step_index_sets_v41 import step_index_sets_v41 as kernel
     patch_interpreter_scalars()
     bad = 0
     for seed in range(6):

@@ -196,7 +196,7 @@ _INTERPRETED = textwrap.dedent("""
     from test_fp8_einsum import _operands, _packed, _mn_major, _g_t_d, _abs_sum
     from helpers import patch_interpreter_scalars
     from dsv4_rocm.reference import output as O
-    from dsv4_rocm.triton import fp8_einsum as E
+    from dsv4_rocm.triton.output import fp8_einsum as E
 
     patch_interpreter_scalars()                 # the split-K loop bounds are run-time values
     T, G, n, r = 70, 2, 192, 512
@@ -295,7 +295,7 @@ def test_gpu_kernel_within_the_bound_of_the_oracle(T, G, n, form, gpu):
 
 @pytest.mark.gpu
 def test_gpu_every_sweep_tile_is_correct(gpu):
-    from dsv4_rocm.triton.fp8_einsum import SWEEP, fp8_einsum
+    from dsv4_rocm.triton.output.fp8_einsum import SWEEP, fp8_einsum
     T, G, n, r = 200, 4, 1024, 1024
     a8, sa, w8, ws = _operands(T, G, n, r, 5, gpu)
     ref = torch.empty(T, G, n, dtype=torch.bfloat16, device=gpu)
@@ -359,7 +359,7 @@ def test_gpu_output_path_replays_from_a_cuda_graph(gpu):
 def test_gpu_split_k_is_deterministic_and_replays(gpu):
     """The split-K reduction: the same bits on every call (partials added in split order, whichever program
     finishes last), eagerly and replayed from a graph (the counters reset themselves)."""
-    from dsv4_rocm.triton.fp8_einsum import fp8_einsum
+    from dsv4_rocm.triton.output.fp8_einsum import fp8_einsum
     T, G, n, r = 128, 8, 1024, 4096
     a8, sa, w8, ws = _operands(T, G, n, r, 9, gpu)
     ref = torch.empty(T, G, n, dtype=torch.bfloat16, device=gpu)

@@ -215,7 +215,7 @@ _INTERPRETED = textwrap.dedent("""
     import torch
     from dsv4_rocm.reference import output as O
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import fused_inv_rope_fp8_quant as K
+    from dsv4_rocm.triton.output import fused_inv_rope_fp8_quant as K
 
     g = torch.Generator().manual_seed(0)
     T, G, HPG = 5, 2, 4

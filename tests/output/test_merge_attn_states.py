@@ -242,7 +242,7 @@ def run_kernel_case(kernel, case, seed, device="cpu"):
 
 
 def interpreter_main():
-    from dsv4_rocm.triton.merge_attn_states import merge_attn_states as kernel
+    from dsv4_rocm.triton.output.merge_attn_states import merge_attn_states as kernel
     n = 0
     for seed in range(2):
         for case in interpreter_cases():

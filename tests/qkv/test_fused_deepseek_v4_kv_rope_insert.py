@@ -158,7 +158,7 @@ _INTERPRETED = textwrap.dedent("""
     patch_interpreter_bf16()
     import test_fused_deepseek_v4_kv_rope_insert as t
     from dsv4_rocm.reference import qkv as rq
-    from dsv4_rocm.triton.fused_deepseek_v4_kv_rope_insert import fused_deepseek_v4_kv_rope_insert as K
+    from dsv4_rocm.triton.qkv.fused_deepseek_v4_kv_rope_insert import fused_deepseek_v4_kv_rope_insert as K
 
     nb, bs = 3, 16
     for form in t.FORMS:

@@ -166,7 +166,7 @@ def interpreter_main():
     from helpers import patch_interpreter_bf16, patch_interpreter_scalars
     patch_interpreter_scalars()
     patch_interpreter_bf16()
-    from dsv4_rocm.triton.qnorm_rope_and_insert_full_bf16_k_cache import qnorm_rope_and_insert_full_bf16_k_cache as K
+    from dsv4_rocm.triton.qkv.qnorm_rope_and_insert_full_bf16_k_cache import qnorm_rope_and_insert_full_bf16_k_cache as K
     n = 0
     for norm in (True, False):
         for pad in (False, True):

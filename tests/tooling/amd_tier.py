@@ -34,8 +34,8 @@ import triton.language as tl                                    # noqa: E402
 from dsv4_rocm import layout as L                               # noqa: E402
 from helpers import float_mismatch                               # noqa: E402
 from dsv4_rocm.triton import _fp8                               # noqa: E402
-from dsv4_rocm.triton.compress_norm_rope_store import _e4m3     # noqa: E402
-from dsv4_rocm.triton.sparse_mla_decode import _e2m1_to_scaled_bf16, _e4m3_to_scaled_bf16  # noqa: E402
+from dsv4_rocm.triton._records import _e4m3                     # noqa: E402
+from dsv4_rocm.triton.attention.sparse_mla_decode import _e2m1_to_scaled_bf16, _e4m3_to_scaled_bf16  # noqa: E402
 
 # case -> the targets whose branches it runs (sm_90: the H100 runs the GPU suite; the rest as the text says)
 CASES = {
@@ -105,7 +105,7 @@ def _compressed_pages(ratio, kind, lens, steps, seed, fmt=_V40):
     from compressor_batches import compress_kwargs, make_setup, step_inputs
     from dsv4_rocm import ops
     from dsv4_rocm.reference import compressor as rc
-    from dsv4_rocm.triton import compress_norm_rope_store as K
+    from dsv4_rocm.triton.compressor import compress_norm_rope_store as K
     S = make_setup(ratio, kind, lens, "cpu", seed=seed, scale=4.0)
     S.kv_score[0][2, :64] = float("nan")                             # a poisoned row inside a window
     ref = S.clone()
@@ -150,7 +150,7 @@ def case_compress_norm_rope_store_v41(target):
 
 def case_indexer_k_quant_and_cache(target):
     from dsv4_rocm.reference import indexer as ri
-    from dsv4_rocm.triton import indexer_k_quant_and_cache as K
+    from dsv4_rocm.triton.indexer import indexer_k_quant_and_cache as K
     from indexer_inputs import new_pages
     g = torch.Generator().manual_seed(1)
     n, bs = 21, 16
@@ -193,7 +193,7 @@ def _v41_writes(g, T, nb, ratio, width, cs_rows):
 def case_indexer_k_norm_rope_store(target):
     from dsv4_rocm.reference import indexer_v41 as ri
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import indexer_k_norm_rope_store as K
+    from dsv4_rocm.triton.indexer import indexer_k_norm_rope_store as K
     g = torch.Generator().manual_seed(10)
     cs = build_cos_sin_cache(160000.0, 300, factor=16.0, original_max=64)
     lines = []
@@ -219,7 +219,7 @@ def case_rope_quant_insert(target):
     from dsv4_rocm.reference import cache as rcache
     from dsv4_rocm.reference import compressor_v41 as rv
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import rope_quant_insert as K
+    from dsv4_rocm.triton.compressor import rope_quant_insert as K
     g = torch.Generator().manual_seed(11)
     cs = build_cos_sin_cache(160000.0, 300, factor=16.0, original_max=64)
     lines = []
@@ -260,7 +260,7 @@ def case_fused_deepseek_v4_kv_rope_insert(target):
     from dsv4_rocm.reference import cache as rcache
     from dsv4_rocm.reference import qkv as rq
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import fused_deepseek_v4_kv_rope_insert as K
+    from dsv4_rocm.triton.qkv import fused_deepseek_v4_kv_rope_insert as K
     g = torch.Generator().manual_seed(12)
     cs = build_cos_sin_cache(160000.0, 300, factor=16.0, original_max=64)
     lines = []
@@ -286,7 +286,7 @@ def case_fused_deepseek_v4_kv_rope_insert(target):
 def case_fused_indexer_q_rope_quant(target):
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import fused_indexer_q_rope_quant as K
+    from dsv4_rocm.triton.indexer import fused_indexer_q_rope_quant as K
     from indexer_inputs import query
     g = torch.Generator().manual_seed(2)
     pos, qi, w = query(5, 20, g, pos_max=60)
@@ -304,7 +304,7 @@ def case_fused_indexer_q_rope_quant_fnuz(target):
     poisoned head (0x80, NaN weight) and a tiny head included."""
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import fused_indexer_q_rope_quant as K
+    from dsv4_rocm.triton.indexer import fused_indexer_q_rope_quant as K
     from indexer_inputs import query
     g = torch.Generator().manual_seed(12)
     pos, qi, w = query(5, 20, g, pos_max=60)
@@ -322,7 +322,7 @@ def case_fused_indexer_q_rope_quant_fnuz(target):
 def case_fused_inv_rope_fp8_quant(target):
     from dsv4_rocm.reference import output as O
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import fused_inv_rope_fp8_quant as K
+    from dsv4_rocm.triton.output import fused_inv_rope_fp8_quant as K
     g = torch.Generator().manual_seed(3)
     T, H = 5, 8
     o = (torch.randn(T, H, 512, generator=g) * torch.exp2(torch.randint(-12, 8, (T, H, 1), generator=g).float()))
@@ -344,7 +344,7 @@ def case_fused_inv_rope_fp8_quant(target):
 
 def case_merge_attn_states(target):
     from dsv4_rocm.reference import output as O
-    from dsv4_rocm.triton import merge_attn_states as M
+    from dsv4_rocm.triton.output import merge_attn_states as M
     from test_merge_attn_states import ordinal, states
     T, H, D, n_ctx = 12, 4, 128, 9
     po, pl, so, sl = states(T, H, D, seed=12, empty_frac=0.3)
@@ -380,7 +380,7 @@ def _einsum_bound(out, ref, S, name):
 
 def case_fp8_einsum(target):
     from dsv4_rocm.reference import output as O
-    from dsv4_rocm.triton import fp8_einsum as E
+    from dsv4_rocm.triton.output import fp8_einsum as E
     from test_fp8_einsum import _abs_sum, _operands, _packed
     lines = []
     # 40 tokens: AMD's 64 x 64 tile; 70 tokens: AMD's 128 x 64 tile (NVIDIA keeps 64 x 64 up to 256)
@@ -406,7 +406,7 @@ def case_fp8_einsum(target):
 
 def case_fp8_linear(target):
     from dsv4_rocm.reference import output as O
-    from dsv4_rocm.triton import fp8_einsum as E
+    from dsv4_rocm.triton.output import fp8_einsum as E
     g = torch.Generator().manual_seed(4)
     T, K, N = 6, 384, 128
     x = (torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-16, 16, (T, 3), generator=g).float())
@@ -443,7 +443,7 @@ def _logit_inputs(g, M, H):
 
 def case_fp8_mqa_logits(target):
     from dsv4_rocm.reference import indexer as ri
-    from dsv4_rocm.triton import fp8_mqa_logits as Q
+    from dsv4_rocm.triton.indexer import fp8_mqa_logits as Q
     from indexer_inputs import abs_bytes, assert_logits_close
     g = torch.Generator().manual_seed(5)
     M, H, N = 5, 16, 150
@@ -468,7 +468,7 @@ def case_fp8_mqa_logits(target):
 def case_fp8_paged_mqa_logits(target):
     from dsv4_rocm import layout as L
     from dsv4_rocm.reference import indexer as ri
-    from dsv4_rocm.triton import fp8_paged_mqa_logits as P
+    from dsv4_rocm.triton.indexer import fp8_paged_mqa_logits as P
     from indexer_inputs import assert_logits_close, filled_cache, paged_magnitude
     g = torch.Generator().manual_seed(6)
     B, nn, H, bs, max_len = 2, 2, 16, 32, 160
@@ -502,7 +502,7 @@ def case_indexer_logits_fnuz_query(target):
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.reference.quant import quantize_blocks
     from dsv4_rocm.reference.rope import build_cos_sin_cache
-    from dsv4_rocm.triton import fp8_mqa_logits as Q, fp8_paged_mqa_logits as P
+    from dsv4_rocm.triton.indexer import fp8_mqa_logits as Q, fp8_paged_mqa_logits as P
     from indexer_inputs import abs_bytes, assert_logits_close, filled_cache, paged_magnitude, query
     g = torch.Generator().manual_seed(13)
     M, H, N = 5, 16, 150
@@ -545,7 +545,7 @@ def case_indexer_logits_fnuz_query(target):
 
 def case_sparse_mla_decode(target):
     from dsv4_rocm.reference import attention as ra
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     from sparse_mla_inputs import check_lse, check_out, decode_args, decode_case, decode_key_amax
     a = decode_case(2, 1, 64, 64, 40, 3, 24, "cpu", 7, num_blocks=6)
     ref, ref_lse = ra.flash_mla_with_kvcache_sparse(*decode_args(a))
@@ -569,7 +569,7 @@ def _decode_formats(target, formats, label, seed, layout="page_split", h=64):
     """One decode over caches of ``formats`` (main, extra) against the oracle: split as the target splits,
     the default combine."""
     from dsv4_rocm.reference import attention as ra
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     from sparse_mla_inputs import check_lse, check_out, decode_args, decode_case, decode_key_amax
     fmts = tuple(L.with_layout(f, layout) for f in formats)
     a = decode_case(2, 1, h, 64, 40, 3, 24, "cpu", seed, num_blocks=6, formats=fmts)
@@ -587,7 +587,7 @@ def _poisoned_key_decode(target, formats, seed):
     for the target's or the record's flavour must keep 0xFF a NaN); the other query's is finite."""
     from dsv4_rocm.reference import attention as ra
     from dsv4_rocm.reference import cache as rc
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     from sparse_mla_inputs import decode_args, decode_case
     fmts = tuple(L.with_layout(f) for f in formats)
     a = decode_case(2, 1, 64, 64, 16, 3, 8, "cpu", seed, num_blocks=4, formats=fmts)
@@ -609,7 +609,7 @@ def case_sparse_mla_decode_v41(target):
     extra set (a loop per set; the e2m1 tile: on AMD each code's e4m3 byte through the target's convert,
     its e4m3 scale read back the same way (fnuz on gfx942, times 2), on sm_100 the integer byte-permute
     decode), page-split and interleaved; split as the target splits."""
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     lines = [_decode_formats(target, (_V41, _V41), "V41_528 + V41_528", 11),
              _decode_formats(target, (_V41, _FP4), "V41_528 + V41_FP4_288", 12),
              _decode_formats(target, (_V41, _FP4), "V41_528 + V41_FP4_288", 13, "interleaved"),
@@ -625,7 +625,7 @@ def case_sparse_mla_decode_fnuz_window(target):
     one higher) and an OCP compressed set, in the one loop over both sets with the tile's flavour a run-time
     flag: gfx942 reads the window's bytes natively (fnuz, the scale as written) and the compressed ones with
     the scale exponent + 1; OCP targets read the window with the scale exponent - 1."""
-    from dsv4_rocm.triton import sparse_mla_decode as D
+    from dsv4_rocm.triton.attention import sparse_mla_decode as D
     fz = L.with_fnuz(_V40)
     lines = [_decode_formats(target, (fz, _V40), "V40_584 FNUZ window + V40_584", 14),
              _decode_formats(target, (fz, _V40), "V40_584 FNUZ window + V40_584, 128 heads", 15, h=128),
@@ -637,7 +637,7 @@ def case_sparse_mla_decode_fnuz_window(target):
 
 def case_sparse_mla_prefill(target):
     from dsv4_rocm.reference import attention as ra
-    from dsv4_rocm.triton import sparse_mla_prefill as P
+    from dsv4_rocm.triton.attention import sparse_mla_prefill as P
     from sparse_mla_inputs import SM, check_lse, check_out, prefill_case, prefill_key_amax
     q, kv, idx, lens, s = prefill_case(4, 64, 40, 50, "cpu", 9)
     out, mx, lse = P.sparse_mla_prefill(q, kv, idx, SM, 512, s, lens)
@@ -656,7 +656,7 @@ def case_merge_attn_states_fp8_flavours(target):
     values are exact in fp32: every byte the oracle's, NaN included (gfx942's route for the OCP byte maps
     its fnuz NaN back to 0x7F)."""
     from dsv4_rocm.reference import output as O
-    from dsv4_rocm.triton import merge_attn_states as M
+    from dsv4_rocm.triton.output import merge_attn_states as M
     g = torch.Generator().manual_seed(9)
     T, H, D = 6, 4, 128
     # equal lse (weights 1/2 each), one part empty, both empty, tokens past the context: the merged values
@@ -685,7 +685,7 @@ def case_merge_attn_states_fp8_flavours(target):
 
 def case_top_k_per_row(target):
     from dsv4_rocm.reference import indexer as ri
-    from dsv4_rocm.triton import top_k_per_row as T
+    from dsv4_rocm.triton.indexer import top_k_per_row as T
     from test_top_k_per_row import POISON, check_topk, hard_rows
     g = torch.Generator().manual_seed(8)
     k = 512

@@ -110,7 +110,7 @@ def test_fp8_model_against_torch(check, tier):
 def test_emulated_target_facts_and_caches():
     """CPU tensors launch as the emulated target inside ``emulate_target`` and as "cpu" outside; the
     per-device caches are emptied on the switch; unknown targets are refused by name."""
-    from dsv4_rocm.triton import compress_norm_rope_store as C
+    from dsv4_rocm.triton.compressor import compress_norm_rope_store as C
     cpu = torch.device("cpu")
     before = _launch.device_facts(cpu)
     assert before[0] == "cpu" and not before[1]
@@ -133,16 +133,24 @@ def test_emulated_target_facts_and_caches():
 PTXAS_ONLY_OPTIONS = ("maxnreg",)
 
 
-def test_every_target_dependent_kernel_has_a_case():
-    """Every kernel module whose compile-matrix constexprs or options differ between targets has a case here
-    (the Gluon kernel is Hopper-only and out of the tier's scope)."""
+def kernel_modules() -> dict:
+    """{module name: module} of every kernel module of dsv4_rocm.triton, in its stage packages (the names are
+    unique across stages: one op, one file)."""
     import importlib
     import pkgutil
 
     import dsv4_rocm.triton as pkg
+    infos = [i for i in pkgutil.walk_packages(pkg.__path__, prefix="dsv4_rocm.triton.") if not i.ispkg]
+    mods = {i.name.rsplit(".", 1)[1]: importlib.import_module(i.name) for i in infos}
+    assert len(mods) == len(infos), "two kernel modules share a name"
+    return mods
+
+
+def test_every_target_dependent_kernel_has_a_case():
+    """Every kernel module whose compile-matrix constexprs or options differ between targets has a case here
+    (the Gluon kernel is Hopper-only and out of the tier's scope)."""
     differing = set()
-    for info in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"dsv4_rocm.triton.{info.name}")
+    for name, mod in kernel_modules().items():
         for spec in getattr(mod, "COMPILE_SPECS", ()):
             if spec.get("targets"):                                   # written for one target (Gluon)
                 continue
@@ -151,7 +159,7 @@ def test_every_target_dependent_kernel_has_a_case():
                      repr(sorted((k, v) for k, v in spec["options"](a).items() if k not in PTXAS_ONLY_OPTIONS)))
                     for a in ("gfx942", "gfx950", "sm_90", "sm_100")}
             if len(seen) > 1:
-                differing.add(info.name)
+                differing.add(name)
     missing = differing - set(CASES)
     print("target-dependent kernel modules:", sorted(differing))
     assert not missing, f"no AMD-tier case for {sorted(missing)}"
@@ -165,17 +173,16 @@ def test_every_record_format_variant_has_a_case():
     """Every record-format variant the compile specs of a target-dependent kernel build (its FMT / MAIN_FMT /
     EXTRA_FMT constexprs: V4.0, the V4.1 records, the FNUZ flavour) is one a case runs (``CASE_FORMATS``),
     and the case runs on every target the module's other cases do."""
-    import importlib
     covered = {}
     for case, (module, variants) in CASE_FORMATS.items():
         assert case in CASES, case
         for v in variants:
             covered.setdefault(module, {}).setdefault(repr(sorted(v.items())), set()).update(CASES[case])
     seen = 0
+    modules = kernel_modules()
     for module, by in covered.items():
         targets = {t for case, (m, _) in CASE_FORMATS.items() if m == module for t in CASES[case]}
-        mod = importlib.import_module(f"dsv4_rocm.triton.{module}")
-        for spec in mod.COMPILE_SPECS:
+        for spec in modules[module].COMPILE_SPECS:
             if spec.get("targets"):
                 continue
             consts = spec["constexprs"]("gfx942")

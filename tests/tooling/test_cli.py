@@ -170,6 +170,73 @@ def test_info_and_backend_errors(capsys, monkeypatch):
         ops.backend_for("flash_attn", "cpu")
 
 
+def test_kernels_registered_by_import_and_a_device_a_kernel_cannot_run_on_takes_the_next_backend(monkeypatch):
+    """Each op's kernels are the functions its stage module imports (a Triton kernel from
+    dsv4_rocm/triton/<stage>/, a HIP one from hip_ops); a kernel whose ``runs_on`` refuses the device is
+    passed over, forced or not, and the op runs its next implementation (the choice is dispatch's)."""
+    from dsv4_rocm.ops import _dispatch
+    stages = {"qkv", "compressor", "indexer", "metadata", "attention", "output"}
+    kernels = _dispatch._KERNELS
+    assert sum("triton" in k for k in kernels.values()) == 33 and sum("hip" in k for k in kernels.values()) == 6
+    for op, k in kernels.items():
+        if "triton" in k:
+            pkg, stage = k["triton"].__module__.split(".")[1:3]
+            assert pkg == "triton" and stage in stages, (op, k["triton"].__module__)
+        if "hip" in k:
+            assert k["hip"].__module__ == "dsv4_rocm.hip_ops", op
+    assert set(_dispatch._RUNS_ON["fp8_mqa_logits"]) == {"triton"}
+    monkeypatch.setattr(_dispatch, "_machine_backends", lambda device_type: ("reference", "triton"))
+    _dispatch.forget_implementations()
+    try:
+        assert _dispatch.backend_for("fp8_paged_mqa_logits", "cpu") == "triton"      # CPU: the interpreter runs it
+        assert _dispatch.implementation("fp8_paged_mqa_logits", torch.device("cpu")) is kernels[
+            "fp8_paged_mqa_logits"]["triton"]
+        monkeypatch.setitem(_dispatch._RUNS_ON["fp8_paged_mqa_logits"], "triton", lambda device: False)
+        _dispatch.forget_implementations()
+        assert _dispatch.backend_for("fp8_paged_mqa_logits", "cpu") == "reference"
+        with _dispatch.use_backend("triton"):
+            assert _dispatch.backend_for("fp8_paged_mqa_logits", "cpu") == "reference"
+            assert _dispatch.implementation("fp8_paged_mqa_logits", torch.device("cpu")) is \
+                _dispatch._REFERENCE["fp8_paged_mqa_logits"]
+            assert _dispatch.backend_for("fp8_mqa_logits", "cpu") == "triton"
+    finally:
+        monkeypatch.undo()
+        _dispatch.forget_implementations()
+    with pytest.raises(ValueError, match="runs_on names backend 'hip'"):
+        _dispatch.register("no_such_op", lambda: None, triton=lambda: None, runs_on={"hip": lambda d: True})
+    assert "no_such_op" not in _dispatch.registered_ops()
+
+
+def test_import_without_triton():
+    """On a machine without Triton, ``import dsv4_rocm`` works, imports no Triton, registers no Triton kernel
+    and the ops run (here on CPU, their oracles); HIP kernels stay registered."""
+    script = """if True:
+        import importlib.abc, importlib.util, sys
+        class NoTriton(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "triton":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, NoTriton())
+        find_spec = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "triton" else find_spec(name, *a)
+        import torch
+        import dsv4_rocm
+        from dsv4_rocm import ops
+        from dsv4_rocm.ops import _dispatch
+        assert not _dispatch.HAVE_TRITON and not any(m.split(".")[0] == "triton" for m in sys.modules)
+        assert not any("triton" in k for k in _dispatch._KERNELS.values())
+        assert sum("hip" in k for k in _dispatch._KERNELS.values()) == 6
+        assert "triton" not in ops.machine_backends("cuda")
+        qsl, seq = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
+        out = ops.compute_prefill_gather_lens(torch.full((1,), -7, dtype=torch.int32), seq, qsl, 1, 0, 4)
+        assert out.tolist() == [6], out           # 3 query tokens + min(4 earlier tokens, window 4 - 1)
+        print("ran")
+    """
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ran" in r.stdout, r.stderr[-3000:]
+
+
 def test_info_into_a_closed_pipe_stops_quietly():
     """``info | head -1`` prints info's first line and nothing on stderr; a reader gone before info writes at all
     (both ends closed at once, so the failure is certain, not a race with head) ends info as ``cat`` would end:

@@ -27,7 +27,8 @@ def test_gluon_barrier_is_the_cta_barrier_of_this_triton():
 
 def test_tables_keep_tritons_36_choices():
     """The Triton 3.6 configurations (the GPU-measured ones) are what the tables give 3.6 and 3.7."""
-    from dsv4_rocm.triton import sparse_mla_decode as d, top_k_per_row as t
+    from dsv4_rocm.triton.attention import sparse_mla_decode as d
+    from dsv4_rocm.triton.indexer import top_k_per_row as t
     for v in [(3, 6), (3, 7)]:
         assert by_triton(d._NEWER_TRITON_TILES, v) == {}
         assert by_triton(d._SPLIT_SGPR_SPILLS, v) == "" and by_triton(d._SM100_SPILLS, v) == ""
@@ -45,7 +46,8 @@ def test_tables_keep_tritons_36_choices():
 def test_hopper_gluon_kernel_is_offered_where_it_compiles():
     """3.6 to 3.8 compile the warp-specialized kernel (compile matrix); 3.9 does not, and Hopper then runs the
     Triton kernels, which the compile matrix then checks alone."""
-    from dsv4_rocm.triton import sparse_mla_decode as d, sparse_mla_decode_ws as ws, sparse_mla_prefill as p
+    from dsv4_rocm.triton.attention import sparse_mla_decode as d, sparse_mla_prefill as p
+    from dsv4_rocm.triton.hopper import sparse_mla_decode_ws as ws
     assert _compat.GLUON_WS == (TRITON_VERSION < (3, 9))
     if not _compat.GLUON_WS:
         assert d._ws is None and p._ws is None and ws.COMPILE_SPECS == []

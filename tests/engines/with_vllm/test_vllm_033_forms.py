@@ -24,9 +24,9 @@ import torch
 
 from dsv4_rocm import ops
 from dsv4_rocm.reference.rope import build_cos_sin_cache
-from dsv4_rocm.triton.combine_topk_swa_indices import combine_topk_swa_indices as K_COMBINE
-from dsv4_rocm.triton.fused_inv_rope_fp8_quant import fused_inv_rope_fp8_quant as K_INV
-from dsv4_rocm.triton.get_compressed_slot_mapping import get_compressed_slot_mapping as K_SLOTS
+from dsv4_rocm.triton.metadata.combine_topk_swa_indices import combine_topk_swa_indices as K_COMBINE
+from dsv4_rocm.triton.output.fused_inv_rope_fp8_quant import fused_inv_rope_fp8_quant as K_INV
+from dsv4_rocm.triton.metadata.get_compressed_slot_mapping import get_compressed_slot_mapping as K_SLOTS
 from helpers import patch_interpreter_bf16, patch_interpreter_scalars
 
 I32 = torch.int32
