@@ -35,9 +35,9 @@ COMPAT_TESTS=(
   tests/indexer/test_indexer.py tests/indexer/test_indexer_k_cache.py tests/indexer/test_indexer_k_norm_rope_store.py
   tests/indexer/test_mask_candidate_logits.py tests/indexer/test_select_candidate_blocks.py
   tests/indexer/test_top_k_per_row.py
-  tests/metadata/test_v41_step_index_sets.py
+  tests/metadata/test_step_index_sets_v41.py
   tests/attention/test_ragged_indices_to_dense.py tests/attention/test_rocm_inverse_rope_rows.py
-  tests/attention/test_rocm_sparse_attn.py tests/attention/test_sparse_mla.py
+  tests/attention/test_vllm_rocm_sparse_attn.py tests/attention/test_sparse_mla.py
   tests/output/test_fp8_einsum.py tests/output/test_fused_inv_rope_fp8_quant.py tests/output/test_merge_attn_states.py
   tests/output/test_output.py
 )

@@ -4,7 +4,7 @@ result as its plain form, bad input is a ValueError naming the argument and chan
 same forms run the kernels against the reference. The record format comes from the caches' last dimension
 (584 / 528 / 288), as FlashMLA detects it; pairs FlashMLA has not are refused by name. The FlashMLA test
 suite itself runs through this API in gpu/flashmla_cases.py (checked here up to the point where it needs a
-GPU), and its V4.1 release's cases in gpu/flashmla_v41_cases.py (a small CPU subset here)."""
+GPU), and its V4.1 release's cases in gpu/flashmla_cases_v41.py (a small CPU subset here)."""
 import inspect
 import os
 import subprocess
@@ -374,7 +374,7 @@ def _flashmla_v41_checkout():
     return path if os.path.isfile(os.path.join(path, "tests", "test-sparse-decode.py")) else None
 
 
-def test_flashmla_v41_cases_through_our_api_on_the_cpu():
+def test_flashmla_cases_v41_through_our_api_on_the_cpu():
     """FlashMLA's V4.1 decode cases (its quantizer writes interleaved 528 / 288 B records, its reference
     judges with its tolerances) through dsv4_rocm.flash_mla on the CPU: a spread of the small ones, fp4
     extra caches, lonely queries and sinks among them; and every case listed."""
@@ -382,11 +382,11 @@ def test_flashmla_v41_cases_through_our_api_on_the_cpu():
     if path is None:
         pytest.skip("no FlashMLA V4.1 test folder (FLASHMLA_V41_DIR or .peers/FlashMLA-v41): the harness is optional")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "gpu/flashmla_v41_cases.py", "--flashmla", path, "--list"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "gpu/flashmla_cases_v41.py", "--flashmla", path, "--list"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
     print(r.stdout[-1500:], r.stderr[-1500:])
     assert r.returncode == 0 and "decode: 1534 cases in FlashMLA's file" in r.stdout
-    r = subprocess.run([sys.executable, "gpu/flashmla_v41_cases.py", "--flashmla", path, "--device", "cpu",
+    r = subprocess.run([sys.executable, "gpu/flashmla_cases_v41.py", "--flashmla", path, "--device", "cpu",
                         "--suite", "decode", "--max-work", "3e5", "--every", "9"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     print(r.stdout[-2500:], r.stderr[-2500:])

@@ -268,7 +268,7 @@ def _v41_checkout():
 _AGAINST_FLASHMLA = textwrap.dedent("""
     import sys
     sys.path.insert(0, "gpu")
-    import flashmla_v41_cases as h
+    import flashmla_cases_v41 as h
     lib, ref, quant, kk = h.load_flashmla(sys.argv[1])
     import torch
     from dsv4_rocm import layout as L

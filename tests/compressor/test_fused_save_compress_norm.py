@@ -13,7 +13,7 @@ from dsv4_rocm.triton.compressor import fused_save_compress_norm as K
 from dsv4_rocm.reference import compressor_v41 as rv
 from dsv4_rocm.reference.norm import rmsnorm
 from helpers import float_mismatch, patch_interpreter_scalars, run_file_interpreted
-from v41_inputs import batch, bits_equal
+from inputs_v41 import batch, bits_equal
 
 CAP = rv.RING_CAPACITY
 

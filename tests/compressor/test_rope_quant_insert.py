@@ -15,7 +15,7 @@ from dsv4_rocm.reference.qkv import kv_rope
 from dsv4_rocm.reference.quant import exponent_to_ue8m0, nvfp4_quantize, quantize_blocks, ue8m0_qdq
 from dsv4_rocm.reference.rope import build_cos_sin_cache, rope_fwd
 from helpers import patch_interpreter_bf16, patch_interpreter_scalars, run_file_interpreted
-from v41_inputs import e4m3_grid, quarter_turn_table
+from inputs_v41 import e4m3_grid, quarter_turn_table
 
 BS = 64
 

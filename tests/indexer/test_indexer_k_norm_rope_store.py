@@ -12,7 +12,7 @@ from dsv4_rocm.reference.norm import rmsnorm
 from dsv4_rocm.reference.quant import mxfp4_dequantize, mxfp4_quantize, ue8m0_qdq
 from dsv4_rocm.reference.rope import build_cos_sin_cache, rope_fwd
 from helpers import patch_interpreter_scalars, run_file_interpreted
-from v41_inputs import e2m1_grid, e4m3_grid, quarter_turn_table
+from inputs_v41 import e2m1_grid, e4m3_grid, quarter_turn_table
 
 BS = 64
 

@@ -1,5 +1,5 @@
 """The DeepSeek-V4.1 layers (dsv4_rocm.attention, by a V4.1 config's plans) in stacks that share caches as
-the model does, against the from-scratch oracle of tests/layer/v41_oracle.py, checked per layer kind (sliding
+the model does, against the from-scratch oracle of tests/layer/oracle_v41.py, checked per layer kind (sliding
 window, ratio-2 and ratio-1 kv sources, layers reading a source's caches and top-k, the candidate source,
 an index source scoring inside the candidates); chunked prefill, decode and mixed batches agree; consumers
 never write a source's caches; the config, weights and stack checks. GPU: the same against the oracle, and
@@ -11,7 +11,7 @@ from dsv4_rocm.config import V41_FLASH, AttentionConfig, tiny_v41_config
 from dsv4_rocm.serving import SyntheticServer
 from dsv4_rocm.weights import LayerWeights
 from helpers import rel_err
-from v41_oracle import naive_v41_stack
+from oracle_v41 import naive_v41_stack
 
 CFG = tiny_v41_config()
 ALL = tuple(range(8))

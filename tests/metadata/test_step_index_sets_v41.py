@@ -7,7 +7,7 @@ import torch
 from dsv4_rocm import ops
 from dsv4_rocm.reference import metadata_v41 as rm
 from helpers import patch_interpreter_scalars, run_file_interpreted
-from v41_inputs import batch
+from inputs_v41 import batch
 
 
 def _outs(T, device="cpu"):

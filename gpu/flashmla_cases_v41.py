@@ -2,7 +2,7 @@
 through dsv4_rocm.flash_mla, judged by FlashMLA's tolerances, on the CPU (our reference backend) or a GPU
 (our kernels).
 
-    PYTHONPATH=. python gpu/flashmla_v41_cases.py --flashmla /path/to/FlashMLA-v41 [--device cpu|cuda]
+    PYTHONPATH=. python gpu/flashmla_cases_v41.py --flashmla /path/to/FlashMLA-v41 [--device cpu|cuda]
         [--suite decode|prefill|all] [--every N] [--max-work W] [--list] [--json out.json]
 
 ``--flashmla`` (or ``FLASHMLA_V41_DIR``) is a folder holding the V4.1 release's ``tests/`` files: ``lib.py``
@@ -42,7 +42,7 @@ PREFILL_FILE = "test-sparse-prefill.py"
 
 
 def fail(msg, code=2):
-    print(f"flashmla_v41_cases: {msg}", file=sys.stderr)
+    print(f"flashmla_cases_v41: {msg}", file=sys.stderr)
     sys.exit(code)
 
 
