@@ -23,7 +23,6 @@ from typing import Optional
 
 from . import layout as L
 from .config import AttentionConfig, LayerType
-from .reference.compressor import state_block_size
 from .step import V41_COMPRESSED_BLOCK
 
 _V40_RATIO = {LayerType.SWA: 1, LayerType.C4: 4, LayerType.C128: 128}
@@ -84,5 +83,5 @@ def v40_plan(layer: int, layer_type: LayerType, rope_base: float) -> LayerPlan:
         compressor="pooled" if r > 1 else None, indexer="pooled" if r == 4 else None, candidates=None,
         kv_source=layer if r > 1 else None, index_source=layer if r == 4 else None, q_norm=True,
         rope=(("base", rope_base),), comp_block=L.compressed_block_size(r) if r > 1 else 0,
-        comp_page_positions=L.LOGICAL_BLOCK_TOKENS, state_positions=state_block_size(r if r > 1 else 128),
+        comp_page_positions=L.LOGICAL_BLOCK_TOKENS, state_positions=L.state_block_size(r if r > 1 else 128),
         shared_topk=False, index_lens="indexer_lens" if r == 4 else "")
