@@ -115,26 +115,9 @@ def test_gpu_kernel_equals_the_reference_bit_for_bit(gpu):
     assert torch.equal(o.cpu().view(torch.int16), want.view(torch.int16))
 
 
-def rne_bf16_casts():
-    """Triton 3.6's interpreter truncates fp32 -> bf16; the GPUs round to nearest even. Make the interpreter
-    round as the hardware does, so the kernel's bits can be compared (its fp32 arithmetic is unchanged)."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-    cast = interp.InterpreterBuilder.cast_impl
-
-    def rne_cast(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-            return interp.TensorHandle(np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded), dst_type.scalar)
-        return cast(self, src, dst_type)
-    interp.InterpreterBuilder.cast_impl = rne_cast
-
-
 if __name__ == "__main__":
-    from helpers import patch_interpreter_scalars
+    from helpers import patch_interpreter_bf16, patch_interpreter_scalars
     patch_interpreter_scalars()
-    rne_bf16_casts()
+    patch_interpreter_bf16()                # fp32 -> bf16 rounded to nearest even, as the GPUs round it
     from dsv4_rocm.triton.attention.rocm_inverse_rope_rows import rocm_inverse_rope_rows_
     print("interpreter cases passed:", check_kernel(rocm_inverse_rope_rows_, "cpu"))

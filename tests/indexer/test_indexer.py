@@ -551,22 +551,12 @@ _INTERPRETED_LOGITS = textwrap.dedent("""
     sys.path.insert(0, "tests")
     from helpers import patch_interpreter_scalars
     patch_interpreter_scalars()                   # the interpreter's scalar bugs, where the Triton has them
-    import numpy as np
     import torch, triton
-    import triton.runtime.interpreter as interp
     sys.path.insert(0, "tests/indexer")
     from dsv4_rocm import cache_views as V
     from dsv4_rocm.reference import indexer as ri
     from dsv4_rocm.triton.indexer import fp8_mqa_logits as Q, fp8_paged_mqa_logits as P
     from indexer_inputs import abs_bytes, assert_logits_close, filled_cache, paged_magnitude
-
-    # numpy 2 refuses int() of the 1-element arrays the interpreter holds scalars in; loops over runtime
-    # ranges need it
-    patch = interp._patch_lang_tensor
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-    interp._patch_lang_tensor = patched
 
     def normal_bytes(shape, g):          # e4m3 bytes of normal numbers: the interpreter decodes those exactly
         b = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
