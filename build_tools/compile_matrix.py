@@ -207,6 +207,11 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
     from triton.compiler import ASTSource
     backend, arch, warp, plat_arch, limit = TARGETS[target]
     constexprs, options = k.constexprs(plat_arch), k.options(plat_arch)
+    # kernels taking a PDL constexpr are launched with programmatic dependent launch on NVIDIA targets
+    # (dsv4_rocm/triton/_pdl.py): compiled here as those GPUs run them
+    pdl = backend == "cuda" and "PDL" in k.fn.arg_names
+    if pdl:
+        constexprs, options = dict(constexprs, PDL=True), dict(options, launch_pdl=True)
     if getattr(k.fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: F811
         constexprs = dict(constexprs, num_warps=options["num_warps"])
@@ -257,6 +262,8 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
             row["problems"].append("fma in an exact-fp32 kernel")
         if k.matrix and mma not in ptx:
             row["problems"].append(f"no {mma}")
+        if pdl and "griddepcontrol.wait" not in ptx:
+            row["problems"].append("PDL kernel without griddepcontrol.wait")
         fp8_mma = r"wgmma\.mma_async\S*\.e4m3\.e4m3" if arch == 90 else r"tcgen05\.mma\S*kind::f8f6f4"
         if k.fp8_mma and not re.search(fp8_mma, ptx):
             row["problems"].append(f"no fp8 {mma}")

@@ -54,6 +54,36 @@ VARIANTS = [
 FULL = ("ws",)      # checked on every case (the default and the candidates for it)
 PROBES = ("ws probe nogather", "ws probe nomma", "ws probe neither")     # timed, never checked
 TRITON = ("triton", dict(kernel="triton"), None)
+# --portable-sweep: tiles of the portable Triton kernel (the one AMD runs), each checked on the variant cases
+# before it is timed. "h128 w16": all 128 heads of a V4-Pro token in one program of 16 warps, so each key
+# tile is dequantized once for both head halves; "w16": the dequant of a tile spread over twice the threads.
+PORTABLE_SWEEP = [
+    ("triton n32s2", dict(kernel="triton", BLOCK_N=32, num_stages=2), None),
+    ("triton n32s3", dict(kernel="triton", BLOCK_N=32, num_stages=3), None),
+    ("triton n64s1", dict(kernel="triton", BLOCK_N=64, num_stages=1), None),
+    ("triton n64s3", dict(kernel="triton", BLOCK_N=64, num_stages=3), None),
+    ("triton w16", dict(kernel="triton", num_warps=16), None),
+    ("triton w16n32", dict(kernel="triton", num_warps=16, BLOCK_N=32), None),
+    ("triton h128w16", dict(kernel="triton", BLOCK_H=128, num_warps=16), None),
+    ("triton h128w16n32", dict(kernel="triton", BLOCK_H=128, num_warps=16, BLOCK_N=32), None),
+    ("triton waves2", dict(kernel="triton", split_waves=2), None),
+    ("triton combine-in", dict(kernel="triton", split_combine="kernel"), None),
+]
+TRITONS = [TRITON]       # the portable variants timed: TRITON, plus PORTABLE_SWEEP with --portable-sweep
+
+
+def fits(cfg, h):
+    """A variant's head block must divide the case's heads."""
+    return h % cfg.get("BLOCK_H", 64) == 0
+
+
+PREFILL_SWEEP = [
+    ("triton n32s3", dict(kernel="triton", BLOCK_N=32, num_stages=3)),
+    ("triton n64s2", dict(kernel="triton", BLOCK_N=64, num_stages=2)),
+    ("triton n64s4", dict(kernel="triton", BLOCK_N=64, num_stages=4)),
+    ("triton w16", dict(kernel="triton", num_warps=16)),
+    ("triton h128w16", dict(kernel="triton", BLOCK_H=128, num_warps=16)),
+]
 
 # (label, b, s_q, h, main topk, main bs, extra topk, extra bs, random extra lengths, time the variants)
 TIMED = [
@@ -223,9 +253,9 @@ def correctness(smoke):
     picks = [((300, 2, 64, 256, 128, 64, 512, "random", "b"), None), (DECODE_CASES[-1], None)]
     for name in PROBES:
         ok[name] = True
-    for name, cfg, ns in [v for v in VARIANTS if v[0] not in FULL + PROBES] + [TRITON]:
+    for name, cfg, ns in [v for v in VARIANTS if v[0] not in FULL + PROBES] + TRITONS:
         ok[name] = all([check(f"{name} {case}", lambda case=case, cfg=cfg, n=ns or pns: check_case(
-            case, cfg, n, f"{name} {case} splits={n}")) for case, pns in picks])
+            case, cfg, n, f"{name} {case} splits={n}")) for case, pns in picks if fits(cfg, case[2])])
     return ok
 
 
@@ -241,13 +271,14 @@ def precompile(cases):
     jobs = []
     for case in shapes:
         args = decode_args(decode_case(*case[:7], "cuda", 1, *case[7:]))
-        for _, cfg, _ in VARIANTS + [TRITON]:
-            jobs += [(sparse_mla_decode, args, dict(config=cfg, num_splits=ns)) for ns in (1, 3)]
+        for _, cfg, _ in VARIANTS + TRITONS:
+            if fits(cfg, case[2]):
+                jobs += [(sparse_mla_decode, args, dict(config=cfg, num_splits=ns)) for ns in (1, 3)]
     from dsv4_rocm.triton.attention.sparse_mla_prefill import sparse_mla_prefill
     from sparse_mla_inputs import prefill_case
     for h in (64, 128):
         q, kv, idx, lens, sk = prefill_case(2, h, 64, 16, "cuda", 1)
-        for cfg in [dict(kernel="ws")] + [c for _, c in PREFILL_VARIANTS]:
+        for cfg in [dict(kernel="ws")] + [c for _, c in PREFILL_VARIANTS if fits(c, h)]:
             for ln, sn in ((lens, sk), (lens, None), (None, None)):
                 jobs.append((sparse_mla_prefill, (q, kv, idx, 512 ** -0.5, 512, sn, ln), dict(config=cfg)))
     try:
@@ -297,7 +328,8 @@ def timing(ok, peer):
         label, variants = c[0], c[-1]
         args = timed_inputs(c)
         row = dict(case=label, graph={}, eager={}, compile={})
-        runs = [TRITON] + [v for v in VARIANTS if (variants or v[0] == "ws") and ok.get(v[0])]
+        runs = [TRITON] + [v for v in TRITONS[1:] + VARIANTS if (variants or v[0] == "ws") and ok.get(v[0])
+                           and fits(v[1], c[3])]
         for name, cfg, ns in runs:
             fn = (lambda cfg=cfg, ns=ns: D.sparse_mla_decode(*args, config=cfg, num_splits=ns))
             kern = D._ws._sparse_mla_ws_kernel if cfg["kernel"] == "ws" else D._sparse_mla_paged_kernel
@@ -358,7 +390,7 @@ def prefill_timing(ok, peer):
         row = dict(case=label, us={})
         base = None
         for name, cfg in PREFILL_VARIANTS:
-            if name.startswith("ws") and not ok.get("ws prefill"):
+            if name.startswith("ws") and not ok.get("ws prefill") or not fits(cfg, c["h"]):
                 continue
             fn = (lambda cfg=cfg: sparse_mla_prefill(q, kv, idx, 512 ** -0.5, config=cfg))
             try:
@@ -367,9 +399,9 @@ def prefill_timing(ok, peer):
                     torch.cuda.synchronize()
                     if name == "triton":
                         base = res
-                    elif name == "ws" and base is not None:
+                    elif name != "triton" and not name.startswith("ws probe") and base is not None:
                         err = (res[0].float() - base[0].float()).abs().max().item()
-                        assert err <= 2e-2 * base[0].float().abs().max().item(), f"ws prefill differs by {err}"
+                        assert err <= 2e-2 * base[0].float().abs().max().item(), f"{name} prefill differs by {err}"
                     row["us"][name] = time_ms(fn) * 1e3
             except Exception as e:  # noqa: BLE001
                 FAILURES.append((f"prefill timing {name} {label}", f"{type(e).__name__}: {e}"))
@@ -432,6 +464,8 @@ def table(rows):
         f = g.get("FlashMLA")
         wsv = {k: v for k, v in g.items() if k.startswith("ws") and k not in PROBES}
         best = min(wsv, key=wsv.get) if wsv else None
+        trv = {k: v for k, v in g.items() if k.startswith("triton")}
+        tbest = min(trv, key=trv.get) if trv else None
 
         def num(x, w=8):
             return f"{x:{w}.1f}" if x is not None else f"{'-':>{w}s}"
@@ -440,7 +474,8 @@ def table(rows):
             return f"{a / b:6.2f}" if a is not None and b is not None else f"{'-':>6s}"
         log(f"{r['case']:46s} {num(f, 9)} {num(g.get('triton'))} {num(g.get('ws'))} {ratio(f, g.get('ws'))}  "
             f"{(best or '-'):>15s} {num(wsv.get(best))} {ratio(f, wsv.get(best))}   "
-            f"       {num(e.get('FlashMLA'), 9)} {num(e.get('ws'))} {ratio(e.get('FlashMLA'), e.get('ws'))}")
+            f"       {num(e.get('FlashMLA'), 9)} {num(e.get('ws'))} {ratio(e.get('FlashMLA'), e.get('ws'))}"
+            + (f"   best portable: {tbest} {num(trv.get(tbest))} {ratio(f, trv.get(tbest))}" if len(trv) > 1 else ""))
     if any(p in r["graph"] for r in rows for p in PROBES):
         log("\n== timing probes of the Hopper kernel, graph us (nogather: no record loads; nomma: no matrix "
             "products; neither: both off; outputs wrong)")
@@ -480,7 +515,12 @@ def main(argv=None):
                     help="a FlashMLA checkout built in place (its flash_mla package is timed beside ours)")
     ap.add_argument("--smoke", action="store_true", help="compile and check one shape only")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--portable-sweep", action="store_true",
+                    help="also check and time the portable kernel's PORTABLE_SWEEP and PREFILL_SWEEP tiles")
     a = ap.parse_args(argv)
+    if a.portable_sweep:
+        TRITONS[1:] = PORTABLE_SWEEP
+        PREFILL_VARIANTS[1:1] = PREFILL_SWEEP
     if not torch.cuda.is_available():
         log("gpu_decode_ws: no GPU")
         return 2

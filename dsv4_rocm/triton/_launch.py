@@ -52,6 +52,7 @@ import torch
 from typing import NamedTuple
 
 from ..platform import detect, target
+from . import _pdl
 from ..workspace import _BUFFERS as _SCRATCH, buffer  # noqa: F401  (_SCRATCH: tests read the counters)
 
 
@@ -197,12 +198,14 @@ def kernel_cache(path=None):
 class Kernel:
     """``kernel[grid](*args, **constexprs)`` for a ``@triton.jit`` function: Triton's launch, recorded inside
     ``record_launches``; the first launch of each variant compiles inside ``kernel_cache``."""
-    __slots__ = ("fn", "_compiles", "_seen")
+    __slots__ = ("fn", "_compiles", "_seen", "_pdl")
 
     def __init__(self, fn):
         self.fn = fn
         self._compiles = _JITFunction is not None and isinstance(fn, _JITFunction)   # not the interpreter's
         self._seen = set()             # variants launched: (number of arguments, constexprs and options)
+        # kernels with a PDL constexpr start with _pdl.pdl_start: launched with PDL where the GPU has it
+        self._pdl = self._compiles and "PDL" in getattr(fn, "arg_names", ())
 
     def __getitem__(self, grid):
         return functools.partial(self.launch, grid)
@@ -216,11 +219,16 @@ class Kernel:
 
     def warmup(self, *args, grid, **kwargs):
         """Compile without launching (``flash_mla.warmup`` runs these inside its own ``kernel_cache``)."""
+        if self._pdl and _pdl.supported():
+            kwargs = dict(kwargs, PDL=True, launch_pdl=True)
         return self.fn.warmup(*args, grid=grid, **kwargs)
 
     def _launch(self, grid, args, consts, variant):
         if _RECORD is not None:
             _RECORD.append((self.fn.__name__, dict(consts)))
+        if self._pdl and _pdl.supported():
+            consts = dict(consts, PDL=True, launch_pdl=True)
+            variant = variant + (("PDL", True),)
         if self._compiles:
             try:
                 first = variant not in self._seen

@@ -51,6 +51,7 @@ from .._compat import GLUON_WS, by_triton
 from .._decode_tiles import DECODE_POINTERS, e2m1_to_scaled_bf16_ptx, e4m3_to_scaled_bf16_ptx, program_tiles
 from .._fp8 import INTERPRETED, decode, e2m1_to_scaled_bf16_model, e4m3_to_scaled_bf16_model
 from .._launch import cdiv, counters, device_cache, device_facts, launch, scratch
+from .._pdl import pdl_start
 
 _ws = None
 if GLUON_WS:                              # the Hopper kernel is written in Gluon (Triton 3.6 to 3.8: _compat)
@@ -297,7 +298,8 @@ def _sparse_mla_paged_kernel(
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, COMBINE: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr,
         HEADS: tl.constexpr, MERGE_H: tl.constexpr, THREADS: tl.constexpr, MAIN_FMT: tl.constexpr,
-        EXTRA_FMT: tl.constexpr, XCDS: tl.constexpr = 0):
+        EXTRA_FMT: tl.constexpr, XCDS: tl.constexpr = 0, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = program_tiles(
         main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
         s_q, num_splits, HEADS, BLOCK_H, BLOCK_N, HAS_EXTRA, HAS_MAIN_LEN, HAS_EXTRA_LEN, SPLIT, XCDS)
@@ -427,7 +429,7 @@ MERGE_H = 16              # heads merged at a time (in the kernel, and per progr
 @triton.jit(do_not_specialize=["num_tokens", "s_q", "num_splits", "tiles_per_unit"])
 def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
                     num_tokens, s_q, num_splits, tiles_per_unit, HEADS: tl.constexpr, HAS_SINK: tl.constexpr,
-                    BLOCK_H: tl.constexpr, PARTS: tl.constexpr):
+                    BLOCK_H: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr = False):
     """The split combine as a second launch (``config=dict(split_combine="launch")``): program (t, hb) merges
     the partials of token t for BLOCK_H heads.
 
@@ -436,6 +438,7 @@ def _combine_kernel(part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stri
     unit (64 heads of a token): the unit of token t spans CTAs (t M) // W .. (t M + M - 1) // W of its head
     block, one partial each; a unit within one CTA was written by the kernel itself, and nothing is
     written here."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     bi = t // s_q

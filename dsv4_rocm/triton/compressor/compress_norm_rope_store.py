@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ... import layout as L
 from .._launch import cdiv, device_cache, device_facts, launch
+from .._pdl import pdl_start
 from .._records import (_rms_normalize, _rope_last64, _store_indexer_fp8, _store_indexer_mxfp4, _store_main,
                         _store_v41_fp4, _store_v41_fp8)
 from .compressor_entries import compressor_entries
@@ -345,11 +346,12 @@ def _compress_norm_rope_store_kernel(
         D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, TARGET: tl.constexpr, FNUZ: tl.constexpr,
         SBS: tl.constexpr, STAGE: tl.constexpr, NSPLIT: tl.constexpr, STREAM: tl.constexpr, ROWS: tl.constexpr,
         GROUPS: tl.constexpr, COLS: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr, USE_LIST: tl.constexpr,
-        FMT: tl.constexpr):
+        FMT: tl.constexpr, PDL: tl.constexpr = False):
     """Program i takes tokens i * CHUNK .. i * CHUNK + CHUNK - 1 (USE_LIST: the i-th listed token, CHUNK 1),
     loads their metadata at once and makes their entries one after the other. STAGE 0: whole entries.
     STAGE 1 (grid [programs, NSPLIT]): the pooled y of a slice of D / NSPLIT columns into scratch (row: the
     list index, or the token). STAGE 2: y from scratch, then the finish."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     if USE_LIST:
         # the mask broadcast to the block by hand (what the compiler does with a scalar mask): Triton 3.9's

@@ -11,13 +11,16 @@ import triton
 import triton.language as tl
 
 from .._launch import cdiv, launch, next_power_of_2
+from .._pdl import pdl_start
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _save_partial_states_kernel(kv_ptr, kv_stride, score_ptr, score_stride, ape_ptr, ape_stride, pos_ptr,
                                 state_ptr, state_stride0, state_stride1, slot_ptr, num_slots, num_tokens,
                                 H: tl.constexpr, BLOCK: tl.constexpr, STATE_WIDTH: tl.constexpr,
-                                RATIO: tl.constexpr, BS: tl.constexpr, TOKENS: tl.constexpr):
+                                RATIO: tl.constexpr, BS: tl.constexpr, TOKENS: tl.constexpr,
+                                PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
     inb = t < num_tokens
     slot = tl.load(slot_ptr + t, mask=inb, other=-1).to(tl.int64)

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .._fp8 import mma_operand
 from .._launch import cdiv, device_facts, launch, next_power_of_2
+from .._pdl import pdl_start
 
 TAIL = 1024          # columns a program fills with -inf per step
 MIN_TILES = 4        # key tiles a split should have at least (a split reloads q and the weights)
@@ -88,7 +89,8 @@ def _fp8_paged_mqa_logits_kernel(
         cl_ptr, stride_clb, bt_ptr, stride_bt, bt_cols, out_ptr, stride_or, max_len,
         NEXT_N: tl.constexpr, H: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
         CTX_2D: tl.constexpr, CLEAN: tl.constexpr, FNUZ: tl.constexpr, TAIL_N: tl.constexpr,
-        Q_FNUZ: tl.constexpr):
+        Q_FNUZ: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     d = tl.arange(0, 128)

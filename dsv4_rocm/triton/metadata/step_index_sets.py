@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ... import layout as L
+from .._pdl import pdl_start
 from ._token_position import paged_slot, request_index, token_place
 
 BLOCK_R = 128
@@ -65,7 +66,9 @@ def _step_index_sets_kernel(
         c4_slot_ptr, c4_state_ptr, idx_lens_ptr, c128_slot_ptr, c128_state_ptr, c128_idx_ptr, c128_lens_ptr,
         SWA_BS: tl.constexpr, C4: tl.constexpr, C4_BS: tl.constexpr, C4_SBS: tl.constexpr,
         C128: tl.constexpr, C128_BS: tl.constexpr, C128_SBS: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = t < num_tokens
     t64 = t.to(tl.int64)

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ...layout import tma_aligned_tokens
 from .._launch import device_cache, device_facts, launch
+from .._pdl import pdl_start
 from .._records import _ceil_log2, _e4m3, _pow2
 
 O_EPS = tl.constexpr(1e-10)
@@ -36,7 +37,9 @@ O_EPS = tl.constexpr(1e-10)
 def _inv_rope_fp8_quant_kernel(o_ptr, o_stride_t, o_stride_h, pos_ptr, cs_ptr, cs_stride, cs_rows,
                                data_ptr, data_stride_g, data_stride_t, scale_ptr, scale_stride_g, scale_stride_k,
                                num_tokens, HPG: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr,
-                               FNUZ: tl.constexpr, QUANTIZE: tl.constexpr, QG: tl.constexpr = 128):
+                               FNUZ: tl.constexpr, QUANTIZE: tl.constexpr, QG: tl.constexpr = 128,
+                               PDL: tl.constexpr = False):
+    pdl_start(PDL)
     CH: tl.constexpr = 512 // QG                        # blocks a head
     R: tl.constexpr = BH * CH
     HALF: tl.constexpr = QG // 2
