@@ -262,17 +262,18 @@ def analyze(asm: str, shared: int, num_warps: int, target: str, keys_per_iter=No
 
 
 # ---- compiling (one process per target) ------------------------------------------------------------------
-def selected(only=None):
-    return [k for k in triton_kernels() if k.name.startswith(KERNEL_PREFIX) and (not only or only in k.name)]
+def selected(only=None, names=None):
+    return [k for k in triton_kernels() if k.name.startswith(KERNEL_PREFIX) and (not only or only in k.name)
+            and (not names or k.name in names)]
 
 
-def _worker(target: str, only=None, asm_dir=None) -> None:
+def _worker(target: str, only=None, asm_dir=None, names=None) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     backend, arch, warp, plat, _ = TARGETS[target]
     rows = []
-    for k in selected(only):
+    for k in selected(only, names):
         if not k.applies_to(target):
             continue
         consts, opts = k.constexprs(plat), k.options(plat)
@@ -291,10 +292,12 @@ def _worker(target: str, only=None, asm_dir=None) -> None:
     print(json.dumps(rows))
 
 
-def compile_rows(targets=AMD_TARGETS, only=None, asm_dir=None) -> list:
+def compile_rows(targets=AMD_TARGETS, only=None, asm_dir=None, names=None) -> list:
+    """The analyzed rows of the selected kernels, each target compiled in a process of its own."""
     rows = []
     for t in targets:
         cmd = [sys.executable, "-m", "build_tools.amd_isa_report", "--worker", t]
+        cmd += [a for n in names or () for a in ("--kernel", n)]
         cmd += (["--only", only] if only else []) + (["--asm-dir", asm_dir] if asm_dir else [])
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         out = r.stdout.strip().splitlines()
@@ -448,17 +451,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", action="append", choices=AMD_TARGETS)
     p.add_argument("--only", default=None, help="substring of the kernels' matrix names")
+    p.add_argument("--kernel", action="append", default=None, help="a kernel's exact matrix name; repeat for several")
     p.add_argument("--predict", action="store_true", help="also the predicted times of the issue's cases")
     p.add_argument("--asm-dir", default=None, help="keep each kernel's AMDGCN there")
     p.add_argument("--json", default=None, help="write the rows (and predictions) to this file")
     p.add_argument("--worker", choices=AMD_TARGETS, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        _worker(a.worker, a.only, a.asm_dir)
+        _worker(a.worker, a.only, a.asm_dir, a.kernel)
         return 0
     if a.asm_dir:
         os.makedirs(a.asm_dir, exist_ok=True)
-    rows = compile_rows(a.target or AMD_TARGETS, a.only, a.asm_dir)
+    rows = compile_rows(a.target or AMD_TARGETS, a.only, a.asm_dir, a.kernel)
     preds = predict(rows) if a.predict else None
     print_report(rows, preds)
     if a.json:
