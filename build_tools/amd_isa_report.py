@@ -325,14 +325,14 @@ def per64(row: dict, k: dict = None) -> dict:
                         if row.get("block_h") else 0.0))
 
 
-def iteration_clocks(row: dict) -> dict:
+def iteration_clocks(row: dict, latency_ns: float = LATENCY_NS) -> dict:
     """Clocks of one key-loop iteration of a workgroup on a SIMD, by bound (module docstring)."""
     k, occ, target = row["key"], row["occ"], row["target"]
     w = max(1, row["num_warps"] // 4)                         # the workgroup's waves on a SIMD
     mfma = w * k["mfma_clocks"]
     valu = w * 4 * (k["valu"] + 3 * k["transcendental"])
     lds = row["num_warps"] * 64 * k["lds_bytes"] / 128.0
-    lat = k["round_trips"] * LATENCY_NS * PARTS[target][2]         # round trips the waves sit through
+    lat = k["round_trips"] * latency_ns * PARTS[target][2]         # round trips the waves sit through
     return dict(mfma=mfma, valu=valu, lds=lds, latency=lat)
 
 
@@ -354,7 +354,7 @@ def floor_us(target: str, nbytes: float, flop: float) -> tuple:
     return nbytes / (tbs * 1e6), flop / (tflops * 1e6)
 
 
-def predict(rows: list) -> list:
+def predict(rows: list, latency_ns: float = LATENCY_NS) -> list:
     """Predicted time and fraction of the floor of each case, per target, from the key loop of the decode
     kernel (V40_584, 64-head blocks) and of the prefill kernel."""
     from dsv4_rocm.triton.attention.sparse_mla_decode import _num_splits
@@ -382,20 +382,23 @@ def predict(rows: list) -> list:
                 T, keys = s_q, topk
                 nbytes = s_kv * 1024 + T * 2 * h * 512 * 2            # unique rows + q + out; gathers hit L2
                 tiles_per_prog, programs, splits = -(-topk // bn), T * (h // bh), 1
+            # split partials (fp32 [splits, T, h, 512]): written by the programs, read back by the combine
+            # launch, both at the HBM rate (a lower bound: the second launch and its tail come on top)
+            extra_us = (2 * splits * T * h * 512 * 4 / (PARTS[target][3] * 1e6)) if splits > 1 else 0.0
             flop = T * h * keys * 2048
             f_mem, f_mma = floor_us(target, nbytes, flop)
             floor = max(f_mem, f_mma)
             # the workgroups a CU holds share its SIMDs and LDS (their clocks add) and overlap their latency
             wgs = max(1, min(row["occ"]["wgs_per_cu"], -(-programs // cus)))
-            it = {n: v * (wgs if n != "latency" else 1) for n, v in iteration_clocks(row).items()}
+            it = {n: v * (wgs if n != "latency" else 1) for n, v in iteration_clocks(row, latency_ns).items()}
             rounds = max(1, math.ceil(programs / (cus * wgs)))
-            t_max = rounds * tiles_per_prog * max(it.values()) / (ghz * 1e3)
-            t_sum = rounds * tiles_per_prog * sum(it.values()) / (ghz * 1e3)
+            t_max = rounds * tiles_per_prog * max(it.values()) / (ghz * 1e3) + extra_us
+            t_sum = rounds * tiles_per_prog * sum(it.values()) / (ghz * 1e3) + extra_us
             # likely: the waves of the one workgroup a CU holds wait for memory together (the loads an
             # iteration waits for are issued in it), while their VALU, MFMA and LDS work overlaps
-            t_likely = rounds * tiles_per_prog * (it["latency"] + max(it["mfma"], it["valu"], it["lds"])) / (ghz * 1e3)
+            t_likely = rounds * tiles_per_prog * (it["latency"] + max(it["mfma"], it["valu"], it["lds"])) / (ghz * 1e3) + extra_us
             bound = max(it, key=it.get)
-            out.append(dict(target=target, part=part, case=name, splits=splits, programs=programs, rounds=rounds,
+            out.append(dict(target=target, part=part, case=name, splits=splits, combine_us=extra_us, programs=programs, rounds=rounds,
                             tiles=tiles_per_prog, floor_us=floor, floor_kind="memory" if f_mem >= f_mma else "matrix",
                             t_max_us=t_max, t_serial_us=t_sum, t_likely_us=t_likely, frac_likely=floor / t_likely,
                             bound=bound, frac_max=floor / t_max,
@@ -453,6 +456,8 @@ def main(argv=None):
     p.add_argument("--only", default=None, help="substring of the kernels' matrix names")
     p.add_argument("--kernel", action="append", default=None, help="a kernel's exact matrix name; repeat for several")
     p.add_argument("--predict", action="store_true", help="also the predicted times of the issue's cases")
+    p.add_argument("--latency-ns", type=float, default=LATENCY_NS,
+                   help="assumed latency of one memory round trip (default %(default)s)")
     p.add_argument("--asm-dir", default=None, help="keep each kernel's AMDGCN there")
     p.add_argument("--json", default=None, help="write the rows (and predictions) to this file")
     p.add_argument("--worker", choices=AMD_TARGETS, help=argparse.SUPPRESS)
@@ -463,7 +468,7 @@ def main(argv=None):
     if a.asm_dir:
         os.makedirs(a.asm_dir, exist_ok=True)
     rows = compile_rows(a.target or AMD_TARGETS, a.only, a.asm_dir, a.kernel)
-    preds = predict(rows) if a.predict else None
+    preds = predict(rows, a.latency_ns) if a.predict else None
     print_report(rows, preds)
     if a.json:
         with open(a.json, "w") as f:
