@@ -42,6 +42,8 @@ was used. Prints the table (``--json`` writes the rows). Each target compiles in
 compile matrix does (Triton keeps per-arch lowering choices process-wide).
 
     python -m build_tools.amd_isa_report [--target gfx942] [--only sparse_mla_decode] [--predict]
+
+The tables and what they say about the kernels: docs/perf_notes.md#amd-isa.
 """
 import argparse
 import json
