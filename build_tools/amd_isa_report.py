@@ -83,13 +83,16 @@ def mfma_flop(op: str) -> int:
 
 
 def mfma_clocks(op: str, target: str) -> float:
-    """Clocks one MFMA occupies its SIMD's matrix unit: FLOP / the SIMD's rate for that shape (gfx942: 512
-    FLOP a clock, its 1307 TFLOP/s; gfx950 doubles the rate of the double-K bf16/f16 shapes only)."""
-    rate = 512.0
-    if target == "gfx950":
-        m = re.search(r"_(\d+)x(\d+)x(\d+)", op)
-        if m and (m.group(1), m.group(3)) in (("16", "32"), ("32", "16")) or "f8f6f4" in op or "fp8" in op:
-            rate = 1024.0
+    """Clocks one MFMA occupies its SIMD's matrix unit: FLOP / the SIMD's rate for that shape. bf16 / f16:
+    512 FLOP a clock on gfx942 (its 1307 TFLOP/s); gfx950 doubles it for the double-K shapes (16x16x32,
+    32x32x16) only. fp8: twice the 16-bit rate of the shape's generation (gfx950's f8f6f4: 2048)."""
+    m = re.search(r"_(\d+)x(\d+)x(\d+)", op)
+    double_k = bool(m) and (m.group(1), m.group(3)) in (("16", "32"), ("32", "16"))
+    rate = 1024.0 if target == "gfx950" and double_k else 512.0
+    if "f8f6f4" in op:
+        rate = 2048.0
+    elif re.search(r"fp8|bf8", op):
+        rate = 1024.0
     return mfma_flop(op) / rate
 
 
