@@ -29,17 +29,19 @@ Per 16-key iteration of a workgroup (the key tile), on one SIMD (the workgroup's
     transcendental one);
   * LDS: the workgroup's LDS bytes of an iteration at 128 B/clock per CU;
   * latency: the memory round trips an iteration waits for (``s_waitcnt vmcnt`` that retire loads) x an
-    assumed 700 ns a round trip (an HBM gather on MI300X-class parts; an L2 hit is faster: not measured
-    here). By Little's law the CU's bandwidth is then its bytes in flight / 700 ns: the CU's share of the
-    HBM (MI300X 17.4 B/ns, MI355X 31 B/ns) needs 12-22 KB in flight.
+    assumed 700 ns a round trip (``--latency-ns``; an HBM gather on MI300X-class parts, an L2 hit is
+    faster: not measured here). By Little's law the CU's bandwidth is then its bytes in flight / 700
+    ns: the CU's share of the HBM (MI300X 17.4 B/ns, MI355X 31 B/ns) needs 12-22 KB in flight.
 
 The iteration takes the largest of these (``max``: perfect overlap), their sum (``serial``: no overlap), or
 (``likely``) the latency plus the largest of the other three: with one workgroup a CU its waves wait for
 the loads of an iteration together, the loads being issued in the iteration that waits for them, while
 the MFMA, VALU and LDS work of the two waves on a SIMD overlaps. The program takes its tiles times that,
-the grid its rounds of programs over the CUs (``_num_splits`` of the decode picks the splits). Both are predictions from static counts: no AMD GPU
-was used. Prints the table (``--json`` writes the rows). Each target compiles in its own process, as the
-compile matrix does (Triton keeps per-arch lowering choices process-wide).
+the grid its rounds of programs over the CUs (``_num_splits`` of the decode picks the splits); split
+partials add their fp32 write and the combine launch's read at the HBM rate. All of it is a prediction
+from static counts: no AMD GPU was used. Prints the tables (``--json`` writes the rows). Each target
+compiles in its own process, as the compile matrix does (Triton keeps per-arch lowering choices
+process-wide).
 
     python -m build_tools.amd_isa_report [--target gfx942] [--only sparse_mla_decode] [--predict]
 
@@ -401,9 +403,11 @@ def predict(rows: list, latency_ns: float = LATENCY_NS) -> list:
             t_sum = rounds * tiles_per_prog * sum(it.values()) / (ghz * 1e3) + extra_us
             # likely: the waves of the one workgroup a CU holds wait for memory together (the loads an
             # iteration waits for are issued in it), while their VALU, MFMA and LDS work overlaps
-            t_likely = rounds * tiles_per_prog * (it["latency"] + max(it["mfma"], it["valu"], it["lds"])) / (ghz * 1e3) + extra_us
+            busy = it["latency"] + max(it["mfma"], it["valu"], it["lds"])
+            t_likely = rounds * tiles_per_prog * busy / (ghz * 1e3) + extra_us
             bound = max(it, key=it.get)
-            out.append(dict(target=target, part=part, case=name, splits=splits, combine_us=extra_us, programs=programs, rounds=rounds,
+            out.append(dict(target=target, part=part, case=name, splits=splits, combine_us=extra_us,
+                            programs=programs, rounds=rounds,
                             tiles=tiles_per_prog, floor_us=floor, floor_kind="memory" if f_mem >= f_mma else "matrix",
                             t_max_us=t_max, t_serial_us=t_sum, t_likely_us=t_likely, frac_likely=floor / t_likely,
                             bound=bound, frac_max=floor / t_max,
