@@ -206,6 +206,14 @@ _DECODE_FORMS = textwrap.dedent("""
         plain = sparse_mla_decode(*decode_args(h), config=CFG, num_splits=ns)
         xcd = sparse_mla_decode(*decode_args(h), config=dict(CFG, XCDS=8), num_splits=ns)
         assert torch.equal(xcd[0], plain[0]) and torch.equal(xcd[1], plain[1]), ns
+    # ids two tiles ahead (IDX_AHEAD=2): the same keys in the same order, so the same bits, invalid ids,
+    # lonely queries, strided forms, empty splits (9 tiles in 5 splits) and a main set alone included
+    alone = dict(a, extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None)
+    for name, c in (("a", a), ("strided", s), ("dead", dead), ("h128", h), ("alone", alone)):
+        for ns in (1, 3, 5):
+            one = sparse_mla_decode(*decode_args(c), config=CFG, num_splits=ns)
+            ahead = sparse_mla_decode(*decode_args(c), config=dict(CFG, IDX_AHEAD=2), num_splits=ns)
+            assert torch.equal(one[0], ahead[0]) and torch.equal(one[1], ahead[1]), (name, ns)
     print("ok")
 """)
 
@@ -261,6 +269,11 @@ _DECODE_V41 = textwrap.dedent("""
         ref, _ = ra.flash_mla_with_kvcache_sparse(*decode_args(m), formats=(fmts[0], None))
         out, _ = sparse_mla_decode(*decode_args(m), formats=(fmts[0], None), config=CFG)
         check_out(out, ref, f"interpreted decode {fmts[0].name} alone", decode_key_amax(m, fmts))
+        # ids two tiles ahead: the same bits (the two-loop path of mixed formats does not take it)
+        ahead, _ = sparse_mla_decode(*decode_args(m), formats=(fmts[0], None), config=dict(CFG, IDX_AHEAD=2))
+        assert torch.equal(ahead, out)
+        ahead, _ = sparse_mla_decode(*decode_args(a), formats=fmts, config=dict(CFG, IDX_AHEAD=2), num_splits=3)
+        assert torch.equal(ahead, outs[1])
     print("ok")
 """)
 
@@ -500,8 +513,9 @@ DECODE_CASES = [
 ]
 
 
-# the decode kernels: this file's Triton kernel (every GPU) and the warp-specialized Gluon kernel (Hopper)
-DECODE_KERNELS = ["triton", "ws"]
+# the decode kernels: this file's Triton kernel (every GPU; "triton ahead2": its ids two tiles ahead) and the
+# warp-specialized Gluon kernel (Hopper)
+DECODE_KERNELS = ["triton", "triton ahead2", "ws"]
 
 
 def decode_kernel_config(kernel, device):
@@ -513,6 +527,8 @@ def decode_kernel_config(kernel, device):
         if arch != "sm_90" or _ws is None:
             pytest.skip(f"the warp-specialized decode kernel is written for Hopper (sm_90) in Gluon; this is "
                         f"{arch}{'' if _ws is not None else ' without Gluon'}")
+    if kernel == "triton ahead2":
+        return dict(kernel="triton", IDX_AHEAD=2)
     return dict(kernel=kernel)
 
 

@@ -80,15 +80,21 @@ def _e4m3_to_scaled_bf16(kb):
 
 
 @triton.jit
-def _tile_addr(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS, FMT: tl.constexpr):
-    """Where the records of one tile are: (byte offsets of their data [BN], their scale bytes as int64 words,
-    valid [BN]); invalid ids read nothing. The scale bytes of a record are aligned 8-byte words (8 B for
-    V40_584: one word [BN]; 16 / 32 B for the V4.1 formats: [BN, 2] / [BN, 4]), loaded with the indices, a
-    tile ahead. Record addresses follow ``dsv4_rocm.layout.data_offset`` / ``record_scale_offset``."""
+def _tile_idx(idx_ptr, n, n_valid, capacity):
+    """The key ids of one tile (positions ``n`` of an index row, ``n_valid`` of them valid) and which are
+    valid; invalid ids become 0 and read nothing."""
     inb = n < n_valid
     idx = tl.load(idx_ptr + n, mask=inb, other=-1)
     valid = inb & (idx >= 0) & (idx < capacity)
-    idx = tl.where(valid, idx, 0)
+    return tl.where(valid, idx, 0), valid
+
+
+@triton.jit
+def _tile_rec(cache_ptr, page_stride, idx, valid, BS, FMT: tl.constexpr):
+    """Where the records of a tile's ids are: (byte offsets of their data [BN], their scale bytes as int64
+    words). The scale bytes of a record are aligned 8-byte words (8 B for V40_584: one word [BN]; 16 / 32 B
+    for the V4.1 formats: [BN, 2] / [BN, 4]), loaded here, a tile ahead of the data. Record addresses follow
+    ``dsv4_rocm.layout.data_offset`` / ``record_scale_offset``."""
     page = (idx // BS).to(tl.int64) * page_stride
     off = (idx % BS).to(tl.int64)
     if FMT.interleaved:
@@ -103,7 +109,27 @@ def _tile_addr(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS, FMT: t
     else:
         w = tl.arange(0, FMT.scale_bytes // 8)
         scales = tl.load(words[:, None] + w[None, :], mask=valid[:, None], other=0)
+    return data, scales
+
+
+@triton.jit
+def _tile_addr(cache_ptr, page_stride, capacity, idx_ptr, n, n_valid, BS, FMT: tl.constexpr):
+    """(data offsets, scale words, valid) of one tile: its ids, then where their records are."""
+    idx, valid = _tile_idx(idx_ptr, n, n_valid, capacity)
+    data, scales = _tile_rec(cache_ptr, page_stride, idx, valid, BS, FMT)
     return data, scales, valid
+
+
+@triton.jit
+def _set_of(tile, hi, tiles_main, n_main, n_extra, main_ptr, extra_ptr, main_stride, extra_stride, main_cap,
+            extra_cap, main_idx_row, extra_idx_row, MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """Which set key tile ``tile`` of the combined sequence reads: (cache, page stride, capacity, index row,
+    first position in the row, valid count (0 at or past ``hi``: nothing is read), block size)."""
+    m = tile < tiles_main
+    return (tl.where(m, main_ptr, extra_ptr), tl.where(m, main_stride, extra_stride), tl.where(m, main_cap, extra_cap),
+            tl.where(m, main_idx_row, extra_idx_row), tl.where(m, tile, tile - tiles_main) * BLOCK_N,
+            tl.where(tile < hi, tl.where(m, n_main, n_extra), 0), tl.where(m, MAIN_BS, EXTRA_BS))
 
 
 @triton.jit
@@ -298,7 +324,8 @@ def _sparse_mla_paged_kernel(
         HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT: tl.constexpr, COMBINE: tl.constexpr, FNUZ: tl.constexpr, DEQ_INT: tl.constexpr,
         HEADS: tl.constexpr, MERGE_H: tl.constexpr, THREADS: tl.constexpr, MAIN_FMT: tl.constexpr,
-        EXTRA_FMT: tl.constexpr, XCDS: tl.constexpr = 0, PDL: tl.constexpr = False):
+        EXTRA_FMT: tl.constexpr, XCDS: tl.constexpr = 0, IDX_AHEAD: tl.constexpr = 1,
+        PDL: tl.constexpr = False):
     pdl_start(PDL)
     t64, bi, si, hb, sp, n_main, n_extra, tiles_main, lo, hi = program_tiles(
         main_len_ptr, main_len_sb, main_len_ss, main_topk, extra_len_ptr, extra_len_sb, extra_len_ss, extra_topk,
@@ -323,28 +350,58 @@ def _sparse_mla_paged_kernel(
         MIX: tl.constexpr = EXTRA_FMT.fp8 != MAIN_FMT.fp8
         MAIN_FZ: tl.constexpr = MAIN_FMT.fp8 == "e4m3fnuz"
         EXTRA_FZ: tl.constexpr = EXTRA_FMT.fp8 == "e4m3fnuz"
-        in_main = lo < tiles_main
-        c_base = tl.where(in_main, main_ptr, extra_ptr)
-        c_data, c_scal, c_valid = _tile_addr(c_base, tl.where(in_main, main_stride, extra_stride),
-                                             tl.where(in_main, main_cap, extra_cap),
-                                             tl.where(in_main, main_idx_row, extra_idx_row),
-                                             tl.where(in_main, lo, lo - tiles_main) * BLOCK_N + offs_n,
-                                             tl.where(in_main, n_main, n_extra), tl.where(in_main, MAIN_BS, EXTRA_BS),
-                                             MAIN_FMT)
-        for tile in range(lo, hi):
-            nx = tile + 1
-            nx_main = nx < tiles_main
-            n_base = tl.where(nx_main, main_ptr, extra_ptr)
-            n_data, n_scal, n_valid = _tile_addr(n_base, tl.where(nx_main, main_stride, extra_stride),
-                                                 tl.where(nx_main, main_cap, extra_cap),
-                                                 tl.where(nx_main, main_idx_row, extra_idx_row),
-                                                 tl.where(nx_main, nx, nx - tiles_main) * BLOCK_N + offs_n,
-                                                 tl.where(nx < hi, tl.where(nx_main, n_main, n_extra), 0),
-                                                 tl.where(nx_main, MAIN_BS, EXTRA_BS), MAIN_FMT)
-            k = _tile_keys(c_base, c_data, c_scal, c_valid, FNUZ, DEQ_INT, MAIN_FMT,
-                           tl.where(tile < tiles_main, MAIN_FZ, EXTRA_FZ).to(tl.int32), MIX)
-            acc, m_i, l_i = _attend_tile(q, k, c_valid, acc, m_i, l_i, sm_log2)
-            c_base, c_data, c_scal, c_valid = n_base, n_data, n_scal, n_valid
+        if IDX_AHEAD == 2:
+            # ids two tiles ahead: a tile's ids are in registers a whole iteration before its scale words
+            # are loaded, so an iteration issues the ids of tile + 2, the scale words of tile + 1 and the
+            # data of tile at once and waits for one memory round trip, not for the ids and then the
+            # words they address
+            b0, ps0, cap0, row0, n0, cnt0, bs0 = _set_of(lo, hi, tiles_main, n_main, n_extra, main_ptr, extra_ptr,
+                                                         main_stride, extra_stride, main_cap, extra_cap, main_idx_row,
+                                                         extra_idx_row, MAIN_BS, EXTRA_BS, BLOCK_N)
+            i0, c_valid = _tile_idx(row0, n0 + offs_n, cnt0, cap0)
+            c_data, c_scal = _tile_rec(b0, ps0, i0, c_valid, bs0, MAIN_FMT)
+            c_base = b0
+            _, _, cap1, row1, n1, cnt1, _ = _set_of(lo + 1, hi, tiles_main, n_main, n_extra, main_ptr, extra_ptr,
+                                                    main_stride, extra_stride, main_cap, extra_cap, main_idx_row,
+                                                    extra_idx_row, MAIN_BS, EXTRA_BS, BLOCK_N)
+            i1, v1 = _tile_idx(row1, n1 + offs_n, cnt1, cap1)
+            for tile in range(lo, hi):
+                _, _, cap2, row2, n2, cnt2, _ = _set_of(tile + 2, hi, tiles_main, n_main, n_extra, main_ptr,
+                                                        extra_ptr, main_stride, extra_stride, main_cap, extra_cap,
+                                                        main_idx_row, extra_idx_row, MAIN_BS, EXTRA_BS, BLOCK_N)
+                i2, v2 = _tile_idx(row2, n2 + offs_n, cnt2, cap2)
+                b1, ps1, _, _, _, _, bs1 = _set_of(tile + 1, hi, tiles_main, n_main, n_extra, main_ptr, extra_ptr,
+                                                   main_stride, extra_stride, main_cap, extra_cap, main_idx_row,
+                                                   extra_idx_row, MAIN_BS, EXTRA_BS, BLOCK_N)
+                n_data, n_scal = _tile_rec(b1, ps1, i1, v1, bs1, MAIN_FMT)
+                k = _tile_keys(c_base, c_data, c_scal, c_valid, FNUZ, DEQ_INT, MAIN_FMT,
+                               tl.where(tile < tiles_main, MAIN_FZ, EXTRA_FZ).to(tl.int32), MIX)
+                acc, m_i, l_i = _attend_tile(q, k, c_valid, acc, m_i, l_i, sm_log2)
+                c_base, c_data, c_scal, c_valid = b1, n_data, n_scal, v1
+                i1, v1 = i2, v2
+        else:
+            in_main = lo < tiles_main
+            c_base = tl.where(in_main, main_ptr, extra_ptr)
+            c_data, c_scal, c_valid = _tile_addr(c_base, tl.where(in_main, main_stride, extra_stride),
+                                                 tl.where(in_main, main_cap, extra_cap),
+                                                 tl.where(in_main, main_idx_row, extra_idx_row),
+                                                 tl.where(in_main, lo, lo - tiles_main) * BLOCK_N + offs_n,
+                                                 tl.where(in_main, n_main, n_extra), tl.where(in_main, MAIN_BS, EXTRA_BS),
+                                                 MAIN_FMT)
+            for tile in range(lo, hi):
+                nx = tile + 1
+                nx_main = nx < tiles_main
+                n_base = tl.where(nx_main, main_ptr, extra_ptr)
+                n_data, n_scal, n_valid = _tile_addr(n_base, tl.where(nx_main, main_stride, extra_stride),
+                                                     tl.where(nx_main, main_cap, extra_cap),
+                                                     tl.where(nx_main, main_idx_row, extra_idx_row),
+                                                     tl.where(nx_main, nx, nx - tiles_main) * BLOCK_N + offs_n,
+                                                     tl.where(nx < hi, tl.where(nx_main, n_main, n_extra), 0),
+                                                     tl.where(nx_main, MAIN_BS, EXTRA_BS), MAIN_FMT)
+                k = _tile_keys(c_base, c_data, c_scal, c_valid, FNUZ, DEQ_INT, MAIN_FMT,
+                               tl.where(tile < tiles_main, MAIN_FZ, EXTRA_FZ).to(tl.int32), MIX)
+                acc, m_i, l_i = _attend_tile(q, k, c_valid, acc, m_i, l_i, sm_log2)
+                c_base, c_data, c_scal, c_valid = n_base, n_data, n_scal, n_valid
     else:
         # the sets hold different record formats (a V41_FP4_288 extra cache): a loop over each
         acc, m_i, l_i = _set_tiles(q, acc, m_i, l_i, sm_log2, main_ptr, main_stride, main_cap, main_idx_row, n_main,
@@ -513,9 +570,10 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     if kernel != "triton":
         raise ValueError(f"config kernel must be 'triton' or 'ws', got {kernel!r}")
     if arch in ("gfx942", "gfx90a"):
-        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False, XCDS=8 if arch == "gfx942" else 0)
+        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1, DEQ_INT=False, XCDS=8 if arch == "gfx942" else 0,
+                   IDX_AHEAD=2)
     elif arch == "gfx950":
-        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False, XCDS=8)
+        cfg = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2, DEQ_INT=False, XCDS=8, IDX_AHEAD=2)
     elif arch == "sm_100":       # spill-free there (compile matrix); untimed: no Blackwell machine here
         cfg = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DEQ_INT=True)
     else:
@@ -608,6 +666,7 @@ def _variant(cfg_items: tuple, h: int, main_bs: int, extra_bs: int, has_extra: b
         HAS_SINK=has_sink, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=split, COMBINE=in_kernel,
         FNUZ=cfg["FNUZ"], DEQ_INT=cfg.get("DEQ_INT", False), HEADS=h, MERGE_H=min(MERGE_H, cfg["BLOCK_H"]),
         THREADS=cfg["num_warps"] * cfg["warp_size"], MAIN_FMT=main_fmt, EXTRA_FMT=extra_fmt, XCDS=cfg.get("XCDS", 0),
+        IDX_AHEAD=cfg.get("IDX_AHEAD", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     comb = None
     if split and not in_kernel:
@@ -717,7 +776,7 @@ def _matrix_constexprs(arch, split=False, formats=(L.V40_584, L.V40_584)):
                 SPLIT=split, COMBINE=split, FNUZ=arch == "gfx942",
                 DEQ_INT=c.get("DEQ_INT", False), HEADS=128 if split else 64, MERGE_H=MERGE_H,
                 THREADS=c["num_warps"] * (64 if arch.startswith("gfx") else 32), MAIN_FMT=formats[0],
-                EXTRA_FMT=formats[1], XCDS=c.get("XCDS", 0))
+                EXTRA_FMT=formats[1], XCDS=c.get("XCDS", 0), IDX_AHEAD=c.get("IDX_AHEAD", 1))
 
 
 def _matrix_options(arch):
