@@ -58,6 +58,8 @@ TRITON = ("triton", dict(kernel="triton"), None)
 # before it is timed. "h128 w16": all 128 heads of a V4-Pro token in one program of 16 warps, so each key
 # tile is dequantized once for both head halves; "w16": the dequant of a tile spread over twice the threads.
 PORTABLE_SWEEP = [
+    ("triton ahead2", dict(kernel="triton", IDX_AHEAD=2), None),
+    ("triton ahead2 n32s3", dict(kernel="triton", IDX_AHEAD=2, BLOCK_N=32, num_stages=3), None),
     ("triton n32s2", dict(kernel="triton", BLOCK_N=32, num_stages=2), None),
     ("triton n32s3", dict(kernel="triton", BLOCK_N=32, num_stages=3), None),
     ("triton n64s1", dict(kernel="triton", BLOCK_N=64, num_stages=1), None),

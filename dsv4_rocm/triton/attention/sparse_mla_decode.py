@@ -552,7 +552,9 @@ def default_config(arch: str, num_heads: int, kernel: str = None) -> dict:
     AMD (gfx942 / gfx950): all 64 heads of a token share each dequantized 16-key tile, 8 waves: 220-236
     VGPRs with no spills, so two waves fit per SIMD, and the 64 KB of LDS of a workgroup; with 128 heads the
     two head blocks of a token go to one XCD (``XCDS``, ``_decode_tiles.program_tiles``) so that the second
-    block's gathers hit the L2 the first filled. NVIDIA: 64 heads
+    block's gathers hit the L2 the first filled; each tile's ids are loaded two tiles ahead (``IDX_AHEAD=2``), so
+    an iteration waits for one memory round trip, not for the ids and then the scale words they address
+    (docs/perf_notes.md#amd-isa). NVIDIA: 64 heads
     x 64 keys, 8 warps, one CTA per SM; the integer dequantization (inline PTX) on Hopper and Blackwell;
     two cp.async stages measured best on the H100. Split partials are merged in a second launch
     (``split_combine="launch"``, as the Hopper kernel always does): replayed from a graph, as decode steps
@@ -799,8 +801,13 @@ _FP4_SPILLS = "fp4 nibble interleave: ptxas spills loop-invariant wgmma descript
 #   32-head blocks: no tcgen05). Untimed: no Blackwell machine here.
 # From 3.9 on, sm_90a as well: its 32-key tile spills 560 B there (16 keys: 608 B; one stage: 844 B; the
 # 64-key tile: 1176 B). Hopper's default decode is the Gluon kernel, which compiles without spills.
-_SPLIT_SGPR_SPILLS = {(3, 6): "", (3, 8): {"gfx942": "Triton >= 3.8: the in-kernel merge's scalar state "
-                                                     "(docs/platforms.md#triton-versions)"}}
+# AMD reads a tile's ids two tiles ahead (IDX_AHEAD=2): the two tiles' set selections (cache, stride, index row,
+# count of main or extra set) are scalar state, and 4-13 of its SGPRs sit in VGPR lanes (v_writelane /
+# v_readlane), never in memory; the loop then waits for one memory round trip a tile instead of two
+# (build_tools/amd_isa_report.py: 4 round trips per 64 keys, not 8; 26 KB in flight per CU, not 14)
+_AHEAD_WHY = "ids two tiles ahead: set-selection scalars in VGPR lanes, not memory (docs/perf_notes.md#amd-isa)"
+_AHEAD_SGPR_SPILLS = {"gfx942": _AHEAD_WHY, "gfx950": _AHEAD_WHY}
+_SPLIT_SGPR_SPILLS = {(3, 6): _AHEAD_SGPR_SPILLS, (3, 8): _AHEAD_SGPR_SPILLS}
 _NVIDIA_WHY = "Triton >= %s: no tile tried compiles without spills (docs/platforms.md#triton-versions)"
 _SM100_SPILLS = {(3, 6): "", (3, 8): {"sm_100a": _NVIDIA_WHY % "3.8"},
                  (3, 9): {"sm_100a": _NVIDIA_WHY % "3.8", "sm_90a": _NVIDIA_WHY % "3.9"}}
@@ -809,14 +816,14 @@ _SM100_SPILLS = {(3, 6): "", (3, 8): {"sm_100a": _NVIDIA_WHY % "3.8"},
 COMPILE_SPECS = [
     dict(name="sparse_mla_decode", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=_matrix_constexprs, options=_matrix_options, matrix=True, fp8_convert=True,
-         ptxas_spills=by_triton(_SM100_SPILLS)),
+         sgpr_spills=_AHEAD_SGPR_SPILLS, ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_decode[split, combine in kernel]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
          fp8_convert=True, sgpr_spills=by_triton(_SPLIT_SGPR_SPILLS), ptxas_spills=by_triton(_SM100_SPILLS)),
     # the V4.1 records: one format in both sets (one loop), and the fp4 extra cache (a loop per set)
     dict(name="sparse_mla_decode[V41_528]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.V41_528, L.V41_528)), options=_matrix_options,
-         matrix=True, fp8_convert=True, ptxas_spills=by_triton(_SM100_SPILLS)),
+         matrix=True, fp8_convert=True, sgpr_spills=_AHEAD_SGPR_SPILLS, ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_decode[V41_528 + V41_FP4_288, split]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, True, (L.V41_528, L.V41_FP4_288)),
          options=_matrix_options, matrix=True, fp8_convert=True, ptxas_spills=_FP4_SPILLS),
@@ -824,7 +831,8 @@ COMPILE_SPECS = [
     dict(name="sparse_mla_decode[V40_584 FNUZ window]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS,
          floats=("sm_log2",), constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.with_fnuz(L.V40_584),
                                                                                         L.V40_584)),
-         options=_matrix_options, matrix=True, fp8_convert=True, ptxas_spills=by_triton(_SM100_SPILLS)),
+         options=_matrix_options, matrix=True, fp8_convert=True, sgpr_spills=_AHEAD_SGPR_SPILLS,
+         ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_combine", fn=_combine_kernel,
          pointers=dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32"),
          floats=(), constexprs=lambda arch: dict(HEADS=64, HAS_SINK=True, BLOCK_H=MERGE_H, PARTS=True),
