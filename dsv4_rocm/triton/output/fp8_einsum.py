@@ -19,7 +19,11 @@ and poisons a non-finite block through its scale (docs/conventions.md), which ma
 too; an activation holding 0x80 itself would read as NaN on gfx942.
 
 Tiles: one program computes a BLOCK_M x BLOCK_N tile of one group; programs are ordered GROUP_M m-tiles
-at a time so that neighbours share w tiles in L2. Rows t >= T and columns n >= d are masked.
+at a time so that neighbours share w tiles in L2. Rows t >= T and columns n >= d are masked. The k loop
+keeps per block only what the promotion needs: the two operand tiles are loaded through fp8 pointers
+(num_stages-deep pipelined copies into shared memory, which Hopper's wgmma reads in place; no register
+pass of their bytes but gfx942's weight tiles, for the -0 fix); the block's scales were loaded one block
+earlier; the promotion is one multiply-add of the fresh tile.
 
 Split K (SPLIT_K > 1, for grids too small to keep the memory system busy: decode-sized T reads every w
 byte once but has few tiles): the k-blocks of a tile are divided among SPLIT_K programs. Each writes its
@@ -231,6 +235,10 @@ SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --only fp8_einsum
     "m64n256w8s3": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=3),
     "m256n64w8s3": dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3),
     "m128n64w8s3g16": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, GROUP_M=16),
+    # two programs a Hopper SM (<= 113 KB of shared memory, <= 255 registers x 128 threads each): one
+    # program's MMA runs while the other promotes its block
+    "m64n128w4s3": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+    "m128n64w4s4": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
 }
 
 
