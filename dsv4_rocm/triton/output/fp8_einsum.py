@@ -227,6 +227,12 @@ SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --only fp8_einsum
     "m128n128w8s4k2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, SPLIT_K=2),
     "m128n128w8s4k4": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, SPLIT_K=4),
     "m64n128w4s4k4": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, SPLIT_K=4),
+    # deeper pipelines (more weight bytes in flight a program: one program a Hopper SM streams ~ stages x
+    # the k-block's tile bytes per memory latency)
+    "m64n64w4s8": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=8),
+    "m128n64w8s8": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=8),
+    "m128n64w8s6k2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=6, SPLIT_K=2),
+    "m128n128w8s6k2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=6, SPLIT_K=2),
     # prefill-sized T (the matrix units bound the time): wide tiles, 2-4 stages, the L2 swizzle width
     "m128n128w8s3": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     "m128n128w8s4": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
