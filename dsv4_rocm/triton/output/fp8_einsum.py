@@ -121,16 +121,22 @@ def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_st
         sw_mask = n_ok
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # the scales of each k-block are loaded one block ahead (the first before the loop): their load latency
-    # then hides behind the block's tile loads and MMA, and the promotion waits only on the MMA
+    # then hides behind the block's tile loads and MMA, and the promotion waits only on the MMA. Weight
+    # scales per column are loaded at the top of their own block instead: a second BLOCK_N vector in the
+    # MMA's column layout would make the wide tiles spill
     has = kb0 < kb_end                          # an empty split (SPLIT_K not dividing K_BLOCKS) reads nothing
     sa_next = _block_scale(sa_rows, kb0, sa_stride_k, m_ok & has, A_PACKED)
-    sw_next = _block_scale(sw_rows, kb0, sw_stride_k, sw_mask & has, W_PACKED)
+    if W_UNIFORM:
+        sw_next = _block_scale(sw_rows, kb0, sw_stride_k, sw_mask & has, W_PACKED)
     for kb in range(kb0, kb_end):
         sa = sa_next
-        sw = sw_next
         more = kb + 1 < kb_end
         sa_next = _block_scale(sa_rows, kb + 1, sa_stride_k, m_ok & more, A_PACKED)
-        sw_next = _block_scale(sw_rows, kb + 1, sw_stride_k, sw_mask & more, W_PACKED)
+        if W_UNIFORM:
+            sw = sw_next
+            sw_next = _block_scale(sw_rows, kb + 1, sw_stride_k, sw_mask & more, W_PACKED)
+        else:
+            sw = _block_scale(sw_rows, kb, sw_stride_k, sw_mask, W_PACKED)
         a = _fp8_tile(a_ptrs, m_ok[:, None], FNUZ, False)
         w = _fp8_tile(w_ptrs, n_ok[:, None], FNUZ, True)
         part = tl.dot(a, tl.trans(w))
