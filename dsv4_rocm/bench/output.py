@@ -74,23 +74,26 @@ def suite(ctx):
                 ms = timer(lambda: ops.fp8_einsum("bhr,hdr->bhd", a, b, z, recipe=recipe))
                 ctx.add(f"fp8_einsum {name}", form, ms, flop, nbytes, peer="torch bf16 einsum", peer_ms=peer_ms,
                         rate=fp8_rate, fp8_TFLOPs=fp8_rate / 1e12)
-            if ctx.sweep:
-                _sweep(ctx, name, forms["fp32 scales"], z, timer, flop, nbytes, peer_ms, fp8_rate, SWEEP,
-                       triton_einsum)
+            if ctx.sweep:       # both forms: vLLM's wo_a passes the packed per-row one
+                for form, suffix in (("fp32 scales", ""), ("packed per-row", "/row")):
+                    _sweep(ctx, name, forms[form], z, timer, flop, nbytes, peer_ms, fp8_rate, SWEEP, triton_einsum,
+                           suffix)
             del a8, sa, sa_packed, xb, wb, z
 
 
-def _sweep(ctx, name, operands, z, timer, flop, nbytes, peer_ms, fp8_rate, sweep, einsum):
-    """Every tile of ``sweep`` on the fp32-scale form: each output checked against the default tile's first
-    (the same k-block order, so only the matrix unit's in-block order may differ: within 2^-7 of the output's
-    largest magnitude), then timed; a tile that fails to compile or to match is printed and skipped. Then one
-    line with the fastest tile and its ratio to the torch bf16 einsum."""
+def _sweep(ctx, name, operands, z, timer, flop, nbytes, peer_ms, fp8_rate, sweep, einsum, suffix=""):
+    """Every tile of ``sweep`` on one scale form (rows named tile + ``suffix``): each output checked against
+    the default tile's first (the same k-block order, so only the matrix unit's in-block order and a split's
+    order of partial sums may differ: within 2^-7 of the output's largest magnitude), then timed; a tile that
+    fails to compile or to match is printed and skipped. Then one line with the fastest tile and its ratio
+    to the torch bf16 einsum."""
     a, b, recipe = operands
     einsum("bhr,hdr->bhd", a, b, z, recipe=recipe)
     want = z.float().clone()
     tol = 2 ** -7 * float(want.abs().max())
     timed = {}
-    for cfg_name, cfg in sweep.items():
+    for tile, cfg in sweep.items():
+        cfg_name = tile + suffix
         z.fill_(float("nan"))
         try:
             einsum("bhr,hdr->bhd", a, b, z, recipe=recipe, config=cfg)
@@ -102,10 +105,10 @@ def _sweep(ctx, name, operands, z, timer, flop, nbytes, peer_ms, fp8_rate, sweep
             print(f"fp8_einsum {name} {cfg_name}: skipped, max |z - default| {err:.3g} > {tol:.3g}")
             continue
         ms = timer(lambda: einsum("bhr,hdr->bhd", a, b, z, recipe=recipe, config=cfg))
-        timed[cfg_name] = ms
+        timed[tile] = ms
         ctx.add(f"fp8_einsum {name}", cfg_name, ms, flop, nbytes, peer="torch bf16 einsum", peer_ms=peer_ms,
                 rate=fp8_rate)
     if timed:
         best = min(timed, key=timed.get)
-        print(f"fp8_einsum {name}: fastest tile {best} {timed[best] * 1e3:.1f} us = {peer_ms / timed[best]:.2f}x "
-              f"torch bf16 ({peer_ms * 1e3:.1f} us); {sweep[best]}")
+        print(f"fp8_einsum {name}{suffix}: fastest tile {best} {timed[best] * 1e3:.1f} us = "
+              f"{peer_ms / timed[best]:.2f}x torch bf16 ({peer_ms * 1e3:.1f} us); {sweep[best]}")

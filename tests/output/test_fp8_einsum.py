@@ -210,13 +210,13 @@ def test_bench_sweep_checks_times_and_names_the_fastest_tile(capsys):
     ctx = BenchContext(device="cpu", bw=1e12, mm=1e15)
     z = torch.empty(T, G, n, dtype=torch.bfloat16)
     _sweep(ctx, "flash T=4", ((a8, sa), (w8, ws), (1, 128, 128)), z, lambda fn: (fn(), next(times))[1],
-           2 * T * G * n * r, 1e6, 4e-3, 2e15, sweep, einsum)
+           2 * T * G * n * r, 1e6, 4e-3, 2e15, sweep, einsum, "/row")
     out = capsys.readouterr().out
-    assert [row["config"] for row in ctx.rows] == ["slow", "fast", "middle"]
+    assert [row["config"] for row in ctx.rows] == ["slow/row", "fast/row", "middle/row"]
     assert [round(row["ratio"], 6) for row in ctx.rows] == [round(4 / 3, 6), 4.0, 2.0]
-    assert "broken: skipped, RuntimeError: out of resources" in out
-    assert "mismatch: skipped, max |z - default|" in out
-    assert "fastest tile fast 1.0 us = 4.00x torch bf16 (4.0 us)" in out
+    assert "broken/row: skipped, RuntimeError: out of resources" in out
+    assert "mismatch/row: skipped, max |z - default|" in out
+    assert "flash T=4/row: fastest tile fast 1.0 us = 4.00x torch bf16 (4.0 us)" in out
     assert calls[0] is None                         # the default tile first
 
 
