@@ -214,7 +214,8 @@ def default_config(arch: str, num_tokens: int, per_row_w_scales: bool = False) -
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "SPLIT_K")
 SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --only fp8_einsum --sweep`` (merged over
-    # default_config); each compiles without spills for sm_90a. Names: m<BLOCK_M> n<BLOCK_N> w<warps> s<stages>,
+    # default_config); each compiles without spills for sm_90a with 128-row weight scales (with per-row ones
+    # the 128 x 128 tiles spill 200-240 B: no default for that form). Names: m<BLOCK_M> n<BLOCK_N> w<warps> s<stages>,
     # g<GROUP_M> where not 8, k<SPLIT_K> where split.
     # decode-sized T (the weight read bounds the time): few tokens a tile, deep pipelines, or every token in
     # one tile (the weights then cross from L2 once) with narrow columns or a split for enough programs
