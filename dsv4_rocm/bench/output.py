@@ -1,6 +1,7 @@
 """Output-path benchmarks: ``fused_inv_rope_fp8_quant`` and the grouped ``fp8_einsum`` with wo_a at V4-Flash
 (64 local heads in G = 8 groups, TP1) and V4-Pro (128 heads, G = 16) dims, o_lora 1024, r = 8 * 512 = 4096,
-for a decode step of T = 128 tokens (graph-timed) and a prefill chunk of T = 4096 (eager).
+for a decode step of T = 128 tokens, a batch of T = 512 (both graph-timed: an eager call's host time would
+exceed the kernel's) and a prefill chunk of T = 4096 (eager).
 
 Bytes, each counted once:
   inverse RoPE + quant: o (T H 512 bf16) + positions (8 B) and a cos/sin row (256 B) a token in; fp8
@@ -15,7 +16,7 @@ import torch
 from . import timing
 
 MODELS = {"flash": dict(G=8, hpg=8, d=1024), "pro": dict(G=16, hpg=8, d=1024)}
-TOKENS = (128, 4096)
+TOKENS = (128, 512, 4096)
 
 
 def _inputs(m, T, device, seed=0):
@@ -49,7 +50,7 @@ def suite(ctx):
     fp8_rate = timing.fp8_matmul_rate(str(ctx.device))
     for name, model, T in names:
         m = MODELS[model]
-        timer = time_graph_ms if T <= 128 else time_ms
+        timer = time_graph_ms if T <= 512 else time_ms
         o, pos, cs, w8, ws = _inputs(m, T, ctx.device)
         H, G, d, r = m["G"] * m["hpg"], m["G"], m["d"], m["hpg"] * 512
         with ops.use_backend("triton"):
@@ -74,10 +75,41 @@ def suite(ctx):
                 ms = timer(lambda: ops.fp8_einsum("bhr,hdr->bhd", a, b, z, recipe=recipe))
                 ctx.add(f"fp8_einsum {name}", form, ms, flop, nbytes, peer="torch bf16 einsum", peer_ms=peer_ms,
                         rate=fp8_rate, fp8_TFLOPs=fp8_rate / 1e12)
-            if ctx.sweep:
-                a, b, recipe = forms["fp32 scales"]
-                for cfg_name, cfg in SWEEP.items():
-                    ms = timer(lambda: triton_einsum("bhr,hdr->bhd", a, b, z, recipe=recipe, config=cfg))
-                    ctx.add(f"fp8_einsum {name}", cfg_name, ms, flop, nbytes, peer="torch bf16 einsum",
-                            peer_ms=peer_ms, rate=fp8_rate)
+            if ctx.sweep:       # both forms: vLLM's wo_a passes the packed per-row one
+                for form, suffix in (("fp32 scales", ""), ("packed per-row", "/row")):
+                    _sweep(ctx, name, forms[form], z, timer, flop, nbytes, peer_ms, fp8_rate, SWEEP, triton_einsum,
+                           suffix)
             del a8, sa, sa_packed, xb, wb, z
+
+
+def _sweep(ctx, name, operands, z, timer, flop, nbytes, peer_ms, fp8_rate, sweep, einsum, suffix=""):
+    """Every tile of ``sweep`` on one scale form (rows named tile + ``suffix``): each output checked against
+    the default tile's first (the same k-block order, so only the matrix unit's in-block order and a split's
+    order of partial sums may differ: within 2^-7 of the output's largest magnitude), then timed; a tile that
+    fails to compile or to match is printed and skipped. Then one line with the fastest tile and its ratio
+    to the torch bf16 einsum."""
+    a, b, recipe = operands
+    einsum("bhr,hdr->bhd", a, b, z, recipe=recipe)
+    want = z.float().clone()
+    tol = 2 ** -7 * float(want.abs().max())
+    timed = {}
+    for tile, cfg in sweep.items():
+        cfg_name = tile + suffix
+        z.fill_(float("nan"))
+        try:
+            einsum("bhr,hdr->bhd", a, b, z, recipe=recipe, config=cfg)
+            err = float((z.float() - want).abs().max())
+        except Exception as e:          # e.g. out of shared memory on this device
+            print(f"fp8_einsum {name} {cfg_name}: skipped, {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            continue
+        if not err <= tol:
+            print(f"fp8_einsum {name} {cfg_name}: skipped, max |z - default| {err:.3g} > {tol:.3g}")
+            continue
+        ms = timer(lambda: einsum("bhr,hdr->bhd", a, b, z, recipe=recipe, config=cfg))
+        timed[tile] = ms
+        ctx.add(f"fp8_einsum {name}", cfg_name, ms, flop, nbytes, peer="torch bf16 einsum", peer_ms=peer_ms,
+                rate=fp8_rate)
+    if timed:
+        best = min(timed, key=timed.get)
+        print(f"fp8_einsum {name}{suffix}: fastest tile {best} {timed[best] * 1e3:.1f} us = "
+              f"{peer_ms / timed[best]:.2f}x torch bf16 ({peer_ms * 1e3:.1f} us); {sweep[best]}")

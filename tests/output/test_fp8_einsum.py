@@ -187,6 +187,51 @@ def test_rejected_call_writes_nothing():
     assert bool((d == 7.0).all())
 
 
+def test_bench_sweep_checks_times_and_names_the_fastest_tile(capsys):
+    """``bench.output._sweep`` (what ``python -m dsv4_rocm bench --only fp8_einsum --sweep`` runs per shape):
+    each tile's output is checked against the default's before it is timed, a tile that fails to build or
+    to match is reported and left out, and the fastest timed tile is named with its ratio to the peer."""
+    from dsv4_rocm.bench.context import BenchContext
+    from dsv4_rocm.bench.output import _sweep
+    T, G, n, r = 4, 2, 128, 256
+    a8, sa, w8, ws = _operands(T, G, n, r, 12)
+    calls = []
+
+    def einsum(expr, a, b, z, recipe, config=None):
+        calls.append(config)
+        if config is not None and config.get("fails"):
+            raise RuntimeError("out of resources: shared memory")
+        O.fp8_einsum(expr, a, b, z, recipe=recipe)
+        if config is not None and config.get("wrong"):
+            z[0, 0, 0] += 1.0
+    times = iter([3e-3, 1e-3, 2e-3])
+    sweep = {"slow": dict(BLOCK_M=64), "broken": dict(fails=True), "fast": dict(BLOCK_M=128),
+             "mismatch": dict(wrong=True), "middle": dict(BLOCK_N=32)}
+    ctx = BenchContext(device="cpu", bw=1e12, mm=1e15)
+    z = torch.empty(T, G, n, dtype=torch.bfloat16)
+    _sweep(ctx, "flash T=4", ((a8, sa), (w8, ws), (1, 128, 128)), z, lambda fn: (fn(), next(times))[1],
+           2 * T * G * n * r, 1e6, 4e-3, 2e15, sweep, einsum, "/row")
+    out = capsys.readouterr().out
+    assert [row["config"] for row in ctx.rows] == ["slow/row", "fast/row", "middle/row"]
+    assert [round(row["ratio"], 6) for row in ctx.rows] == [round(4 / 3, 6), 4.0, 2.0]
+    assert "broken/row: skipped, RuntimeError: out of resources" in out
+    assert "mismatch/row: skipped, max |z - default|" in out
+    assert "flash T=4/row: fastest tile fast 1.0 us = 4.00x torch bf16 (4.0 us)" in out
+    assert calls[0] is None                         # the default tile first
+
+
+def test_sweep_tiles_are_well_formed():
+    """Every sweep tile names a tile the kernel takes (powers of two, the split no wider than the k-blocks of
+    the models' r = 4096) and is named after its tile."""
+    from dsv4_rocm.triton.output.fp8_einsum import SWEEP
+    allowed = {"BLOCK_M", "BLOCK_N", "GROUP_M", "SPLIT_K", "num_warps", "num_stages"}
+    for name, cfg in SWEEP.items():
+        assert set(cfg) <= allowed, name
+        assert all(cfg[k] & (cfg[k] - 1) == 0 for k in ("BLOCK_M", "BLOCK_N", "num_warps")), name
+        assert 1 <= cfg.get("SPLIT_K", 1) <= 32 and cfg["num_stages"] >= 2, name
+        assert name.startswith(f"m{cfg['BLOCK_M']}n{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}"), name
+
+
 # ---- the Triton kernel ---------------------------------------------------------------------------------
 _INTERPRETED = textwrap.dedent("""
     import os, sys
@@ -279,6 +324,7 @@ def test_gpu_kernel_within_the_bound_of_the_oracle(T, G, n, form, gpu):
     r = 4096 if n == 1024 else 640
     a8, sa, w8, ws = _operands(T, G, n, r, T + G, gpu)
     sa[0, 0, 3] = float("nan")
+    w8[G - 1, n - 1, :: 7] = 0x80               # -0 weight bytes, read as they are through fp8 pointers
     if form == "fp32":
         a, b, recipe = (_g_t_d(a8), _mn_major(sa)), (w8.view(torch.float8_e4m3fn), ws), (1, 128, 128)
     else:

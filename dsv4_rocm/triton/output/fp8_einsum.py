@@ -19,7 +19,11 @@ and poisons a non-finite block through its scale (docs/conventions.md), which ma
 too; an activation holding 0x80 itself would read as NaN on gfx942.
 
 Tiles: one program computes a BLOCK_M x BLOCK_N tile of one group; programs are ordered GROUP_M m-tiles
-at a time so that neighbours share w tiles in L2. Rows t >= T and columns n >= d are masked.
+at a time so that neighbours share w tiles in L2. Rows t >= T and columns n >= d are masked. The k loop
+keeps per block only what the promotion needs: the two operand tiles are loaded through fp8 pointers
+(num_stages-deep pipelined copies into shared memory, which Hopper's wgmma reads in place; no register
+pass of their bytes but gfx942's weight tiles, for the -0 fix); the block's scales were loaded one block
+earlier; the promotion is one multiply-add of the fresh tile.
 
 Split K (SPLIT_K > 1, for grids too small to keep the memory system busy: decode-sized T reads every w
 byte once but has few tiles): the k-blocks of a tile are divided among SPLIT_K programs. Each writes its
@@ -33,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._fp8 import mma_operand
+from .._fp8 import INTERPRETED, mma_operand
 from .._launch import cdiv, counters, device_cache, device_facts, launch, scratch
 from .._records import _pow2, _ue8m0_fp8
 
@@ -56,12 +60,23 @@ def _block_scale(ptr, kb, stride_k, mask, PACKED: tl.constexpr):
 
 @triton.jit
 def _fp8_tile(ptrs, mask, FNUZ: tl.constexpr, FIX_NEG_ZERO: tl.constexpr):
-    x = tl.load(ptrs, mask=mask, other=0)
+    """A tile of e4m3 bytes at ptrs (uint8 addresses) as a ``tl.dot`` operand. Bytes taken as they are are
+    loaded through an fp8 pointer: the load then feeds the matrix unit from shared memory as it landed
+    (Hopper's pipelined copies go straight to wgmma's operand buffers; a uint8 load bitcast in registers
+    made each k-block's weight tile a round trip shared -> registers -> shared)."""
     if FNUZ and FIX_NEG_ZERO:
+        x = tl.load(ptrs, mask=mask, other=0)
         # 0x80 -> 0x00: b & (((b & 0x7F) + 0x7F) | 0x7F) clears bit 7 only where the low seven bits are 0
         # (no carry leaves the byte: 0x7F + 0x7F < 0x100)
         x = x & (((x & 0x7F) + 0x7F) | 0x7F).to(tl.uint8)
-    return mma_operand(x, FNUZ)
+        v = mma_operand(x, FNUZ)
+    elif INTERPRETED:
+        v = mma_operand(tl.load(ptrs, mask=mask, other=0), FNUZ)
+    elif FNUZ:
+        v = tl.load(ptrs.to(tl.pointer_type(tl.float8e4b8)), mask=mask, other=0.0)
+    else:
+        v = tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
+    return v
 
 
 @triton.jit
@@ -105,14 +120,28 @@ def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_st
         sw_rows = sw_ptr + g * sw_stride_g + (rn // W_GRAN_N).to(tl.int64) * sw_stride_n
         sw_mask = n_ok
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the scales of each k-block are loaded one block ahead (the first before the loop): their load latency
+    # then hides behind the block's tile loads and MMA, and the promotion waits only on the MMA. Weight
+    # scales per column are loaded at the top of their own block instead: a second BLOCK_N vector in the
+    # MMA's column layout would make the wide tiles spill
+    has = kb0 < kb_end                          # an empty split (SPLIT_K not dividing K_BLOCKS) reads nothing
+    sa_next = _block_scale(sa_rows, kb0, sa_stride_k, m_ok & has, A_PACKED)
+    if W_UNIFORM:
+        sw_next = _block_scale(sw_rows, kb0, sw_stride_k, sw_mask & has, W_PACKED)
     for kb in range(kb0, kb_end):
+        sa = sa_next
+        more = kb + 1 < kb_end
+        sa_next = _block_scale(sa_rows, kb + 1, sa_stride_k, m_ok & more, A_PACKED)
+        if W_UNIFORM:
+            sw = sw_next
+            sw_next = _block_scale(sw_rows, kb + 1, sw_stride_k, sw_mask & more, W_PACKED)
+        else:
+            sw = _block_scale(sw_rows, kb, sw_stride_k, sw_mask, W_PACKED)
         a = _fp8_tile(a_ptrs, m_ok[:, None], FNUZ, False)
         w = _fp8_tile(w_ptrs, n_ok[:, None], FNUZ, True)
         part = tl.dot(a, tl.trans(w))
-        sa = _block_scale(sa_rows, kb, sa_stride_k, m_ok, A_PACKED)
         if FNUZ:
             sa = sa * 4.0
-        sw = _block_scale(sw_rows, kb, sw_stride_k, sw_mask, W_PACKED)
         if W_UNIFORM:
             acc += part * (sa * tl.sum(sw, axis=0))[:, None]
         else:
@@ -184,19 +213,45 @@ def default_config(arch: str, num_tokens: int, per_row_w_scales: bool = False) -
 
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "SPLIT_K")
-SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --sweep`` (merged over default_config); each
-    # compiles without spills for sm_90a
-    "m64n64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4),
-    "m64n128": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4),
-    "m64n256": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=3),
-    "m128n64": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8),
-    "m128n128": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
-    "m128n128s3": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-    "m64n64k2": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, SPLIT_K=2),
-    "m128n64k2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, SPLIT_K=2),
-    "m128n128k4": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, SPLIT_K=4),
-    "m128n128k8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, SPLIT_K=8),
-    "m64n128k4": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, SPLIT_K=4),
+SWEEP = {    # candidate tiles for ``python -m dsv4_rocm bench --only fp8_einsum --sweep`` (merged over
+    # default_config); each compiles without spills for sm_90a with 128-row weight scales (with per-row ones
+    # the 128 x 128 tiles spill 200-240 B: no default for that form). Names: m<BLOCK_M> n<BLOCK_N> w<warps> s<stages>,
+    # g<GROUP_M> where not 8, k<SPLIT_K> where split.
+    # decode-sized T (the weight read bounds the time): few tokens a tile, deep pipelines, or every token in
+    # one tile (the weights then cross from L2 once) with narrow columns or a split for enough programs
+    "m64n64w4s4": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+    "m64n64w4s6": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=6),
+    "m64n128w4s4": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4),
+    "m64n128w4s5": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=5),
+    "m128n32w4s6": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=6),
+    "m128n64w4s5": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5),
+    "m128n64w8s4": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+    "m128n64w8s6": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=6),
+    "m64n64w4s4k2": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, SPLIT_K=2),
+    "m128n32w4s6k2": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=6, SPLIT_K=2),
+    "m128n64w4s5k2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=5, SPLIT_K=2),
+    "m128n64w8s4k2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, SPLIT_K=2),
+    "m128n128w8s4k2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, SPLIT_K=2),
+    "m128n128w8s4k4": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, SPLIT_K=4),
+    "m64n128w4s4k4": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, SPLIT_K=4),
+    # deeper pipelines (more weight bytes in flight a program: one program a Hopper SM streams ~ stages x
+    # the k-block's tile bytes per memory latency)
+    "m64n64w4s8": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=8),
+    "m128n64w8s8": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=8),
+    "m128n64w8s6k2": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=6, SPLIT_K=2),
+    "m128n128w8s6k2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=6, SPLIT_K=2),
+    # prefill-sized T (the matrix units bound the time): wide tiles, 2-4 stages, the L2 swizzle width
+    "m128n128w8s3": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    "m128n128w8s4": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
+    "m128n128w8s3g4": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=4),
+    "m128n128w8s3g16": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, GROUP_M=16),
+    "m64n256w8s3": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=3),
+    "m256n64w8s3": dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3),
+    "m128n64w8s3g16": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, GROUP_M=16),
+    # two programs a Hopper SM (<= 113 KB of shared memory, <= 255 registers x 128 threads each): one
+    # program's MMA runs while the other promotes its block
+    "m64n128w4s3": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+    "m128n64w4s4": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
 }
 
 
