@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .._fp8 import INTERPRETED, mma_operand
 from .._launch import cdiv, counters, device_cache, device_facts, launch, scratch
+from .._pdl import pdl_start
 from .._records import _pow2, _ue8m0_fp8
 
 UE8M0_NAN_BITS = tl.constexpr(0x7FC00000)
@@ -85,7 +86,8 @@ def _fp8_einsum_kernel(a_ptr, a_stride_t, a_stride_g, sa_ptr, sa_stride_t, sa_st
                        out_ptr, out_stride_t, out_stride_g, num_tokens, n_cols, ws_ptr, count_ptr,
                        K_BLOCKS: tl.constexpr, A_PACKED: tl.constexpr, W_PACKED: tl.constexpr, W_GRAN_N: tl.constexpr,
                        FNUZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
+                       SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -174,12 +176,13 @@ QUANT_BLOCKS = 4          # 128-column blocks a program of the activation quanti
 
 @triton.jit
 def _quantize_activation_kernel(x_ptr, x_stride_t, x_stride_k, q_ptr, s_ptr, k_blocks, NB: tl.constexpr,
-                                FNUZ: tl.constexpr):
+                                FNUZ: tl.constexpr, PDL: tl.constexpr = False):
     """fp8_linear's activation quantizer, ``reference.output.quantize_activation``'s bytes and scales: program
     (t, j) turns blocks j*NB .. j*NB + NB - 1 of row t of x (bf16) into UE8M0 fp8 bytes q [T, K] and scales
     s [T, K / 128] = 2^e. A block holding NaN or inf gets bytes 0x7F and a NaN scale (docs/conventions.md;
     the oracle's 2^128 = inf gives the same NaN product where 0x7F decodes as NaN, and the NaN scale keeps
     it NaN on gfx942, where the byte reads as a finite fnuz value)."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     ok = blk < k_blocks
