@@ -67,10 +67,11 @@ def _serial_columns(v, C: tl.constexpr):
 @triton.jit
 def _butterfly(s, N: tl.constexpr):
     """The 32 lane sums s [N, 32] reduced as a 32-lane xor butterfly reduces them: [N]."""
-    for i in tl.static_range(5):
-        W: tl.constexpr = 16 >> i
-        s = tl.sum(tl.reshape(s, (N, 2, W)), axis=1)
-    return tl.reshape(s, (N,))
+    s = tl.sum(tl.reshape(s, (N, 2, 16)), axis=1)
+    s = tl.sum(tl.reshape(s, (N, 2, 8)), axis=1)
+    s = tl.sum(tl.reshape(s, (N, 2, 4)), axis=1)
+    s = tl.sum(tl.reshape(s, (N, 2, 2)), axis=1)
+    return tl.sum(tl.reshape(s, (N, 2, 1)), axis=1).reshape((N,))
 
 
 @triton.jit
@@ -207,7 +208,8 @@ def _spec(name, fmt, indexer, fp4=False, q_norm=True):
         constexprs=lambda arch: dict(QH=Q_HEADS, R=KV_ROWS, BS=64, FMT=fmt, FNUZ=arch == "gfx942",
                                      APPLY_Q_NORM=q_norm, INDEXER=indexer, HB=HEAD_BLOCK, FP4=fp4, Q_FNUZ=False),
         options=lambda arch: dict(num_warps=4, num_stages=1, enable_fp_fusion=False),
-        matrix=False, fp8_encode=True, exact_fp32=True)
+        matrix=False, fp8_encode=True, exact_fp32=True,
+        own_fma="the q RoPE is vLLM's fused multiply-add rounding (tl.fma); fp fusion stays off elsewhere")
 
 
 COMPILE_SPECS = [
