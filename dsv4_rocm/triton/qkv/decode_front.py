@@ -26,9 +26,9 @@ The per-head q norm (hip_kernels/include/dsv4/record.h, ``dsv4_rmsnorm512``) giv
 16 l .. 16 l + 15 and sums their squares one after the other; the kv norm (hip_kernels/fused_q_kv_rmsnorm.hip)
 gives lane l the 8 values at 8 l and the 8 at 256 + 8 l and adds (a^2 + b^2) of their 8 pairs one after the
 other. Both then reduce the 32 lane sums by an xor butterfly (lane l + lane l ^ 16, then ^ 8, ^ 4, ^ 2, ^ 1),
-which is the tree that adds lane i to lane i + 16, then i to i + 8, and so on. Here a lane's serial sum is a
-loop over the columns of a [.., 32, C] tile (each column taken out by a masked sum: one value and zeros,
-exact) and each butterfly level a sum over an axis of size two (one addition). Division and square root
+which is the tree that adds lane i to lane i + 16, then i to i + 8, and so on. Here a lane's serial sum adds the
+columns of a [.., 32, C] tile in turn (the columns taken out by splits) and each butterfly level is a sum
+over an axis of size two (one addition). Division and square root
 are correctly rounded on both sides (the HIP build's flags: fp contraction off, correctly rounded divide
 and sqrt), so the floats are the same.
 
@@ -54,14 +54,43 @@ KV_ROWS = 4          # kv tokens a kv job inserts
 
 
 @triton.jit
-def _serial_columns(v, C: tl.constexpr):
-    """Sum of the C columns of v [N, 32, C], one column after another ((c0 + c1) + c2) + ...: a lane's serial
-    accumulation in the HIP norms."""
-    col = tl.arange(0, C)[None, None, :]
-    s = tl.sum(tl.where(col == 0, v, 0.0), axis=2)
-    for j in tl.static_range(1, C):
-        s = s + tl.sum(tl.where(col == j, v, 0.0), axis=2)
-    return s
+def _halves(v, N: tl.constexpr, K: tl.constexpr):
+    """(v[..., 0::2], v[..., 1::2]) of v [N, 32, K]."""
+    return tl.split(tl.reshape(v, (N, 32, K // 2, 2)))
+
+
+@triton.jit
+def _columns4(v, N: tl.constexpr):
+    """The 4 columns of v [N, 32, 4], each [N, 32]."""
+    a, b = _halves(v, N, 4)
+    a0, a1 = _halves(a, N, 2)
+    b0, b1 = _halves(b, N, 2)
+    return (tl.reshape(a0, (N, 32)), tl.reshape(b0, (N, 32)), tl.reshape(a1, (N, 32)), tl.reshape(b1, (N, 32)))
+
+
+@triton.jit
+def _serial16(v, N: tl.constexpr):
+    """Sum of the 16 columns of v [N, 32, 16] one after another ((c0 + c1) + c2) + ...: a lane's serial
+    accumulation in the HIP q norm. The columns are taken out by splits (no arithmetic)."""
+    e, o = _halves(v, N, 16)
+    ee, eo = _halves(e, N, 8)
+    oe, oo = _halves(o, N, 8)
+    c0, c4, c8, c12 = _columns4(ee, N)
+    c2, c6, c10, c14 = _columns4(eo, N)
+    c1, c5, c9, c13 = _columns4(oe, N)
+    c3, c7, c11, c15 = _columns4(oo, N)
+    s = c0 + c1
+    s = (((((s + c2) + c3) + c4) + c5) + c6) + c7
+    return (((((((s + c8) + c9) + c10) + c11) + c12) + c13) + c14) + c15
+
+
+@triton.jit
+def _serial8(v, N: tl.constexpr):
+    """Sum of the 8 columns of v [N, 32, 8] one after another: a lane's serial accumulation in the HIP kv norm."""
+    e, o = _halves(v, N, 8)
+    c0, c2, c4, c6 = _columns4(e, N)
+    c1, c3, c5, c7 = _columns4(o, N)
+    return ((((((c0 + c1) + c2) + c3) + c4) + c5) + c6) + c7
 
 
 @triton.jit
@@ -78,7 +107,7 @@ def _butterfly(s, N: tl.constexpr):
 def _sum_sq_q(x, N: tl.constexpr):
     """Sum of squares of each row of x [N, 512] in dsv4_rmsnorm512's order: lane l the squares of values
     16 l .. 16 l + 15 in turn, then the butterfly."""
-    return _butterfly(_serial_columns(tl.reshape(x * x, (N, 32, 16)), 16), N)
+    return _butterfly(_serial16(tl.reshape(x * x, (N, 32, 16)), N), N)
 
 
 @triton.jit
@@ -87,7 +116,7 @@ def _sum_sq_kv(x):
     8 l .. 8 l + 7, then at 256 + 8 l .., in turn; then the butterfly."""
     a, b = tl.split(tl.reshape(x, (2, 32, 4, 2)))                      # [chunk, lane, pair]
     p = tl.reshape(tl.permute(a * a + b * b, (1, 0, 2)), (1, 32, 8))    # lane, then chunk-major pairs
-    return tl.sum(_butterfly(_serial_columns(p, 8), 1), axis=0)
+    return tl.sum(_butterfly(_serial8(p, 1), 1), axis=0)
 
 
 @triton.jit
