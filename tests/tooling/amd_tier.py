@@ -308,7 +308,8 @@ def case_decode_front(target):
         rq8, rw = ri.fused_indexer_q_rope_quant(pos, iq, F.CS, iw, 0.125, 0.1, fp4)
         assert not bool(float_mismatch(w_out, rw).any()), "folded weights differ"
         assert int((caches[1] != 0xA5).sum()) > 1000
-        lines += [_bytes_equal(q_out, want_q, f"{fmt.name} q_out"), _bytes_equal(caches[0], caches[1], f"{fmt.name} cache"),
+        lines += [_bytes_equal(q_out, want_q, f"{fmt.name} q_out"),
+                  _bytes_equal(caches[0], caches[1], f"{fmt.name} cache"),
                   _bytes_equal(out, rq8[0] if fp4 else rq8, "index q bytes")]
         if fp4:
             lines.append(_bytes_equal(scales, rq8[1].contiguous().view(torch.uint8).view(T, nh, 4), "index q scales"))
