@@ -61,7 +61,8 @@ class TritonKernel:
     matrix: bool                         # must use the matrix units
     fp8_convert: bool = False            # must decode fp8 with the hardware convert (no software path)
     fp8_encode: bool = False             # must encode fp8 with the hardware convert
-    exact_fp32: bool = False             # compiled with fp fusion off: no fma may appear in the PTX
+    exact_fp32: bool = False             # compiled with fp fusion off: no fma may appear in the PTX ...
+    own_fma: str = ""                    # ... unless the kernel calls tl.fma itself: why ("" = it does not)
     fp8_mma: bool = False                # its matrix instructions must take fp8 (e4m3) operands
     sgpr_spills: object = ""             # why SGPR spills (to VGPR lanes, not memory) are accepted; "" = none are
     ptxas_spills: object = ""            # why ptxas spills (NVIDIA targets) are accepted; "" = none are
@@ -258,7 +259,7 @@ def _compile_triton_here(k: TritonKernel, target: str) -> dict:
             row["problems"].append("no hardware fp8 convert")
         if k.fp8_encode and "cvt.rn.satfinite.e4m3x2.f32" not in ptx:
             row["problems"].append("no hardware fp8 encode")
-        if k.exact_fp32 and re.search(r"\bfma\.", ptx):
+        if k.exact_fp32 and not k.own_fma and re.search(r"\bfma\.", ptx):
             row["problems"].append("fma in an exact-fp32 kernel")
         if k.matrix and mma not in ptx:
             row["problems"].append(f"no {mma}")

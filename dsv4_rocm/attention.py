@@ -34,7 +34,7 @@ from . import ops
 from .attention_step import attend_step
 from .config import AttentionConfig, LayerType
 from .kv_cache import RECORD_FORMATS, LayerCache, v41_records
-from .layer_parts import COMPRESSORS, INDEXERS
+from .layer_parts import COMPRESSORS, INDEX_SOFTMAX_SCALE, INDEXERS
 from .layer_plan import LayerPlan, plan_of
 from .ops.indexer import MAX_NEXT_N
 from .platform import detect
@@ -150,13 +150,17 @@ class DeepseekV4Attention(torch.nn.Module):
         x = hidden_states
         self._check(positions, x, step, attends=True)
         self._mark("start")
-        qr, kv, q = self._projections(x)
+        front = step.num_decode_tokens == x.shape[0] > 0        # a decode-only step: the fused front
+        qr, kv, q = self._projections(x, raw_kv=front)
         self._mark("projections")
-        q = self._insert(q, kv, positions, step)
+        if front:
+            q, index_query = self._decode_front(q, kv, x, qr, positions, step)
+        else:
+            q, index_query = self._insert(q, kv, positions, step), None
         self._mark("q norm + kv insert")
         latent = self.compressor.write(self, x, positions, step) if self.compressor else None
         self._mark("compressor")
-        topk = self.indexer.topk(self, x, qr, latent, positions, step) if self.indexer else None
+        topk = self.indexer.topk(self, x, qr, latent, positions, step, index_query) if self.indexer else None
         self._mark("indexer")
         if topk is None and self.plan.shared_topk and self.plan.keys == "topk":
             topk = self.shared.topk[:x.shape[0]]        # the top-k of the last index source before this layer
@@ -228,13 +232,29 @@ class DeepseekV4Attention(torch.nn.Module):
                              f"takes at most {MAX_DECODE_QUERY_LEN} (1 + speculative tokens)")
         step.validate(self._bounds, built=True)
 
-    def _projections(self, x):
-        """(qr, kv, q [T, H, 512]): the fused wq_a + wkv projection, the q / kv RMSNorms, wq_b."""
+    def _projections(self, x, raw_kv: bool = False):
+        """(qr, kv, q [T, H, 512]): the fused wq_a + wkv projection, the q / kv RMSNorms, wq_b. ``raw_kv``: kv
+        is the projection's latent before its norm (the fused decode front norms it)."""
         cfg, w = self.cfg, self.w
         qr_kv = ops.fp8_linear(x, w.wqkv8, w.wqkv_s)
         qr, kv = ops.fused_q_kv_rmsnorm(qr_kv[:, :cfg.q_lora_rank], qr_kv[:, cfg.q_lora_rank:], w.q_norm,
                                         w.kv_norm, self.eps)
+        kv = qr_kv[:, cfg.q_lora_rank:] if raw_kv else kv
         return qr, kv, ops.fp8_linear(qr, w.wq_b8, w.wq_b_s).view(x.shape[0], self.n_local_heads, 512)
+
+    def _decode_front(self, q, kv, x, qr, positions, step: StepMetadata):
+        """What ``_insert`` and the indexer's query quantization write, from the raw kv latent, in one launch
+        (``ops.decode_front``; the same floats and bytes as the unfused ops): (q padded, the indexer's
+        quantized query or None)."""
+        fmt = self.cache.swa_format
+        kw = {}
+        if self.indexer:
+            qi, head_weights = self.indexer.query_inputs(self, x, qr)
+            kw = dict(index_q=qi, index_weights=head_weights, index_weights_softmax_scale=INDEX_SOFTMAX_SCALE,
+                      index_weights_head_scale=self.cfg.index_n_heads ** -0.5)
+        return ops.decode_front(q, kv, self.w.kv_norm, self.cache.swa, step.slot_mapping, positions,
+                                self.cos_sin_cache, self.padded_heads, self.eps, L.SWA_BLOCK_SIZE, self.plan.q_norm,
+                                kv_mxfp8=fmt.name == L.V41_528.name, kv_layout=fmt.layout, **kw)
 
     def _insert(self, q, kv, positions, step: StepMetadata) -> torch.Tensor:
         """q (normed by the plan) and RoPE'd, padded; kv RoPE'd and quantized into the SWA cache's records."""

@@ -97,19 +97,23 @@ class PooledIndexer:
         pooled_compress(m, x, w.idx_comp_w, w.idx_comp_ape, w.idx_comp_norm, positions, step, m.cache.idx_state,
                         m._idx, step.compressed_slots[4], 128, 4)
 
+    def query_inputs(self, m, x, qr):
+        """The indexer's query heads (wq_b of qr) and their weights before RoPE and quantization."""
+        return index_heads(m, qr), torch.matmul(x, m.w.idx_wproj.t())
+
     def query(self, m, x, qr, positions):
         """The indexer's query heads and weights, RoPE'd and quantized: (q fp8 [T, nh, 128], w fp32 [T, nh])."""
-        return index_query(m, qr, torch.matmul(x, m.w.idx_wproj.t()), positions)
+        return quantized_query(m, *self.query_inputs(m, x, qr), positions)
 
     def profile(self, m, x, qr, positions) -> None:
         ops.compressor_kv_score(x, m.w.idx_comp_w)
         self.query(m, x, qr, positions)
 
-    def topk(self, m, x, qr, latent, positions, step) -> torch.Tensor:
+    def topk(self, m, x, qr, latent, positions, step, query=None) -> torch.Tensor:
         """Writes the indexer-K cache; each token's top-k local compressed indices int32 [T, index_topk]
-        (valid first, -1 after)."""
+        (valid first, -1 after). ``query``: the quantized query when the layer's fused front made it."""
         self.write_keys(m, x, latent, positions, step)
-        q8, wq = self.query(m, x, qr, positions)
+        q8, wq = query if query is not None else self.query(m, x, qr, positions)
         topk = torch.empty(x.shape[0], m.cfg.index_topk, dtype=torch.int32, device=x.device)
         score_topk(m, q8, wq, step.indexer_lens, step, topk, None)
         return topk
@@ -127,17 +131,22 @@ class LatentIndexer:
         ops.indexer_k_norm_rope_store(k_pre, positions, m.cos_sin_cache, m.w.idx_k_norm, m.eps, m.cache.idx,
                                       step.compressed_slots[m.ratio], m.ratio, False)
 
+    def query_inputs(self, m, x, qr):
+        """As ``PooledIndexer.query_inputs``, its head weights by ``bf16_linear``."""
+        return index_heads(m, qr), bf16_linear(x, m.w.idx_wproj)
+
     def query(self, m, x, qr, positions):
         """As ``PooledIndexer.query``, its head weights by ``bf16_linear``."""
-        return index_query(m, qr, bf16_linear(x, m.w.idx_wproj), positions)
+        return quantized_query(m, *self.query_inputs(m, x, qr), positions)
 
     def profile(self, m, x, qr, positions) -> None:
         self.query(m, x, qr, positions)
 
-    def topk(self, m, x, qr, latent, positions, step) -> torch.Tensor:
-        """The index source's top-k into the shared buffer (its rows of the step), candidate blocks first."""
+    def topk(self, m, x, qr, latent, positions, step, query=None) -> torch.Tensor:
+        """The index source's top-k into the shared buffer (its rows of the step), candidate blocks first.
+        ``query`` as in ``PooledIndexer.topk``."""
         self.write_keys(m, x, latent, positions, step)
-        q8, wq = self.query(m, x, qr, positions)
+        q8, wq = query if query is not None else self.query(m, x, qr, positions)
         topk = m.shared.topk[:x.shape[0]]
         hook = None
         if m.plan.candidates is not None:
@@ -149,12 +158,20 @@ class LatentIndexer:
         return topk
 
 
-def index_query(m, qr, head_weights, positions):
-    """The indexer's query heads (wq_b of qr) and their weights, RoPE'd and quantized: (q fp8 [T, nh, 128],
-    w fp32 [T, nh])."""
+INDEX_SOFTMAX_SCALE = 128 ** -0.5         # the indexer's logits scale (its head dim), folded into the weights
+
+
+def index_heads(m, qr):
+    """The indexer's query heads: wq_b of qr, bf16 [T, nh, 128]."""
     w, nh = m.w, m.cfg.index_n_heads
-    qi = ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(qr.shape[0], nh, 128)
-    return ops.fused_indexer_q_rope_quant(positions, qi, m.cos_sin_cache, head_weights, 128 ** -0.5, nh ** -0.5)
+    return ops.fp8_linear(qr, w.idx_wq_b8, w.idx_wq_b_s).view(qr.shape[0], nh, 128)
+
+
+def quantized_query(m, qi, head_weights, positions):
+    """The query heads and their weights RoPE'd and quantized: (q fp8 [T, nh, 128], w fp32 [T, nh])."""
+    nh = m.cfg.index_n_heads
+    return ops.fused_indexer_q_rope_quant(positions, qi, m.cos_sin_cache, head_weights, INDEX_SOFTMAX_SCALE,
+                                          nh ** -0.5)
 
 
 def score_topk(m, q8, wq, lens, step, topk, logits_hook) -> None:

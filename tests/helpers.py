@@ -337,3 +337,46 @@ def patch_interpreter_bf16():
         B.create_dot, B.cast_impl, B.binary_op = saved
         raise RuntimeError(f"the interpreter's bf16 fixes leave {sorted(left)} wrong under Triton {triton.__version__}")
     return tuple(sorted(broken))
+
+
+@triton.jit
+def _probe_fma(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(out_ptr + r, tl.fma(tl.load(a_ptr + r), tl.load(b_ptr + r), tl.load(c_ptr + r)))
+
+
+def _fma_broken() -> bool:
+    """fp32 tl.fma rounds once: (1 + 2^-12)^2 - 1 is 2^-11 + 2^-24, not the 2^-11 of a rounded product."""
+    a = torch.full((4,), 1 + 2 ** -12)
+    c = torch.full((4,), -1.0)
+    out = torch.zeros(4)
+    _probe_fma[(1,)](a, a, c, out, N=4)
+    return not torch.equal(out, torch.full((4,), 2 ** -11 + 2 ** -24))
+
+
+def patch_interpreter_fma():
+    """The interpreter's fp32 ``tl.fma`` (Triton 3.6) rounds the product before the sum (a * b + c in NumPy
+    fp32), where the GPUs' fma rounds once. Make it the single rounding (``reference.rope.fma32``), only where
+    ``_probe_fma`` shows the bug. Returns the fixes applied."""
+    if not _interpreting() or not _fma_broken():
+        return ()
+    import numpy as np
+    import triton.runtime.interpreter as ti
+    from dsv4_rocm.reference.rope import fma32
+
+    B = ti.InterpreterBuilder
+    saved = B.create_fma
+
+    def create_fma(self, x, y, z):
+        if z.data.dtype != np.float32:
+            return saved(self, x, y, z)
+        a, b, c = np.broadcast_arrays(x.data, y.data, z.data)
+        r = fma32(torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(np.ascontiguousarray(b)),
+                  torch.from_numpy(np.ascontiguousarray(c)))
+        return ti.TensorHandle(r.numpy().astype(np.float32), z.dtype.scalar)
+
+    B.create_fma = create_fma
+    if _fma_broken():
+        B.create_fma = saved
+        raise RuntimeError("the interpreter's fma fix does not fix it under Triton " + triton.__version__)
+    return ("fma",)

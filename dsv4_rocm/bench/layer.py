@@ -12,6 +12,11 @@ projections, wo_b) are torch matmuls and stay out.
 Each op's floor is max(bytes / copy bandwidth, FLOP / matrix rate) with bytes counted once (inputs read,
 outputs written) and the fp8 rate for fp8 matrix work; the step's target is 1.3x the sum of the floors.
 
+The decode front (``ops.decode_front``: the kv half of the q / kv RMSNorm, q norm + RoPE with the kv insert, and
+the indexer's q quant in one launch) is timed beside the three ops it replaces, and the whole step twice: with
+the unfused ops, and with the fused front in place of the insert and the q quant (the q / kv RMSNorm stays for
+its qr half, which wq_b reads).
+
 The step's index sets (``StepMetadata.build``: one kernel, dsv4_rocm/triton/metadata/step_index_sets.py) are timed
 beside their peer, the composition of the public metadata ops they replace (``build_from_ops``), for the
 C4 sets this layer reads and for both ratios (what a V4 model's step builds for its C4 and C128 layers).
@@ -117,6 +122,24 @@ def _index_sets(ctx, name, step, nbytes):
                 timing.time_graph_ms(launch), 0, nbytes + c128_bytes)
 
 
+def _check_front(st, op_front, op_front_ops, dev):
+    """The fused front's q and indexer outputs against the three ops' (run second, on the same inputs; the
+    cache records they write are the same bytes by the same argument and tests/qkv/test_decode_front.py checks
+    them). The q is compared where the unfused norms are the HIP kernels (dsv4_rocm._C built), whose sum order
+    the fused kernel follows; their torch references sum in an order of the platform's."""
+    op_front()
+    got = [st[k].clone() for k in ("qp", "q8", "wq")]
+    op_front_ops()
+    torch.cuda.synchronize()
+    want = [st[k] for k in ("qp", "q8", "wq")]
+    same = torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)) and torch.equal(
+        got[2].view(torch.int32), want[2].view(torch.int32))
+    if "hip" in ops.machine_backends(dev):
+        same = same and torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    if not same:
+        raise RuntimeError("the fused decode front differs from the three ops it replaces")
+
+
 def suite(ctx):
     name = f"C4 decode step V4-Flash h64 b={B} ctx={CTX}"
     if not ctx.wants(name, "layer"):
@@ -182,6 +205,16 @@ def suite(ctx):
     def op_q_quant():
         st["q8"], st["wq"] = ops.fused_indexer_q_rope_quant(step.positions, qi, cs, wi, 128 ** -0.5, nh ** -0.5)
 
+    def op_front():                                   # the kv half of op_norm, op_insert and op_q_quant in one launch
+        st["qp"], (st["q8"], st["wq"]) = ops.decode_front(
+            q, qr_kv[:, cfg.q_lora_rank:], W.kv_norm, cache.swa, step.slot_mapping, step.positions, cs, 64, 1e-6, 64,
+            index_q=qi, index_weights=wi, index_weights_softmax_scale=128 ** -0.5, index_weights_head_scale=nh ** -0.5)
+
+    def op_front_ops():                               # its peer: the three ops it replaces
+        op_norm()
+        op_insert()
+        op_q_quant()
+
     def op_logits():
         lens = step.indexer_lens.view(B, 1)
         st["lg"] = ops.fp8_paged_mqa_logits(st["q8"].view(B, 1, nh, 128), cache.idx_view().unsqueeze(-2), st["wq"],
@@ -245,15 +278,33 @@ def suite(ctx):
         floor_sum += floor
         ctx.add(f"{name}: {op_name}", "graph", ms, flop, nbytes, rate=rate, peer=peer, peer_ms=peer_ms)
 
-    def whole():
-        for _, fn, _, _, _ in ops_list:
-            fn()
-    ms = timing.time_graph_ms(whole)
-    total_flop = sum(f for _, _, f, _, _ in ops_list)
-    total_bytes = sum(b for _, _, _, b, _ in ops_list)
-    row = ctx.add(f"{name}: whole step", "graph", ms, total_flop, total_bytes, sum_of_floors_us=floor_sum * 1e3,
-                  over_sum_of_floors=ms / floor_sum)
-    row["frac_floor"] = floor_sum / ms
-    print(f"{name}: whole step {ms * 1e3:.1f} us, sum of the ops' floors {floor_sum * 1e3:.1f} us, "
-          f"ratio {ms / floor_sum:.2f} (target <= 1.3)")
+    # the fused front beside the three ops it replaces, checked against them first
+    front_bytes = T * (H * 512 * 2 + 64 * 512 * 2 + 512 * 2 + 584 + 256 + 16 + nh * (128 * 2 + 2 + 128 + 4))
+    _check_front(st, op_front, op_front_ops, dev)
+    front_ms = timing.time_graph_ms(op_front)
+    eager()
+    ctx.add(f"{name}: decode front (fused)", "graph", front_ms, 0, front_bytes, rate=mm, peer="the three ops",
+            peer_ms=timing.time_graph_ms(op_front_ops))
+    eager()
+    front_floor = front_bytes / bw * 1e3
+    unfused_front = {"q norm + rope, kv insert", "indexer q quant"}
+    # the fused step: the q/kv norm stays (its qr half feeds wq_b; its kv half is unused there), the front
+    # replaces the insert and the indexer's q quant, in the place of the insert
+    fused_list = [(n, f, fl, b, r) for n, f, fl, b, r in ops_list if n not in unfused_front]
+    fused_list.insert(1, ("decode front (fused)", op_front, 0, front_bytes, mm))
+    fused_floor_sum = sum(max(b / bw, fl / r if fl else 0.0) * 1e3 for _, _, fl, b, r in fused_list)
+    for label, lst, fsum in (("whole step", ops_list, floor_sum), ("whole step, fused front", fused_list,
+                                                                   fused_floor_sum)):
+        def whole(lst=lst):
+            for _, fn, _, _, _ in lst:
+                fn()
+        ms = timing.time_graph_ms(whole)
+        eager()
+        total_flop = sum(f for _, _, f, _, _ in lst)
+        total_bytes = sum(b for _, _, _, b, _ in lst)
+        row = ctx.add(f"{name}: {label}", "graph", ms, total_flop, total_bytes, sum_of_floors_us=fsum * 1e3,
+                      over_sum_of_floors=ms / fsum)
+        row["frac_floor"] = fsum / ms
+        print(f"{name}: {label} {ms * 1e3:.1f} us, sum of the ops' floors {fsum * 1e3:.1f} us, "
+              f"ratio {ms / fsum:.2f} (target <= 1.3)")
     _index_sets(ctx, name, step, index_bytes)

@@ -12,19 +12,21 @@ from .. import _checks as C
 from .. import cache_views as V
 from .. import layout as L
 from .. import hip_ops as _hip    # builds dsv4_rocm._C on a kernel's first call, not on import
+from . import indexer as _idx
 from ..reference import norm as _rn, qkv as _rq
 from ._dispatch import HAVE_TRITON, register, run as _run, value_checks
 
 __all__ = ["fused_q_kv_rmsnorm", "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert",
            "fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert_out", "qnorm_rope_and_insert_full_k_cache",
-           "qnorm_rope_and_insert_full_bf16_k_cache", "fused_deepseek_v4_kv_rope_insert"]
+           "qnorm_rope_and_insert_full_bf16_k_cache", "fused_deepseek_v4_kv_rope_insert", "decode_front"]
 
 if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: without it the ops run their oracles
+    from ..triton.qkv.decode_front import decode_front as _triton_decode_front
     from ..triton.qkv.fused_deepseek_v4_kv_rope_insert import fused_deepseek_v4_kv_rope_insert as _triton_kv_insert
     from ..triton.qkv.qnorm_rope_and_insert_full_bf16_k_cache import \
         qnorm_rope_and_insert_full_bf16_k_cache as _triton_bf16_insert
 else:
-    _triton_kv_insert = _triton_bf16_insert = None
+    _triton_kv_insert = _triton_bf16_insert = _triton_decode_front = None
 register("fused_q_kv_rmsnorm", _rn.fused_q_kv_rmsnorm, hip=_hip.fused_q_kv_rmsnorm)
 register("fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert", _rq.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert,
          hip=_hip.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert)
@@ -33,6 +35,7 @@ register("qnorm_rope_and_insert_full_k_cache", _rq.qnorm_rope_and_insert_full_k_
 register("qnorm_rope_and_insert_full_bf16_k_cache", _rq.qnorm_rope_and_insert_full_bf16_k_cache,
          triton=_triton_bf16_insert)
 register("fused_deepseek_v4_kv_rope_insert", _rq.fused_deepseek_v4_kv_rope_insert, triton=_triton_kv_insert)
+register("decode_front", _rq.decode_front, triton=_triton_decode_front)
 
 COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -241,3 +244,89 @@ def fused_deepseek_v4_kv_rope_insert(kv, k_cache, slot_mapping, position_ids, co
     C.slots_inside("slot_mapping", slot_mapping, cap, f"({k_cache.shape[0]} pages x {cache_block_size})")
     _run("fused_deepseek_v4_kv_rope_insert", kv.device, kv, cache, slot_mapping, position_ids, cos_sin_cache,
          cache_block_size, fp8_scale, kv_mxfp8, fmt=fmt)
+
+
+def decode_front(q, kv, kv_weight, k_cache, slot_mapping, positions, cos_sin_cache, padded_heads: int, eps: float,
+                 block_size: int, apply_q_norm: bool = True, kv_mxfp8: bool = False, *, kv_layout: str = None,
+                 q_out=None, index_q=None, index_weights=None, index_q_cos_sin_cache=None,
+                 index_weights_softmax_scale: float = None, index_weights_head_scale: float = None,
+                 index_use_fp4: bool = False, index_use_fnuz: bool = False):
+    """The front of a decode step in one launch. Equals, in writes and results,
+
+        _, kv_n = fused_q_kv_rmsnorm(<any qr>, kv, <any q_weight>, kv_weight, eps)
+        q_out = fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv_n, k_cache, slot_mapping, positions,
+                    cos_sin_cache, padded_heads, eps, block_size, apply_q_norm, kv_mxfp8, kv_layout=kv_layout)
+        index = fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
+                    index_weights_softmax_scale, index_weights_head_scale, index_use_fp4,
+                    use_fnuz=index_use_fnuz)                    # only when index_q is given
+
+    and returns (q_out, index) (index None without index_q). kv is the raw latent of the kv projection
+    (bf16 [T, 512], a column slice of the fused projection is fine), kv_weight the kv_norm weight (bf16
+    [512]); the q_lora norm stays before wq_b and is not part of this op. The cache gets the records of
+    the first len(slot_mapping) tokens (a slot < 0 is padding); ``q_out`` (optional, [T, padded_heads, 512]
+    bf16) is written in place. ``index_q_cos_sin_cache`` defaults to ``cos_sin_cache``. On the GPU the
+    floats and bytes are those of the unfused kernels (HIP norms and insert, Triton indexer query) bit for bit
+    (dsv4_rocm/triton/qkv/decode_front.py says why). vLLM's chunk-interleaved q layout and ``apply_q_rope``
+    False are not taken here (the fused insert alone takes them)."""
+    _check_q_kv(q, kv, slot_mapping, positions, cos_sin_cache, eps)
+    _flag("apply_q_norm", apply_q_norm)
+    _flag("kv_mxfp8", kv_mxfp8)
+    if kv.stride(1) != 1:
+        raise ValueError(f"kv must have a unit last stride, got strides {kv.stride()}")
+    if q.shape[1] and q.stride(2) != 1:
+        raise ValueError(f"q must have a unit last stride, got strides {q.stride()}")
+    C.tensor("kv_weight", kv_weight, dtype=torch.bfloat16, shape=(L.HEAD_DIM,))
+    if kv_weight.stride(0) != 1:
+        raise ValueError(f"kv_weight must be contiguous, got stride {kv_weight.stride()}")
+    if not isinstance(padded_heads, int) or isinstance(padded_heads, bool) or padded_heads < max(q.shape[1], 1):
+        raise ValueError(f"padded_heads must be an int >= the {q.shape[1]} heads of q, got {padded_heads!r}")
+    C.positive_int("block_size", block_size)
+    fmt = L.with_layout(L.V41_528 if kv_mxfp8 else L.V40_584, kv_layout)
+    pages = V.pages(k_cache, block_size, "k_cache", fmt)
+    T = q.shape[0]
+    if q_out is None:
+        q_out = torch.empty(T, padded_heads, L.HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    else:
+        C.no_overlap("q_out", C.tensor("q_out", q_out, dtype=torch.bfloat16, shape=(T, padded_heads, L.HEAD_DIM)))
+        if q_out.stride(2) != 1:
+            raise ValueError(f"q_out must have a unit last stride, got strides {q_out.stride()}")
+    index = None
+    if index_q is not None:
+        ics = cos_sin_cache if index_q_cos_sin_cache is None else index_q_cos_sin_cache
+        C.tensor("index_q", index_q, dtype=_idx.FLOATS, shape=(T, None, L.INDEXER_DIM))
+        _idx._unit_inner("index_q", index_q)
+        C.cos_sin(ics, positions, COS_SIN_DTYPES, n_tokens=T)
+        C.tensor("index_weights", index_weights, dtype=_idx.FLOATS, shape=(T, index_q.shape[1]))
+        C.finite_float("index_weights_softmax_scale", index_weights_softmax_scale)
+        C.finite_float("index_weights_head_scale", index_weights_head_scale)
+        _flag("index_use_fp4", index_use_fp4)
+        _flag("index_use_fnuz", index_use_fnuz)
+        if index_use_fnuz and index_use_fp4:
+            raise ValueError("index_use_fnuz=True names the FP8 query's e4m3fnuz flavour; the MXFP4 query "
+                             "(index_use_fp4=True) has none")
+        C.same_device(q=q, index_q=index_q, index_weights=index_weights, index_q_cos_sin_cache=ics)
+        nh, dev = index_q.shape[1], q.device
+        w_out = torch.empty(T, nh, dtype=torch.float32, device=dev)
+        if index_use_fp4:
+            out = torch.empty(T, nh, L.INDEXER_DIM // 2, dtype=torch.uint8, device=dev)
+            scales = torch.empty(T, nh, L.INDEXER_DIM // 32, dtype=torch.uint8, device=dev)
+        else:
+            out = torch.empty(T, nh, L.INDEXER_DIM, device=dev,
+                              dtype=torch.float8_e4m3fnuz if index_use_fnuz else torch.float8_e4m3fn)
+            scales = out
+        index = (index_q, ics, index_weights, float(index_weights_softmax_scale),
+                 float(index_weights_head_scale), index_use_fp4, index_use_fnuz, out, scales, w_out)
+    elif index_weights is not None:
+        raise ValueError("index_weights is given without index_q")
+    C.same_device(q=q, kv=kv, kv_weight=kv_weight, k_cache=k_cache, slot_mapping=slot_mapping, positions=positions,
+                  cos_sin_cache=cos_sin_cache, q_out=q_out)
+    C.slots_inside("slot_mapping", slot_mapping, V.capacity(pages, block_size),
+                   f"({pages.shape[0]} pages x {block_size})")
+    _run("decode_front", q.device, q, kv, kv_weight, q_out, pages, slot_mapping, positions, cos_sin_cache, eps,
+         block_size, apply_q_norm, fmt, index)
+    if index is None:
+        return q_out, None
+    out, scales, w_out = index[7:]
+    if index_use_fp4:
+        return q_out, ((out, scales.view(torch.int32).squeeze(-1)), w_out)
+    return q_out, (out, w_out)

@@ -167,3 +167,26 @@ def fused_deepseek_v4_kv_rope_insert(kv, k_cache, slot_mapping, positions, cos_s
     inv = 1.0 / fp8_scale.reshape(()).float()
     k_cache.view(torch.uint8)[s // bs, s % bs] = _encode_scaled(rope_fwd(kv[:n][valid], pos[valid], cos_sin_cache),
                                                                inv)
+
+
+def decode_front(q, kv, kv_weight, q_out, k_cache, slot_mapping, positions, cos_sin_cache, eps: float,
+                 block_size: int, apply_q_norm: bool, fmt: L.RecordFormat, index=None) -> None:
+    """The front of a decode step as the unfused ops run it: kv = bf(RMSNorm(kv; kv_weight)) (the kv half of
+    ``norm.fused_q_kv_rmsnorm``), then ``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` into q_out and the
+    ``fmt`` cache, then, with ``index`` = (index_q, index_cos_sin_cache, index_weights, softmax_scale, head_scale,
+    use_fp4, use_fnuz, out, scales, w_out), ``indexer.fused_indexer_q_rope_quant`` into out / scales / w_out
+    (scales: the MXFP4 scale bytes uint8 [T, nh, 4]; unused for the FP8 query)."""
+    from .indexer import fused_indexer_q_rope_quant
+    kv_n = rmsnorm(kv, kv_weight, eps).to(torch.bfloat16)
+    fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert(q, kv_n, k_cache, slot_mapping, positions, cos_sin_cache,
+                                                      q_out.shape[1], eps, block_size, q_out, apply_q_norm, True,
+                                                      False, fmt)
+    if index is not None:
+        iq, ics, iw, sm_scale, h_scale, fp4, q_fnuz, out, scales, w_out = index
+        qi, w = fused_indexer_q_rope_quant(positions, iq, ics, iw, sm_scale, h_scale, fp4, q_fnuz)
+        if fp4:
+            out.copy_(qi[0])
+            scales.view(torch.uint8).copy_(qi[1].contiguous().view(torch.uint8).view(scales.shape))
+        else:
+            out.view(torch.uint8).copy_(qi.view(torch.uint8))
+        w_out.copy_(w)

@@ -25,7 +25,7 @@ if __name__ == "__main__":        # the interpreter is chosen when Triton is imp
     _tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # this checkout's dsv4_rocm, then tests/ (helpers) and the stage folders whose inputs and checks the cases use
     sys.path[:0] = [os.path.dirname(_tests), _tests] + [os.path.join(_tests, s) for s in
-                                                         ("compressor", "indexer", "attention", "output")]
+                                                         ("compressor", "indexer", "attention", "output", "qkv")]
 
 import torch                                                    # noqa: E402
 import triton                                                   # noqa: E402
@@ -45,6 +45,7 @@ CASES = {
     "indexer_k_norm_rope_store": ("gfx942", "gfx950"),
     "rope_quant_insert": ("gfx942", "gfx950"),
     "fused_deepseek_v4_kv_rope_insert": ("gfx942", "gfx950"),
+    "decode_front": ("gfx942", "gfx950"),
     "fused_indexer_q_rope_quant": ("gfx942", "gfx950"),
     "fused_indexer_q_rope_quant_fnuz": ("gfx942", "gfx950"),
     "fused_inv_rope_fp8_quant": ("gfx942", "gfx950"),
@@ -75,6 +76,7 @@ CASE_FORMATS = {
     "sparse_mla_decode_fnuz_window": ("sparse_mla_decode", [dict(MAIN_FMT=L.with_fnuz(_V40), EXTRA_FMT=_V40)]),
     "fused_deepseek_v4_kv_rope_insert": ("fused_deepseek_v4_kv_rope_insert", [dict(FMT=_V40),
                                                                               dict(FMT=L.with_layout(_V41))]),
+    "decode_front": ("decode_front", [dict(FMT=_V40), dict(FMT=L.with_layout(_V41))]),
     "rope_quant_insert": ("rope_quant_insert", [dict(FMT=_V40), dict(FMT=L.with_layout(_V41)),
                                                 dict(FMT=L.with_layout(_FP4))]),
 }
@@ -281,6 +283,37 @@ def case_fused_deepseek_v4_kv_rope_insert(target):
         assert written > 1000, written
         lines.append(_bytes_equal(backing[0], backing[1], f"{name} ({written} bytes written)"))
     return lines, {"_kv_rope_insert_kernel": dict(FNUZ=target == "gfx942", MODE=2, FMT=L.with_layout(_V41))}
+
+
+def case_decode_front(target):
+    """The decode step's front in one launch: q norm + RoPE (vLLM's fma rounding), the kv norm + RoPE + record
+    (V40_584 with the FP8 indexer query, V41_528 with the MXFP4 one; the e4m3 encodes through the target's
+    convert), the indexer query; against the unfused math (the HIP-order norms of tests/qkv/test_decode_front.py
+    and the references) bit for bit."""
+    import test_decode_front as F
+    from dsv4_rocm.reference import indexer as ri
+    from dsv4_rocm.triton.qkv import decode_front as K
+    lines = []
+    for fmt, fp4 in ((_V40, False), (L.with_layout(_V41), True)):
+        T, H, Hp, n, nb, bs, nh = 7, 4, 8, 6, 2, 16, 32
+        q, kv, w, pos, slots, iq, iw = F.inputs(T, H, n, nb, bs, nh, seed=5 + fp4)
+        caches = [torch.full((nb, L.page_bytes(bs, fmt)), 0xA5, dtype=torch.uint8) for _ in range(2)]
+        q_out = torch.full((T, Hp, 512), float("nan"), dtype=torch.bfloat16)
+        w_out = torch.full((T, nh), float("nan"))
+        out = torch.full((T, nh, 64 if fp4 else 128), 0xAB, dtype=torch.uint8)
+        scales = torch.full((T, nh, 4), 0xAB, dtype=torch.uint8) if fp4 else out
+        K.decode_front(q, kv, w, q_out, caches[0], slots, pos, F.CS, F.EPS, bs, True, fmt,
+                       (iq, F.CS, iw, 0.125, 0.1, fp4, False, out, scales, w_out))
+        want_q = F.model_front(q, kv, w, caches[1], slots, pos, F.CS, Hp, bs, True, fmt)
+        rq8, rw = ri.fused_indexer_q_rope_quant(pos, iq, F.CS, iw, 0.125, 0.1, fp4)
+        assert not bool(float_mismatch(w_out, rw).any()), "folded weights differ"
+        assert int((caches[1] != 0xA5).sum()) > 1000
+        lines += [_bytes_equal(q_out, want_q, f"{fmt.name} q_out"),
+                  _bytes_equal(caches[0], caches[1], f"{fmt.name} cache"),
+                  _bytes_equal(out, rq8[0] if fp4 else rq8, "index q bytes")]
+        if fp4:
+            lines.append(_bytes_equal(scales, rq8[1].contiguous().view(torch.uint8).view(T, nh, 4), "index q scales"))
+    return lines, {"_decode_front_kernel": dict(FNUZ=target == "gfx942", FMT=L.with_layout(_V41), FP4=True)}
 
 
 def case_fused_indexer_q_rope_quant(target):
@@ -878,9 +911,10 @@ def run(target, names):
 
 
 if __name__ == "__main__":
-    from helpers import patch_interpreter_bf16, patch_interpreter_scalars
+    from helpers import patch_interpreter_bf16, patch_interpreter_fma, patch_interpreter_scalars
     patch_interpreter_scalars()
     patch_interpreter_bf16()
+    patch_interpreter_fma()
     tgt = sys.argv[1]
     if tgt == "model":
         model_checks()

@@ -41,13 +41,14 @@ def _e2m1(v):
 
 
 @triton.jit
-def _fused_indexer_q_rope_quant_kernel(
-        pos_ptr, q_ptr, stride_qt, stride_qh, cs_ptr, stride_cs, cs_rows, w_ptr, stride_wt, stride_wh,
+def indexer_q_heads(
+        t, head_block, pos_ptr, q_ptr, stride_qt, stride_qh, cs_ptr, stride_cs, cs_rows, w_ptr, stride_wt, stride_wh,
         out_ptr, stride_ot, stride_oh, scale_ptr, stride_st, stride_sh, wout_ptr, stride_wot,
         softmax_scale, head_scale, num_heads,
         HB: tl.constexpr, FP4: tl.constexpr, FNUZ: tl.constexpr, Q_FNUZ: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    """The work of one program: token t (int64), heads head_block * HB .. + HB - 1 (the module docstring). The
+    fused decode front (dsv4_rocm/triton/qkv/decode_front.py) runs its indexer jobs through this too."""
+    heads = head_block * HB + tl.arange(0, HB)
     live = heads < num_heads
     d = tl.arange(0, 128)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -86,6 +87,18 @@ def _fused_indexer_q_rope_quant_kernel(
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :], q, mask=live[:, None])
         w = tl.where(bad, float("nan"), ((w * _pow2(e)) * softmax_scale) * head_scale)
     tl.store(wout_ptr + t * stride_wot + heads, w, mask=live)
+
+
+@triton.jit
+def _fused_indexer_q_rope_quant_kernel(
+        pos_ptr, q_ptr, stride_qt, stride_qh, cs_ptr, stride_cs, cs_rows, w_ptr, stride_wt, stride_wh,
+        out_ptr, stride_ot, stride_oh, scale_ptr, stride_st, stride_sh, wout_ptr, stride_wot,
+        softmax_scale, head_scale, num_heads,
+        HB: tl.constexpr, FP4: tl.constexpr, FNUZ: tl.constexpr, Q_FNUZ: tl.constexpr):
+    indexer_q_heads(tl.program_id(0).to(tl.int64), tl.program_id(1), pos_ptr, q_ptr, stride_qt, stride_qh, cs_ptr,
+                    stride_cs, cs_rows, w_ptr, stride_wt, stride_wh, out_ptr, stride_ot, stride_oh, scale_ptr,
+                    stride_st, stride_sh, wout_ptr, stride_wot, softmax_scale, head_scale, num_heads,
+                    HB=HB, FP4=FP4, FNUZ=FNUZ, Q_FNUZ=Q_FNUZ)
 
 
 @device_cache()

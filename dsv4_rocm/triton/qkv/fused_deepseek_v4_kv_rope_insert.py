@@ -25,6 +25,18 @@ ROWS = 4
 MODES = {torch.uint8: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 
 
+@triton.jit
+def store_kv_record(x, cs_row_ptr, page, off, BS: tl.constexpr, FNUZ: tl.constexpr, FMT: tl.constexpr):
+    """The record of one kv row x (fp32 [512] of bf16 values) at record ``off`` of ``page``: RoPE of the last
+    64 dims at the cos/sin row (three roundings each), then V40_584 (UE8M0 fp8 of x[:448], bf16 RoPE dims) or
+    V41_528 (UE8M0 fp8 of all 512 dims of bf(RoPE(x))). The kv insert of every fused front writes through this."""
+    y = _rope_last64(x, cs_row_ptr, 512)
+    if FMT.quant_dims < 512:
+        _store_main(page, off, BS, x, y, FNUZ)
+    else:
+        _store_v41_fp8(page, off, BS, y.to(tl.bfloat16).to(tl.float32), FNUZ, FMT)
+
+
 @triton.jit(do_not_specialize=["n"])
 def _kv_rope_insert_kernel(kv_ptr, kv_stride, pos_ptr, cs_ptr, cs_stride, cs_rows, cache_ptr, page_stride, row_stride,
                            capacity, slot_ptr, n, scale_ptr, BS: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
@@ -36,14 +48,11 @@ def _kv_rope_insert_kernel(kv_ptr, kv_stride, pos_ptr, cs_ptr, cs_stride, cs_row
             s, p, writes = record_token(slot_ptr, pos_ptr, t, capacity, cs_rows, 1)
             if writes:
                 x = tl.load(kv_ptr + t.to(tl.int64) * kv_stride + d).to(tl.float32)
-                y = _rope_last64(x, cs_ptr + p * cs_stride, 512)
                 if MODE == 0:
-                    page = cache_ptr + (s // BS) * page_stride
-                    if FMT.quant_dims < 512:
-                        _store_main(page, s % BS, BS, x, y, FNUZ)
-                    else:
-                        _store_v41_fp8(page, s % BS, BS, y.to(tl.bfloat16).to(tl.float32), FNUZ, FMT)
+                    store_kv_record(x, cs_ptr + p * cs_stride, cache_ptr + (s // BS) * page_stride, s % BS, BS,
+                                    FNUZ, FMT)
                 else:
+                    y = _rope_last64(x, cs_ptr + p * cs_stride, 512)
                     row = cache_ptr + (s // BS) * page_stride + (s % BS) * row_stride + d
                     if MODE == 1:
                         tl.store(row, y.to(tl.bfloat16))
