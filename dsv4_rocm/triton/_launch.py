@@ -15,7 +15,9 @@ beyond its outputs (a serving engine calls the attention launchers once per laye
   arrivals in it leave every entry at 0 when they finish.
 * ``launch(fn)``: the ``Kernel`` of a ``@triton.jit`` function, launched as ``launch(fn)[grid](*args,
   **constexprs)`` or, with the constexprs fixed, ``launch(fn).bind(**constexprs)[grid](*args)``: Triton's own
-  launch (``fn[grid](...)``), recorded inside ``record_launches``, its first compile in ``kernel_cache``.
+  launch (``fn[grid](...)``), recorded inside ``record_launches``, its first compile in ``kernel_cache``;
+  a kernel that takes a ``PDL`` constexpr gets ``PDL=True`` and ``launch_pdl=True`` on GPUs with programmatic
+  dependent launch (``_pdl.py``).
 * ``kernel_cache()``: where dsv4_rocm's compiled kernels persist between processes, and the context in which
   its compiles run (below).
 

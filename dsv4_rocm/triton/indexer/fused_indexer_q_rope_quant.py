@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .._launch import cdiv, device_cache, device_facts, launch
+from .._pdl import pdl_start
 from .._records import _ceil_log2, _pow2, _ue8m0_fp8
 
 HEAD_BLOCK = 16
@@ -94,7 +95,8 @@ def _fused_indexer_q_rope_quant_kernel(
         pos_ptr, q_ptr, stride_qt, stride_qh, cs_ptr, stride_cs, cs_rows, w_ptr, stride_wt, stride_wh,
         out_ptr, stride_ot, stride_oh, scale_ptr, stride_st, stride_sh, wout_ptr, stride_wot,
         softmax_scale, head_scale, num_heads,
-        HB: tl.constexpr, FP4: tl.constexpr, FNUZ: tl.constexpr, Q_FNUZ: tl.constexpr):
+        HB: tl.constexpr, FP4: tl.constexpr, FNUZ: tl.constexpr, Q_FNUZ: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     indexer_q_heads(tl.program_id(0).to(tl.int64), tl.program_id(1), pos_ptr, q_ptr, stride_qt, stride_qh, cs_ptr,
                     stride_cs, cs_rows, w_ptr, stride_wt, stride_wh, out_ptr, stride_ot, stride_oh, scale_ptr,
                     stride_st, stride_sh, wout_ptr, stride_wot, softmax_scale, head_scale, num_heads,

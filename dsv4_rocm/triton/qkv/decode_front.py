@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ... import layout as L
 from .._launch import cdiv, device_cache, device_facts, launch
+from .._pdl import pdl_start
 from .._records import record_token
 from ..indexer.fused_indexer_q_rope_quant import HEAD_BLOCK, indexer_q_heads
 from .fused_deepseek_v4_kv_rope_insert import store_kv_record
@@ -147,7 +148,8 @@ def _decode_front_kernel(
         is_st, is_sh, iwo_ptr, iwo_st, softmax_scale, head_scale, index_heads, index_blocks,
         QH: tl.constexpr, R: tl.constexpr, BS: tl.constexpr, FMT: tl.constexpr, FNUZ: tl.constexpr,
         APPLY_Q_NORM: tl.constexpr, INDEXER: tl.constexpr, HB: tl.constexpr, FP4: tl.constexpr,
-        Q_FNUZ: tl.constexpr):
+        Q_FNUZ: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     d = tl.arange(0, 512)
     if pid < n_q_jobs:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ... import layout as L
 from .._launch import cdiv, launch
+from .._pdl import pdl_start
 from .._records import _e4m3, _rope_last64, _store_main, _store_v41_fp8, fnuz, record_token
 
 ROWS = 4
@@ -40,7 +41,8 @@ def store_kv_record(x, cs_row_ptr, page, off, BS: tl.constexpr, FNUZ: tl.constex
 @triton.jit(do_not_specialize=["n"])
 def _kv_rope_insert_kernel(kv_ptr, kv_stride, pos_ptr, cs_ptr, cs_stride, cs_rows, cache_ptr, page_stride, row_stride,
                            capacity, slot_ptr, n, scale_ptr, BS: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr,
-                           FNUZ: tl.constexpr, FMT: tl.constexpr):
+                           FNUZ: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     d = tl.arange(0, 512)
     for i in range(R):
         t = tl.program_id(0) * R + i
