@@ -69,6 +69,7 @@ PREFILL_SWEEP = [
     ("triton n64s4", dict(kernel="triton", BLOCK_N=64, num_stages=4)),
 ]
 TRITONS = [TRITON]       # the portable variants timed: TRITON, plus PORTABLE_SWEEP with --portable-sweep
+WS_TIMED = {}             # --ws-default-only: {"only": True}, the Hopper kernel's default alone is timed
 
 
 def fits(cfg, h):
@@ -320,7 +321,7 @@ def timing(ok, peer):
         args = timed_inputs(c)
         row = dict(case=label, graph={}, eager={}, compile={})
         runs = [TRITON] + [v for v in TRITONS[1:] + VARIANTS if (variants or v[0] == "ws") and ok.get(v[0])
-                           and fits(v[1], c[3])]
+                           and fits(v[1], c[3]) and not (WS_TIMED.get("only") and v[0].startswith("ws "))]
         for name, cfg, ns in runs:
             fn = (lambda cfg=cfg, ns=ns: D.sparse_mla_decode(*args, config=cfg, num_splits=ns))
             kern = D._ws._sparse_mla_ws_kernel if cfg["kernel"] == "ws" else D._sparse_mla_paged_kernel
@@ -508,7 +509,10 @@ def main(argv=None):
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--portable-sweep", action="store_true",
                     help="also check and time the portable kernel's PORTABLE_SWEEP and PREFILL_SWEEP tiles")
+    ap.add_argument("--ws-default-only", action="store_true",
+                    help="time the Hopper kernel's default only (not its variants and timing probes)")
     a = ap.parse_args(argv)
+    WS_TIMED["only"] = a.ws_default_only
     if a.portable_sweep:
         TRITONS[1:] = PORTABLE_SWEEP
         PREFILL_VARIANTS[1:1] = PREFILL_SWEEP
