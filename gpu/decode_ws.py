@@ -382,7 +382,8 @@ def prefill_timing(ok, peer):
         row = dict(case=label, us={})
         base = None
         for name, cfg in PREFILL_VARIANTS:
-            if name.startswith("ws") and not ok.get("ws prefill") or not fits(cfg, c["h"]):
+            if (name.startswith("ws") and not ok.get("ws prefill") or not fits(cfg, c["h"])
+                    or WS_TIMED.get("only") and name.startswith("ws ")):
                 continue
             fn = (lambda cfg=cfg: sparse_mla_prefill(q, kv, idx, 512 ** -0.5, config=cfg))
             try:
