@@ -193,26 +193,31 @@ def _quantize_activation_kernel(x_ptr, x_stride_t, x_stride_k, q_ptr, s_ptr, k_b
     tl.store(s_ptr + t * k_blocks + blk, tl.where(bad, float("nan"), _pow2(e)), mask=ok)
 
 def default_config(arch: str, num_tokens: int, per_row_w_scales: bool = False) -> dict:
-    """Tile per target and token count. Decode-sized batches: 64 x 64 tiles, many programs for a weight
-    read that bounds the time; more tokens: 128-row tiles, which the matrix units need to approach their
-    rate; 8 warps for them (4 spill on Hopper). Weight scales per row keep a
-    vector of BLOCK_N scales live beside two fp32 tiles: 64 columns, which compile without spills. AMD
-    keeps two stages in its 64 KB (gfx942) of LDS. The tiles change only past 64 and 256 tokens
+    """Tile per target and token count. AMD: decode-sized batches 64 x 64 tiles, many programs for a weight
+    read that bounds the time; more tokens 128-row tiles, which the matrix units need to approach their rate,
+    8 warps; two stages in its 64 KB (gfx942) of LDS; weight scales per row keep a vector of BLOCK_N scales
+    live beside two fp32 tiles: 64 columns. NVIDIA, from the H200 sweep of 2026-11-29 (BENCHMARKS.md section
+    P): up to 256 tokens every token of a 128-token tile with 64 columns, 4 warps, 4 stages (V4-Flash T 128:
+    16.7 us, 1.38x torch's bf16 einsum), and with per-row weight scales 64 x 128 (21.8 us); past 256 tokens
+    128 x 128 with 8 warps and 4 stages (1.00x at 4096 tokens), per-row 64 x 128 with 4 warps and 3 stages
+    (the 128 x 128 tiles spill with per-row scales). The tiles change only past 64 and 256 tokens
     (``TOKEN_CLASSES``: launches cache a plan per class)."""
     amd = arch.startswith("gfx")
-    small = 64 if amd else 256      # H100 sweep (BENCHMARKS.md): 64 x 64 tiles win up to 128 tokens and more
-    if num_tokens <= small:
+    if not amd:
+        if num_tokens <= 256:
+            if per_row_w_scales:
+                return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)
+            return dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=4)
+        if per_row_w_scales:
+            return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
+    if num_tokens <= 64:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=8, num_warps=4)
-    elif amd and (num_tokens <= 256 or per_row_w_scales):
+    elif num_tokens <= 256 or per_row_w_scales:
         cfg = dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=8)
-    elif amd:
+    else:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8)
-    else:                           # H100 sweep: 128 x 64 beats 128 x 128 at 4096 tokens (525 vs 617 us)
-        cfg = dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=8)
-    cfg["num_stages"] = 2 if amd else 4
-    if amd:
-        cfg.update(matrix_instr_nonkdim=16, kpack=1)
-    return cfg
+    return dict(cfg, num_stages=2, matrix_instr_nonkdim=16, kpack=1)
 
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_M", "SPLIT_K")
