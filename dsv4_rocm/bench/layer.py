@@ -196,6 +196,12 @@ def suite(ctx):
         st["gi"], st["gl"] = ops.compute_global_topk_indices_and_lens(topk, step.token_to_req, step.compressed_block_table,
                                                                      64, step.is_valid_token)
 
+    def op_topk_global():                             # the two ops above in one launch (its epilogue)
+        lg = st["lg"]
+        st["gi"], st["gl"] = ops.top_k_global_decode(lg, 1, step.indexer_lens.view(B, 1), topk, T, lg.stride(0),
+                                                     lg.stride(1), K, step.token_to_req, step.compressed_block_table,
+                                                     64, step.is_valid_token)
+
     def op_attention():
         ops.sparse_mla_decode(st["qp"].unsqueeze(1), cache.swa_view().unsqueeze(-2), step.swa_indices.unsqueeze(1),
                               step.swa_lens, W.attn_sink, cache.comp_view().unsqueeze(-2), st["gi"].unsqueeze(1),
@@ -244,6 +250,18 @@ def suite(ctx):
         floor = max(nbytes / bw, flop / rate if flop else 0.0) * 1e3
         floor_sum += floor
         ctx.add(f"{name}: {op_name}", "graph", ms, flop, nbytes, rate=rate, peer=peer, peer_ms=peer_ms)
+
+    # top-k + global slots fused, beside the two ops it replaces (the whole step below runs the ops); the short
+    # rows' output order is deterministic, so its rows equal the ops' exactly
+    op_topk(), op_global()
+    want = [topk.clone(), st["gi"].clone(), st["gl"].clone()]
+    op_topk_global()
+    if not all(torch.equal(a, b) for a, b in zip((topk, st["gi"], st["gl"]), want)):
+        raise RuntimeError("top-k + global slots (fused) differs from top-k then global top-k slots")
+    ctx.add(f"{name}: top-k + global slots (fused)", "graph", timing.time_graph_ms(op_topk_global), 0,
+            T * (n_entries * 4 + K * 4 * 3), rate=mm, peer="top-k, then global top-k slots",
+            peer_ms=timing.time_graph_ms(lambda: (op_topk(), op_global())))
+    eager()
 
     def whole():
         for _, fn, _, _, _ in ops_list:

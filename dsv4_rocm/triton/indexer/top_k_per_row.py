@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...layout import global_topk_outputs
 from ...platform import detect
 from .._compat import by_triton
 from .._launch import cdiv, counters, emulated_target, launch, next_power_of_2, scratch
@@ -608,7 +609,7 @@ def _split1_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, o
         per = tl.cdiv(tl.cdiv(ncols, TILE), S)
         c0 = s * per * TILE
         c1 = tl.minimum(c0 + per * TILE, ncols)
-        offs, _ = _tile_offsets(G0, GB, LF)
+        offs, gofs = _tile_offsets(G0, GB, LF)
         x0 = _load_cols(x_ptr + r.to(tl.int64) * x_s0, x_s1, c0 + offs, c0 + offs < c1, OFF64)
     G = _global_ctx(r, gout_ptr, gout_s0, lens_ptr, t2r_ptr, valid_ptr, bt_ptr, bt_row, bt_rows, bt_cols,
                     block_size) if GLOBAL else 0
@@ -773,15 +774,17 @@ def _short_constexprs(width, digit, mode, off64, glob=0):
                 OFF64=off64, GLOBAL=glob)
 
 
-def _options(arch, warps):
+def _options(arch, warps, bound=False):
     """num_warps, and on NVIDIA with 8 warps or fewer .maxnreg 255: these kernels run one CTA per SM, and
     without the bound ptxas spills to stay at 128 registers for an occupancy they cannot use. With more
     warps, from Triton 3.8 on, the bound the register file allows (128 at 16 warps): without it ptxas keeps
-    the split pass-2 kernel at 64 registers and spills (64 B at k = 512); 3.6 needs none (``_compat``)."""
+    the split pass-2 kernel at 64 registers and spills (64 B at k = 512); 3.6 needs none (``_compat``),
+    except for the global-slots epilogue (``bound``: the short-rows kernel spills 28 B at 64 registers
+    without it, none at 101 with it)."""
     if arch.startswith("gfx"):
         return dict(num_warps=warps)
     if warps > 8:
-        cap = by_triton({(3, 6): None, (3, 8): 65536 // (32 * warps)})
+        cap = 65536 // (32 * warps) if bound else by_triton({(3, 6): None, (3, 8): 65536 // (32 * warps)})
         return dict(num_warps=warps) if cap is None else dict(num_warps=warps, maxnreg=cap)
     return dict(num_warps=warps, maxnreg=255)
 
@@ -832,7 +835,7 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config, gl
         programs = max(1, min(num_rows, int(cfg["fused_ctas"] * sms)))
         launch(_fused_kernel)[(programs,)](*row_args, *out_args, num_rows, out, 0, out, 0, *g_args,
                                            **_short_constexprs(max(_pow2(ncols), 16), cfg["digit"], mode, off64, g),
-                                           **_options(arch, cfg["warps"]))
+                                           **_options(arch, cfg["warps"], g > 0))
     elif layout == "fused":
         programs = max(1, min(num_rows, int(cfg["fused_ctas"] * sms)))
         fcfg = _fused_sizes(cfg)
@@ -841,7 +844,7 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config, gl
         launch(_fused_kernel)[(programs,)](*row_args, *out_args, num_rows, ws, groups, ws[programs * groups:],
                                            slot, *g_args, **_constexprs(fcfg, mode, _FUSED, LONG=True, OFF64=off64,
                                                                          GLOBAL=g),
-                                           **_options(arch, fcfg["warps"]))
+                                           **_options(arch, fcfg["warps"], g > 0))
     elif layout == "split1":
         ws = scratch(dev, num_rows * (groups + 2 * cap + cfg["scan1"])).view(torch.int32)
         fmax, lst = ws, ws[num_rows * groups:]
@@ -850,7 +853,7 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config, gl
         launch(_split1_kernel)[(num_rows, S)](*row_args, *out_args, fmax, groups, state, cfg["coarse"] + 4, lst,
                                               2 * cap, ids, *g_args,
                                               **_split1_constexprs(cfg, mode, OFF64=off64, GLOBAL=g),
-                                              **_options(arch, cfg["warps"]))
+                                              **_options(arch, cfg["warps"], g > 0))
     else:
         gb = cfg["coarse"]
         ws = scratch(dev, num_rows * (groups + 2 * cap + 16 + S2 * cfg["scan"])).view(torch.int32)
@@ -863,7 +866,7 @@ def _launch(logits, mode, a, b, a_s0, a_s1, next_n, out, num_rows, k, config, gl
         launch(_collect_kernel)[(num_rows, S2)](*row_args, *out_args, fmax, groups, state, gb + 4, thr, lst,
                                                 2 * cap, ids, *g_args,
                                                 **_constexprs(cfg, mode, _PASS2, OFF64=off64, GLOBAL=g),
-                                                **_options(arch, cfg["warps"]))
+                                                **_options(arch, cfg["warps"], g > 0))
 
 
 def top_k_per_row_prefill(logits, row_starts, row_ends, out_idx, num_rows: int, stride0: int, stride1: int, k: int,
@@ -891,13 +894,24 @@ def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int
 def top_k_global_decode(logits, next_n: int, seq_lens, out_idx, num_rows: int, k: int, token_to_req_indices,
                         block_table, block_size: int, is_valid_token, global_indices, topk_lens,
                         needs_constant_topk: bool = False, config: dict = None) -> None:
-    """``top_k_per_row_decode`` with the epilogue of ``compute_global_topk_indices_and_lens`` (int32 slots) in
-    the same kernels: arguments checked by ``dsv4_rocm.ops.top_k_global_decode``."""
+    """``top_k_per_row_decode`` with the epilogue of ``compute_global_topk_indices_and_lens`` (int32 slots,
+    global_indices [num_rows, k] with contiguous rows, topk_lens [num_rows]) in the same kernels."""
     per_row = seq_lens.dim() == 2 and seq_lens.shape[1] == next_n and next_n > 1
     s1 = seq_lens.stride(1) if seq_lens.dim() == 2 else 0
     _launch(logits, ROW_LENS if per_row else REQUEST_LENS, seq_lens, seq_lens, seq_lens.stride(0), s1, next_n,
             out_idx, num_rows, k, config, glob=(global_indices, topk_lens, token_to_req_indices, is_valid_token,
                                                block_table, block_size, needs_constant_topk))
+
+
+def top_k_global_decode_op(logits, next_n: int, seq_lens, out_idx, num_rows: int, stride0: int, stride1: int, k: int,
+                           token_to_req_indices, block_table, block_size: int, is_valid_token, output_buffers=None,
+                           *, needs_constant_topk: bool = False):
+    """``dsv4_rocm.ops.top_k_global_decode``'s kernel (arguments checked there): the outputs are the caller's
+    pair or new tensors (``layout.global_topk_outputs``), returned."""
+    gout, lens = global_topk_outputs(out_idx[:num_rows], output_buffers)
+    top_k_global_decode(logits, next_n, seq_lens, out_idx, num_rows, k, token_to_req_indices, block_table,
+                        block_size, is_valid_token, gout, lens, needs_constant_topk)
+    return gout, lens
 
 
 _PTRS = dict(x_ptr="*fp32", a_ptr="*i32", b_ptr="*i32", fmax_ptr="*i32", out_ptr="*i32", lst_ptr="*i32",
@@ -917,11 +931,11 @@ def _spec(name, fn, k, mode, xt, names, warps, fused=False, **extra):
         return _fused_sizes(c) if fused else c
     return dict(name=name, fn=fn, pointers=dict(_PTRS, x_ptr=xt), floats=(), matrix=False, sgpr_spills=_SGPR,
                 constexprs=lambda arch: _constexprs(cfg(arch), mode, names, OFF64=False, **extra),
-                options=lambda arch: _options(arch, cfg(arch)[warps]))
+                options=lambda arch: _options(arch, cfg(arch)[warps], extra.get("GLOBAL", 0) > 0))
 
 
 def _split1_spec(name, k, mode, xt, glob=0):
-    return dict(_spec(name, _split1_kernel, k, mode, xt, _SPLIT1, "warps"),
+    return dict(_spec(name, _split1_kernel, k, mode, xt, _SPLIT1, "warps", GLOBAL=glob),
                 constexprs=lambda arch: _split1_constexprs(default_config(arch, k), mode, OFF64=False, GLOBAL=glob))
 
 
@@ -937,7 +951,8 @@ COMPILE_SPECS = [
     dict(_spec("top_k_per_row_short[k=512,width=2048]", _fused_kernel, 512, REQUEST_LENS, "*fp32", _FUSED, "warps"),
          constexprs=lambda arch: _short_constexprs(2048, default_config(arch, 512)["digit"], REQUEST_LENS, False))
 ] + [  # top_k_global_decode (the global-slots epilogue) on each layout it can take, at the decode step's k
-    dict(_spec("top_k_global_short[k=512,width=2048]", _fused_kernel, 512, REQUEST_LENS, "*fp32", _FUSED, "warps"),
+    dict(_spec("top_k_global_short[k=512,width=2048]", _fused_kernel, 512, REQUEST_LENS, "*fp32", _FUSED, "warps",
+               GLOBAL=1),
          constexprs=lambda arch: _short_constexprs(2048, default_config(arch, 512)["digit"], REQUEST_LENS, False, 1)),
     _split1_spec("top_k_global_split1[k=512]", 512, REQUEST_LENS, "*fp32", glob=1),
     _spec("top_k_global_fused[k=512]", _fused_kernel, 512, REQUEST_LENS, "*fp32", _FUSED, "warps", fused=True,
