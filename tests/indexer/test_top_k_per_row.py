@@ -204,6 +204,22 @@ def test_ops_forms_on_cpu_and_empty_batch():
     assert (out == POISON).all()                               # num_rows 0: nothing to do
 
 
+def test_sweep_variants_are_valid_configs_and_plans():
+    """gpu/topk.py times every variant of the bench's SWEEP on the benchmark shapes: each must resolve on every
+    target, and the split variants must take the layout they are named for at b = 1 x 256K."""
+    pytest.importorskip("triton")
+    from dsv4_rocm.bench.top_k import CASES, SWEEP
+    from dsv4_rocm.triton.indexer import top_k_per_row as T
+    for arch, sms in (("sm_90", 132), ("sm_100", 148), ("gfx942", 304), ("gfx950", 256)):
+        for _, rows, n, k in CASES:
+            for name, fn in SWEEP.items():
+                cfg = T._resolve(arch, k, fn(T.default_config(arch, k)))
+                T._plan(cfg, rows, n, sms)
+    plan = {v: T._plan(T._resolve("sm_90", 512, SWEEP[v](T.default_config("sm_90", 512))), 1, 262144, 132)[0]
+            for v in ("default", "2launch", "1launch", "fused")}
+    assert plan == dict(default="split1", **{"2launch": "split", "1launch": "split1"}, fused="fused")
+
+
 # ---------------------------------------------------------------- the Triton kernels under the interpreter (CPU)
 def clustered_logits(rows, width, gen, device="cpu"):
     """Values drawn from [1, 1 + 1e-3): one exponent, the top mantissa bits shared by the whole row."""

@@ -37,8 +37,16 @@ Rows by length (ncols decides on the host which kernels run; each row's own leng
        of them), then the exact select over the list in registers, and the output. With more than CAP
        candidates (thousands of ties at t) the select streams over the whole row in column order instead:
        exact, up to ceil(32 / D) + 1 passes of one CTA (the slow path).
-    Two ways to run them, chosen from rows x SMs on the host (``_plan``):
-    - split (fewer rows than CTAs to fill the GPU): ``_coarse_kernel``, S CTAs a row, each over a share
+    Three ways to run them, chosen from rows x SMs and the row width on the host (``_plan``):
+    - split in one launch (fewer rows than CTAs to fill the GPU, rows of at most ``one_launch`` groups):
+      ``_split1_kernel``, S CTAs a row run pass 1 as ``_coarse_kernel`` below; the CTA that arrives last
+      computes t and runs pass 2 over the whole row alone, as the fused kernel does (its first scan step's
+      group maxima loaded beside the coarse maxima, before t is known), then the output. At b = 1 the
+      work is a few memory round trips a pass, so what counts is the chain: this drops the second
+      launch, its loads of the row range and t, the shared list's atomics and the second arrival. In
+      the decode forms (every row from column 0) the CTAs share the storage width, so each issues its
+      first tile's loads before the row's length arrives (CTAs past a short row's end load and discard).
+    - split in two launches (wider rows): ``_coarse_kernel``, S CTAs a row, each over a share
       of the row's tiles, merges its coarse maxima into the row's C with ``tl.atomic_max``;
       ``_collect_kernel``, S2 CTAs a row, each over a share of the groups, reserves room in the row's
       candidate list with one ``tl.atomic_add`` a load step. In both, the CTA that arrives last at the row's
@@ -49,20 +57,28 @@ Rows by length (ncols decides on the host which kernels run; each row's own leng
     - fused (rows enough to fill the GPU, e.g. prefill chunks): ``_fused_kernel``, one CTA a row at a
       time (a grid of at most fused_ctas x SMs walks the rows), both passes, no atomics, one launch.
 
-Expected work on an H100 (~2-3 us per kernel in a CUDA graph). Batch 1 x 256K: pass 1 is 33 CTAs of
-one 8K tile and 2048 atomic maxima each, then a 2-round select over C; pass 2, 4 CTAs of one scan of
-4096 group maxima and one load of the ~150 groups that qualify (~590 candidates in all), then a 2-round
-select. Batch 64 x 128K: pass 1 streams the 33.5 MB with 2 CTAs a row (~11 us at 3 TB/s), pass 2 reads
-2 MB of group maxima and ~600 groups of 16 columns a row, one step a CTA. Each pass is a chain of 4-6
+Expected work on an H100 (~2-3 us per kernel in a CUDA graph). Batch 1 x 256K, one launch: 33 CTAs of
+one 8K tile and 2048 atomic maxima each, then the last one's 2-round select over C, one scan of the 16384
+group maxima, two loads of the ~590 groups that qualify (~590 candidates), a 2-3-round select. (Two
+launches: pass 2 is 5 CTAs of one scan of 4096 group maxima and one load of ~150 groups each.) Batch
+64 x 128K: pass 1 streams the 33.5 MB with 2 CTAs a row (~11 us at 3 TB/s), pass 2 (the last CTA of a
+row) reads 32 KB of group maxima and ~600 groups of 16 columns a row. Each pass is a chain of 4-6
 dependent memory round trips a CTA, not a loop over the row.
+
+Global slots (``top_k_global_decode``, the C4 decode step): with GLOBAL > 0 every path that writes a row
+of out also writes that token's row of ``compute_global_topk_indices_and_lens`` (int32): the slots of its
+local indices in the order they were written, packed, -1 after, and its lens (the count, or k). The
+short-row and n <= k paths map the block they store from; the long-row paths (candidate list or slow
+path) read their written row back after a barrier, when the select's blocks no longer hold registers
+(in registers the fused kernel spills on sm_100a).
 
 Memory layout: logits element (r, c) at ``logits + r * stride0 + c * stride1`` (any strides, 64-bit
 offsets; loads are masked at the row's storage end ncols, columns past a row's end are read and
 ignored); out_idx (r, i) at ``out + r * out.stride(0) + i * out.stride(1)``. Scratch (int32, in
 ``_launch.scratch``): fmax [slots, ceil(ncols / G0) rounded up to 16], list [slots, 2 CAP] (keys, then
-row-relative columns), the listed groups [CTAs, FS] and, split only, t [rows]; slots are rows (split)
-or programs (fused, whose list row also holds its listed groups). Split also keeps [rows, GB + 4] of
-state (C, then the pass-1 arrivals, the pass-2 arrivals and the candidate count) in
+row-relative columns), the listed groups [CTAs, FS] (one launch: [rows, scan1]) and, two launches only,
+t [rows]; slots are rows (split) or programs (fused, whose list row also holds its listed groups). Split
+also keeps [rows, GB + 4] of state (C, then the pass-1 arrivals, the pass-2 arrivals and the candidate count) in
 ``_launch.counters``. Within a CTA, scratch written before ``tl.debug_barrier`` is read after it by
 other threads: bar.sync orders global memory for the CTA on NVIDIA; on AMD Triton's barrier carries
 workgroup release / acquire fences.
@@ -297,8 +313,8 @@ def _select_stream(row, x_s1, ncols, start, end, t, k, CHUNK: tl.constexpr, D: t
 
 
 @triton.jit
-def _emit_stream(row, x_s1, ncols, start, end, out_row, out_s1, T, above, k, G, CHUNK: tl.constexpr,
-                 KB: tl.constexpr, OFF64: tl.constexpr, GLOBAL: tl.constexpr):
+def _emit_stream(row, x_s1, ncols, start, end, out_row, out_s1, T, above, k, CHUNK: tl.constexpr,
+                 OFF64: tl.constexpr):
     """Streamed output in column order: keys > T at 0.., the first k - above ties at above.."""
     offs = tl.arange(0, CHUNK)
     done_gt = tl.zeros([], tl.int32)
@@ -314,9 +330,6 @@ def _emit_stream(row, x_s1, ncols, start, end, out_row, out_s1, T, above, k, G, 
         tl.store(out_row + pe.to(tl.int64) * out_s1, c - start, mask=eq & (pe < k))
         done_gt += tl.sum(gt.to(tl.int32), 0)
         done_eq += tl.sum(eq.to(tl.int32), 0)
-    if GLOBAL:                  # ties land behind the greater keys: the row's order is known once it is written
-        tl.debug_barrier()
-        _globals_of_row(out_row, out_s1, k, G, KB, GLOBAL)
 
 
 # ---------------------------------------------------------------- row paths
@@ -457,10 +470,13 @@ def _finish_list(lst, count, row, x_s1, ncols, start, end, t, out_row, out_s1, k
         keys = tl.load(lst + i, mask=ok, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
         cols = tl.load(lst + CAP + i, mask=ok, other=0, cache_modifier=".cg")
         T, C = _select_regs(keys, cols, ok, k, D)
-        _emit_selected(out_row, out_s1, cols, keys, ok, T, C, k, G, KB, GLOBAL)
+        _emit_selected(out_row, out_s1, cols, keys, ok, T, C, k, G, KB, 0)
     else:
         T, above = _select_stream(row, x_s1, ncols, start, end, t, k, CHUNK, D, OFF64)
-        _emit_stream(row, x_s1, ncols, start, end, out_row, out_s1, T, above, k, G, CHUNK, KB, OFF64, GLOBAL)
+        _emit_stream(row, x_s1, ncols, start, end, out_row, out_s1, T, above, k, CHUNK, OFF64)
+    if GLOBAL:                  # from the written row: the select's blocks are dead by then (registers)
+        tl.debug_barrier()
+        _globals_of_row(out_row, out_s1, k, G, KB, GLOBAL)
 
 
 @triton.jit
@@ -698,12 +714,15 @@ def default_config(arch: str, k: int) -> dict:
     # One launch up to 16384 groups (256K columns, the b = 1 target): at b = 1 x 256K two launches cost 22.0
     # us on the H200 with ~0.25 us of bandwidth in them; the second launch, its range and threshold loads,
     # the shared list's atomics and a second arrival go, for one CTA's scan of 16384 group maxima in one
-    # step (untimed: gpu/topk.py's variants "2launch", "1launch" and the sizes around them decide)
+    # step (untimed: gpu/topk.py's variants "2launch", "1launch" and the sizes around them decide). On AMD the
+    # last CTA scans 4096 group maxima a step, as split pass 2 does: at 16384 (and chunk1 8192) 8 waves of 64
+    # lanes spill 193 VGPRs
     digit = 8 if arch == "sm_100" else 6
     return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), group=16, scan=4096, chunk=4096,
                 cap=cap, digit=digit, mode="auto", ctas=1.0 if kp <= 512 else 0.25, ctas2=1.0, fused_ctas=1,
                 coarse_warps=8 if amd else 16, warps=8 if amd or kp > 2048 else 16,
-                one_launch=16384, scan1=16384, chunk1=8192, coarse_digit=digit, ahead=True,
+                one_launch=16384, scan1=4096 if amd else 16384, chunk1=4096 if amd else 8192, coarse_digit=digit,
+                ahead=True,
                 fused=dict(raw_max=2048, load=max(4096, coarse), scan=2048, warps=8))
 
 
