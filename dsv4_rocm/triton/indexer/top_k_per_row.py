@@ -155,7 +155,8 @@ def _global_ctx(r, gout_ptr, gout_s0, lens_ptr, t2r_ptr, valid_ptr, bt_ptr, bt_r
     req = tl.load(t2r_ptr + t).to(tl.int64)
     ok = (tl.load(valid_ptr + t) != 0) & (req >= 0) & (req < bt_rows)
     bt = bt_ptr + tl.where(ok, req, 0) * bt_row
-    return gout_ptr + t * gout_s0, lens_ptr + t, bt, ok, bt_cols, block_size.to(tl.int64)
+    # (an int argument equal to 1 arrives as a constexpr: the sum makes it an int64 tensor either way)
+    return gout_ptr + t * gout_s0, lens_ptr + t, bt, ok, bt_cols, tl.zeros([], tl.int64) + block_size
 
 
 @triton.jit
