@@ -44,6 +44,7 @@ SWEEP = {
     "tdigit8": lambda c: dict(coarse_digit=8),                    # the threshold select's rounds
     "tdigit4": lambda c: dict(coarse_digit=4),
     "1l-load/2": lambda c: dict(one_launch=1 << 30, load=max(c["coarse"], c["load"] // 2)),
+    "1l-rows8": lambda c: dict(one_launch_rows=8),                # one launch for small batches only
 }
 
 

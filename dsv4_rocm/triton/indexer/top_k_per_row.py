@@ -689,7 +689,8 @@ def default_config(arch: str, k: int) -> dict:
     digit      D, bits per radix round
     mode       "auto" (split while ctas x SMs // rows > 1, else fused), "split" or "fused"
     one_launch split in one launch (``_split1_kernel``: the last pass-1 CTA of a row does pass 2 alone)
-               when a row has at most this many groups (ceil(ncols / group)), else in two; 0: always two
+               when a row has at most this many groups (ceil(ncols / group)) and there are at most
+               one_launch_rows rows, else in two; 0: always two
     scan1, chunk1: FS and the columns of listed groups a step (a multiple of group) of that last CTA's pass 2
     coarse_digit: DT, bits per radix round of the one-launch kernel's threshold select
     ahead      the one-launch kernel's decode forms load their first pass-1 tile before the row's length
@@ -722,7 +723,7 @@ def default_config(arch: str, k: int) -> dict:
     return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), group=16, scan=4096, chunk=4096,
                 cap=cap, digit=digit, mode="auto", ctas=1.0 if kp <= 512 else 0.25, ctas2=1.0, fused_ctas=1,
                 coarse_warps=8 if amd else 16, warps=8 if amd or kp > 2048 else 16,
-                one_launch=16384, scan1=4096 if amd else 16384, chunk1=4096 if amd else 8192, coarse_digit=digit,
+                one_launch=16384, one_launch_rows=1 << 30, scan1=4096 if amd else 16384, chunk1=4096 if amd else 8192, coarse_digit=digit,
                 ahead=True,
                 fused=dict(raw_max=2048, load=max(4096, coarse), scan=2048, warps=8))
 
@@ -819,7 +820,7 @@ def _plan(cfg, num_rows, ncols, sms):
     S = max(1, min(steps1, int(cfg["ctas"] * sms) // num_rows, 65535))      # one wave of CTAs
     S2 = max(1, min(steps2, int(cfg["ctas2"] * sms) // num_rows, 65535))
     mode = cfg["mode"] if cfg["mode"] != "auto" else ("split" if S > 1 else "fused")
-    if mode == "split" and cdiv(ncols, cfg["group"]) <= cfg["one_launch"]:
+    if mode == "split" and cdiv(ncols, cfg["group"]) <= cfg["one_launch"] and num_rows <= cfg["one_launch_rows"]:
         return "split1", S, 1
     return mode, S, S2
 
