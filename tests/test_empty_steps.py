@@ -137,6 +137,9 @@ def empty_op_calls():
                                                                     torch.empty(0, 4, dtype=I32), 0, 50, 1, 4), none),
         ("top_k_per_row_decode", lambda: ops.top_k_per_row_decode(torch.empty(0, 50), 1, e32,
                                                                   torch.empty(0, 4, dtype=I32), 0, 50, 1, 4), none),
+        ("top_k_global_decode", lambda: ops.top_k_global_decode(torch.empty(0, 50), 1, e32, torch.empty(0, 4, dtype=I32),
+                                                                0, 50, 1, 4, e32, bt, 64, torch.empty(0, dtype=torch.bool)),
+         shapes((0, 4), (0,))),
         ("persistent_topk", lambda: ops.persistent_topk(torch.empty(0, 50), e32, torch.empty(0, 4, dtype=I32),
                                                         torch.empty(0, dtype=torch.uint8), 4, 50), none),
         ("sparse_mla_decode", lambda: ops.sparse_mla_decode(

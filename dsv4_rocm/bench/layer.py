@@ -22,6 +22,7 @@ beside their peer, the composition of the public metadata ops they replace (``bu
 C4 sets this layer reads and for both ratios (what a V4 model's step builds for its C4 and C128 layers).
 ``--sweep`` also times the kernel's launch configurations, each checked against the default first.
 """
+import contextlib
 import dataclasses
 import math
 
@@ -34,6 +35,7 @@ from ..kv_cache import LayerCache
 from ..reference.compressor import coff, state_block_size
 from ..reference.rope import build_cos_sin_cache
 from ..step import StepMetadata
+from ..triton import _pdl
 from ..triton.metadata.step_index_sets import step_index_sets
 from ..weights import LayerWeights
 from . import timing
@@ -229,6 +231,12 @@ def suite(ctx):
         st["gi"], st["gl"] = ops.compute_global_topk_indices_and_lens(topk, step.token_to_req, step.compressed_block_table,
                                                                      64, step.is_valid_token)
 
+    def op_topk_global():                             # the two ops above in one launch (its epilogue)
+        lg = st["lg"]
+        st["gi"], st["gl"] = ops.top_k_global_decode(lg, 1, step.indexer_lens.view(B, 1), topk, T, lg.stride(0),
+                                                     lg.stride(1), K, step.token_to_req, step.compressed_block_table,
+                                                     64, step.is_valid_token)
+
     def op_attention():
         ops.sparse_mla_decode(st["qp"].unsqueeze(1), cache.swa_view().unsqueeze(-2), step.swa_indices.unsqueeze(1),
                               step.swa_lens, W.attn_sink, cache.comp_view().unsqueeze(-2), st["gi"].unsqueeze(1),
@@ -278,6 +286,18 @@ def suite(ctx):
         floor_sum += floor
         ctx.add(f"{name}: {op_name}", "graph", ms, flop, nbytes, rate=rate, peer=peer, peer_ms=peer_ms)
 
+    # top-k + global slots fused, beside the two ops it replaces (the whole step below runs the ops); the short
+    # rows' output order is deterministic, so its rows equal the ops' exactly
+    op_topk(), op_global()
+    want = [topk.clone(), st["gi"].clone(), st["gl"].clone()]
+    op_topk_global()
+    if not all(torch.equal(a, b) for a, b in zip((topk, st["gi"], st["gl"]), want)):
+        raise RuntimeError("top-k + global slots (fused) differs from top-k then global top-k slots")
+    ctx.add(f"{name}: top-k + global slots (fused)", "graph", timing.time_graph_ms(op_topk_global), 0,
+            T * (n_entries * 4 + K * 4 * 3), rate=mm, peer="top-k, then global top-k slots",
+            peer_ms=timing.time_graph_ms(lambda: (op_topk(), op_global())))
+    eager()
+
     # the fused front beside the three ops it replaces, checked against them first
     front_bytes = T * (H * 512 * 2 + 64 * 512 * 2 + 512 * 2 + 584 + 256 + 16 + nh * (128 * 2 + 2 + 128 + 4))
     _check_front(st, op_front, op_front_ops, dev)
@@ -287,19 +307,29 @@ def suite(ctx):
             peer_ms=timing.time_graph_ms(op_front_ops))
     eager()
     front_floor = front_bytes / bw * 1e3
-    unfused_front = {"q norm + rope, kv insert", "indexer q quant"}
     # the fused step: the q/kv norm stays (its qr half feeds wq_b; its kv half is unused there), the front
-    # replaces the insert and the indexer's q quant, in the place of the insert
-    fused_list = [(n, f, fl, b, r) for n, f, fl, b, r in ops_list if n not in unfused_front]
-    fused_list.insert(1, ("decode front (fused)", op_front, 0, front_bytes, mm))
+    # replaces the insert and the indexer's q quant (in the place of the insert), top-k + global slots the two
+    # ops; timed with programmatic dependent launch (on GPUs that have it) and without
+    replaced = {"q norm + rope, kv insert", "indexer q quant", "top-k (k=512)", "global top-k slots"}
+    fused_list = []
+    for item in ops_list:
+        if item[0] == "q norm + rope, kv insert":
+            fused_list.append(("decode front (fused)", op_front, 0, front_bytes, mm))
+        elif item[0] == "top-k (k=512)":
+            fused_list.append(("top-k + global slots (fused)", op_topk_global, 0, T * (n_entries * 4 + K * 4 * 3), mm))
+        if item[0] not in replaced:
+            fused_list.append(item)
     fused_floor_sum = sum(max(b / bw, fl / r if fl else 0.0) * 1e3 for _, _, fl, b, r in fused_list)
-    for label, lst, fsum in (("whole step", ops_list, floor_sum), ("whole step, fused front", fused_list,
-                                                                   fused_floor_sum)):
+    steps = (("whole step", ops_list, floor_sum, contextlib.nullcontext),
+             ("whole step, fused front and top-k", fused_list, fused_floor_sum, contextlib.nullcontext),
+             ("whole step, fused front and top-k, no PDL", fused_list, fused_floor_sum, _pdl.disabled))
+    for label, lst, fsum, launches in steps:
         def whole(lst=lst):
             for _, fn, _, _, _ in lst:
                 fn()
-        ms = timing.time_graph_ms(whole)
-        eager()
+        with launches():
+            ms = timing.time_graph_ms(whole)
+            eager()
         total_flop = sum(f for _, _, f, _, _ in lst)
         total_bytes = sum(b for _, _, _, b, _ in lst)
         row = ctx.add(f"{name}: {label}", "graph", ms, total_flop, total_bytes, sum_of_floors_us=fsum * 1e3,

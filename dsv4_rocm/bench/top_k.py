@@ -31,6 +31,20 @@ SWEEP = {
     "group32": lambda c: dict(group=32),
     "digit6": lambda c: dict(digit=6),
     "warps8": lambda c: dict(warps=8, coarse_warps=8),
+    # the split layout's launches: "2launch" is the split of 2026-11-29 (22.0 us at b = 1 x 256K on the H200),
+    # the default runs it in one launch up to 16384 groups a row (256K columns), "1launch" at any width
+    "2launch": lambda c: dict(one_launch=0),
+    "1launch": lambda c: dict(one_launch=1 << 30),
+    "behind": lambda c: dict(ahead=False),                        # one launch, tiles loaded after the length
+    "load/2": lambda c: dict(load=max(c["coarse"], c["load"] // 2)),   # twice the pass-1 CTAs (S)
+    "load/4": lambda c: dict(load=max(c["coarse"], c["load"] // 4)),
+    "scan1/2": lambda c: dict(scan1=c["scan1"] // 2),             # the last CTA's scan in two steps at 256K
+    "chunk1*2": lambda c: dict(chunk1=2 * c["chunk1"]),           # its listed groups loaded in one step
+    "chunk1/2": lambda c: dict(chunk1=c["chunk1"] // 2),
+    "tdigit8": lambda c: dict(coarse_digit=8),                    # the threshold select's rounds
+    "tdigit4": lambda c: dict(coarse_digit=4),
+    "1l-load/2": lambda c: dict(one_launch=1 << 30, load=max(c["coarse"], c["load"] // 2)),
+    "1l-rows8": lambda c: dict(one_launch_rows=8),                # one launch for small batches only
 }
 
 

@@ -31,6 +31,7 @@ if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: with
     from ..triton.indexer.fused_indexer_q_rope_quant import fused_indexer_q_rope_quant as _triton_q_quant
     from ..triton.indexer.indexer_k_quant_and_cache import indexer_k_quant_and_cache as _triton_k_insert
     from ..triton.indexer.top_k_per_row import (persistent_topk as _triton_persistent_topk,
+                                                top_k_global_decode_op as _triton_topk_global,
                                                 top_k_per_row_decode as _triton_topk_decode,
                                                 top_k_per_row_prefill as _triton_topk_prefill)
     # the logits kernels need fp8 matrix instructions: on gfx90a or sm_80 the ops run their oracles
@@ -38,6 +39,7 @@ if HAVE_TRITON:     # importing a kernel imports Triton, which is optional: with
 else:
     _triton_gather = _triton_logits = _triton_paged_logits = _triton_q_quant = _triton_k_insert = None
     _triton_persistent_topk = _triton_topk_decode = _triton_topk_prefill = _LOGITS_RUN_ON = None
+    _triton_topk_global = None
 register("fused_indexer_q_rope_quant", _ri.fused_indexer_q_rope_quant, triton=_triton_q_quant)
 register("fp8_mqa_logits", _ri.fp8_mqa_logits, triton=_triton_logits, runs_on=_LOGITS_RUN_ON)
 register("fp8_paged_mqa_logits", _ri.fp8_paged_mqa_logits, triton=_triton_paged_logits, runs_on=_LOGITS_RUN_ON)
@@ -288,12 +290,14 @@ _define("cp_gather_indexer_k_quant_cache(Tensor kv_cache, Tensor(a!) dst_k, Tens
 
 
 # ---- top-k per row: vLLM's top_k_per_row_prefill / top_k_per_row_decode / persistent_topk ----------------
-__all__ += ["top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk"]
+__all__ += ["top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk",
+            "top_k_global_decode"]
 
 register("top_k_per_row_prefill", _ri.top_k_per_row_prefill, triton=_triton_topk_prefill)
 register("top_k_per_row_decode", _ri.top_k_per_row_decode, triton=_triton_topk_decode)
 register("persistent_topk", _ri.persistent_topk, triton=_triton_persistent_topk)
 register("cooperative_topk", _ri.persistent_topk, triton=_triton_persistent_topk)
+register("top_k_global_decode", _ri.top_k_global_decode, triton=_triton_topk_global)
 
 TOP_K_MAX = 4096
 
@@ -348,6 +352,32 @@ def top_k_per_row_decode(logits, next_n: int, seq_lens, out_idx, num_rows: int, 
     request lengths L and row r sees columns [0, L - next_n + r % next_n + 1); seq_lens [B, next_n] holds
     each row's own count. Counts are clamped into [0, ncols] (a negative one is an empty row). out_idx as
     for ``top_k_per_row_prefill``."""
+    _check_decode(logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1, k)
+    _run("top_k_per_row_decode", logits.device, logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1, k)
+
+
+def top_k_global_decode(logits, next_n: int, seq_lens, out_idx, num_rows: int, stride0: int, stride1: int, k: int,
+                        token_to_req_indices, block_table, block_size: int, is_valid_token, output_buffers=None, *,
+                        needs_constant_topk: bool = False):
+    """The C4 decode step's top-k and its global slots in one launch: equals
+    ``top_k_per_row_decode(logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1, k)`` followed by
+    ``compute_global_topk_indices_and_lens(out_idx[:num_rows], token_to_req_indices, block_table, block_size,
+    is_valid_token, output_buffers, needs_constant_topk=needs_constant_topk)``, whose (global indices int32
+    [num_rows, k], lens int32 [num_rows]) it returns. Row t of out_idx is token t. The global rows follow
+    the order the top-k rows were written in (the top-k order is unspecified, docs/conventions.md), so the
+    pair equals the second op applied to this call's own out_idx; arguments are checked as both ops check
+    them, before anything is written."""
+    _check_decode(logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1, k)
+    from .metadata import check_global_topk_args
+    check_global_topk_args(out_idx[:num_rows], token_to_req_indices, block_table, block_size, is_valid_token,
+                           output_buffers, name="out_idx")
+    C.same_device(logits=logits, token_to_req_indices=token_to_req_indices)
+    return _run("top_k_global_decode", logits.device, logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1,
+                k, token_to_req_indices, block_table, block_size, is_valid_token, output_buffers,
+                needs_constant_topk=needs_constant_topk)
+
+
+def _check_decode(logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1, k):
     _check_top_k(logits, out_idx, "out_idx", num_rows, k)
     _check_strides(logits, stride0, stride1)
     C.positive_int("next_n", next_n)
@@ -357,7 +387,6 @@ def top_k_per_row_decode(logits, next_n: int, seq_lens, out_idx, num_rows: int, 
     if seq_lens.shape[0] * next_n < num_rows:
         raise ValueError(f"seq_lens covers {seq_lens.shape[0]} requests x next_n {next_n} < num_rows {num_rows}")
     C.same_device(logits=logits, seq_lens=seq_lens, out_idx=out_idx)
-    _run("top_k_per_row_decode", logits.device, logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1, k)
 
 
 def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int) -> None:

@@ -266,8 +266,18 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
                                          is_valid_token, output_buffers=None, *, needs_constant_topk: bool = False):
     """C4 decode: local top-k indices [T, k] -> compressed-cache slots (valid ones first, -1 after) and
     their counts (int32 [T], 0 for padding tokens)."""
-    C.tensor("topk_indices", topk_indices, dtype=C.INDEX, dim=2)
-    _rows("topk_indices", topk_indices)
+    check_global_topk_args(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token,
+                           output_buffers)
+    return _run("compute_global_topk_indices_and_lens", topk_indices.device, topk_indices, token_to_req_indices,
+                block_table, block_size, is_valid_token, output_buffers, needs_constant_topk=needs_constant_topk)
+
+
+def check_global_topk_args(topk_indices, token_to_req_indices, block_table, block_size, is_valid_token,
+                           output_buffers, name="topk_indices"):
+    """The argument checks of ``compute_global_topk_indices_and_lens`` (also those of the fused
+    ``top_k_global_decode``, whose topk_indices are its out_idx rows: ``name``)."""
+    C.tensor(name, topk_indices, dtype=C.INDEX, dim=2)
+    _rows(name, topk_indices)
     T, K = topk_indices.shape
     C.positive_int("block_size", block_size)
     _vector("token_to_req_indices", token_to_req_indices, T)
@@ -283,8 +293,6 @@ def compute_global_topk_indices_and_lens(topk_indices, token_to_req_indices, blo
         C.no_overlap("output_buffers[1]", C.tensor("output_buffers[1]", lens, dtype=torch.int32, shape=(T,)))
     C.same_device(topk_indices=topk_indices, token_to_req_indices=token_to_req_indices, block_table=block_table,
                   is_valid_token=is_valid_token, output_buffers=out, topk_lens=lens)
-    return _run("compute_global_topk_indices_and_lens", topk_indices.device, topk_indices, token_to_req_indices,
-                block_table, block_size, is_valid_token, output_buffers, needs_constant_topk=needs_constant_topk)
 
 
 def build_c128a_topk_metadata(positions, compress_ratio: int, num_decode_tokens: int, token_to_req_indices,

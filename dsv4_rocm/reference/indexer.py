@@ -233,6 +233,18 @@ def top_k_per_row_decode(logits, next_n: int, seq_lens, out_idx, num_rows: int, 
     _top_k_rows(logits, torch.zeros_like(n), n, out_idx, k)
 
 
+def top_k_global_decode(logits, next_n: int, seq_lens, out_idx, num_rows: int, stride0: int, stride1: int, k: int,
+                        token_to_req_indices, block_table, block_size: int, is_valid_token, output_buffers=None, *,
+                        needs_constant_topk: bool = False):
+    """``top_k_per_row_decode``, then ``reference.metadata.compute_global_topk_indices_and_lens`` on
+    out_idx[:num_rows]: (global indices, lens)."""
+    from .metadata import compute_global_topk_indices_and_lens
+    top_k_per_row_decode(logits, next_n, seq_lens, out_idx, num_rows, stride0, stride1, k)
+    return compute_global_topk_indices_and_lens(out_idx[:num_rows], token_to_req_indices, block_table, block_size,
+                                                is_valid_token, output_buffers,
+                                                needs_constant_topk=needs_constant_topk)
+
+
 def persistent_topk(logits, lengths, output, workspace, k: int, max_seq_len: int) -> None:
     """vLLM's form: output[r, :k] = top-k columns of logits[r, :lengths[r]] for every row of logits; lengths
     holds one count per row in any 1-D or 2-D shape, clamped into [0, logits.shape[1]]. workspace and

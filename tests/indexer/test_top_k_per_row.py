@@ -204,6 +204,22 @@ def test_ops_forms_on_cpu_and_empty_batch():
     assert (out == POISON).all()                               # num_rows 0: nothing to do
 
 
+def test_sweep_variants_are_valid_configs_and_plans():
+    """gpu/topk.py times every variant of the bench's SWEEP on the benchmark shapes: each must resolve on every
+    target, and the split variants must take the layout they are named for at b = 1 x 256K."""
+    pytest.importorskip("triton")
+    from dsv4_rocm.bench.top_k import CASES, SWEEP
+    from dsv4_rocm.triton.indexer import top_k_per_row as T
+    for arch, sms in (("sm_90", 132), ("sm_100", 148), ("gfx942", 304), ("gfx950", 256)):
+        for _, rows, n, k in CASES:
+            for name, fn in SWEEP.items():
+                cfg = T._resolve(arch, k, fn(T.default_config(arch, k)))
+                T._plan(cfg, rows, n, sms)
+    plan = {v: T._plan(T._resolve("sm_90", 512, SWEEP[v](T.default_config("sm_90", 512))), 1, 262144, 132)[0]
+            for v in ("default", "2launch", "1launch", "fused")}
+    assert plan == dict(default="split1", **{"2launch": "split", "1launch": "split1"}, fused="fused")
+
+
 # ---------------------------------------------------------------- the Triton kernels under the interpreter (CPU)
 def clustered_logits(rows, width, gen, device="cpu"):
     """Values drawn from [1, 1 + 1e-3): one exponent, the top mantissa bits shared by the whole row."""
@@ -253,8 +269,8 @@ def interpreter_cases():
     starts = torch.tensor([0, 100, 7, 0, 300, 1000, 0, 901, 2, 4090], dtype=torch.int32)
     ends = torch.tensor([5000, 4800, 2000, 4999, 5000, 4300, 4096, 5000, 5000, 4600], dtype=torch.int32)
     s, n = I.prefill_rows(starts, ends, 10, width)
-    for name, cfg in {"split": None, "fused": dict(mode="fused"), "split, cap 1024": dict(cap=1024),
-                      "fused, 6-bit digits": dict(mode="fused", digit=6)}.items():
+    for name, cfg in {"split": None, "split, two launches": dict(one_launch=0), "fused": dict(mode="fused"),
+                      "split, cap 1024": dict(cap=1024), "fused, 6-bit digits": dict(mode="fused", digit=6)}.items():
         for rep in range(2 if cfg is None else 1):                     # a second call on the same state
             out = torch.full((10, k), POISON, dtype=torch.int32)
             T.top_k_per_row_prefill(lg, starts, ends, out, 10, lg.stride(0), lg.stride(1), k, config=cfg)
@@ -267,8 +283,12 @@ def interpreter_cases():
                  fused=dict(raw_max=512, load=512, scan=128))
     seq = torch.tensor([6000, 5999, 3001, 6000, 4097, 6000, 800, 6000, 513, 65], dtype=torch.int32)
     n = seq.clamp(max=width)
-    for name, cfg in {"split, 13 + 6 CTAs a row": dict(small, ctas=1.0, ctas2=1.0),
+    for name, cfg in {"split, 13 CTAs a row, one launch": dict(small, ctas=1.0),
+                      "split, 13 + 6 CTAs a row, two launches": dict(small, ctas=1.0, ctas2=1.0, one_launch=0),
                       "split, 1 CTA a row": dict(small, mode="split", ctas=0.01, ctas2=0.01),
+                      "split, 1 CTA a row, two launches": dict(small, mode="split", ctas=0.01, one_launch=0),
+                      "split, one launch, 4-bit threshold digits, scan 128": dict(small, coarse_digit=4, scan1=128,
+                                                                                  chunk1=64),
                       "split, coarse 128, groups of 32, 5-bit digits": dict(small, coarse=128, group=32, digit=5),
                       "fused, 2 programs": dict(small, mode="fused", fused_ctas=2 / 132),
                       "fused, slow path (cap 64)": dict(small, mode="fused", cap=64)}.items():
