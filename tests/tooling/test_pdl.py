@@ -83,11 +83,13 @@ def test_decode_step_kernels_declare_pdl():
     from dsv4_rocm.triton.metadata import step_index_sets as M
     from dsv4_rocm.triton.output import fp8_einsum as E, fused_inv_rope_fp8_quant as R
     from dsv4_rocm.triton.qkv import decode_front as F, fused_deepseek_v4_kv_rope_insert as K
-    from dsv4_rocm.triton.indexer import fused_indexer_q_rope_quant as Q
+    from dsv4_rocm.triton.indexer import fused_indexer_q_rope_quant as Q, top_k_per_row as TK
+    from dsv4_rocm.triton.metadata import compute_global_topk_indices_and_lens as GT
     for fn in (D._sparse_mla_paged_kernel, D._combine_kernel, C._compress_norm_rope_store_kernel,
                S._save_partial_states_kernel, P._fp8_paged_mqa_logits_kernel, M._step_index_sets_kernel,
                R._inv_rope_fp8_quant_kernel, E._fp8_einsum_kernel, E._quantize_activation_kernel,
-               F._decode_front_kernel, K._kv_rope_insert_kernel, Q._fused_indexer_q_rope_quant_kernel):
+               F._decode_front_kernel, K._kv_rope_insert_kernel, Q._fused_indexer_q_rope_quant_kernel,
+               TK._fused_kernel, TK._coarse_kernel, TK._collect_kernel, TK._split1_kernel, GT._global_topk_kernel):
         assert "PDL" in fn.arg_names, fn.__name__
         assert "pdl_start(PDL)" in inspect.getsource(fn.fn), fn.__name__
 

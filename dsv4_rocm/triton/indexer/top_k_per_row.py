@@ -93,6 +93,7 @@ from ...layout import global_topk_outputs
 from ...platform import detect
 from .._compat import by_triton
 from .._launch import cdiv, counters, emulated_target, launch, next_power_of_2, scratch
+from .._pdl import pdl_start
 
 RANGES, REQUEST_LENS, ROW_LENS = 0, 1, 2   # how a row's valid columns are given (``_row_range``)
 
@@ -498,10 +499,11 @@ def _fused_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, ou
                   bt_ptr, bt_row, bt_rows, bt_cols, block_size, MODE: tl.constexpr, LONG: tl.constexpr,
                   G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr, FS: tl.constexpr, FC: tl.constexpr,
                   CAP: tl.constexpr, RM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr,
-                  OFF64: tl.constexpr, GLOBAL: tl.constexpr):
+                  OFF64: tl.constexpr, GLOBAL: tl.constexpr, PDL: tl.constexpr = False):
     """One CTA a row: program p takes rows p, p + grid, ... with its scratch rows fmax[p] and lst[p] (the
     candidate list [2 CAP], then the qualifying groups [FS]). LONG: some row may exceed RM (else only
     the trivial and short paths are compiled)."""
+    pdl_start(PDL)
     fmax_row = fmax_ptr + tl.program_id(0).to(tl.int64) * fmax_s0
     lst = lst_ptr + tl.program_id(0).to(tl.int64) * lst_s0
     ids = lst + 2 * CAP
@@ -533,10 +535,11 @@ def _fused_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, ou
 @triton.jit
 def _coarse_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, k, fmax_ptr, fmax_s0, state_ptr,
                    state_s0, thr_ptr, MODE: tl.constexpr, G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr,
-                   RM: tl.constexpr, D: tl.constexpr, OFF64: tl.constexpr):
+                   RM: tl.constexpr, D: tl.constexpr, OFF64: tl.constexpr, PDL: tl.constexpr = False):
     """Split pass 1, grid (rows, S): CTA (r, s) covers the s-th share of row r's tiles; the last CTA of
     the row to arrive computes t = thr[r] and returns the row's state to zero. State row: C [GB], then
     the pass-1 arrivals, the pass-2 arrivals and the candidate count."""
+    pdl_start(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1)
     S = tl.num_programs(1)
@@ -568,10 +571,11 @@ def _collect_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, 
                     lens_ptr, t2r_ptr, valid_ptr, bt_ptr, bt_row, bt_rows, bt_cols, block_size, MODE: tl.constexpr,
                     G0: tl.constexpr, GB: tl.constexpr, FS: tl.constexpr, FC: tl.constexpr, CAP: tl.constexpr,
                     RM: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, OFF64: tl.constexpr,
-                    GLOBAL: tl.constexpr):
+                    GLOBAL: tl.constexpr, PDL: tl.constexpr = False):
     """Split pass 2, grid (rows, S2): trivial and short rows by CTA (r, 0); for long rows CTA (r, s)
     lists the candidates of the s-th share of the groups (its qualifying groups in ids[r, s], FS of
     them), the last to arrive selects and writes."""
+    pdl_start(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1)
     S2 = tl.num_programs(1)
@@ -608,13 +612,15 @@ def _split1_kernel(x_ptr, x_s0, x_s1, ncols, a_ptr, b_ptr, a_s0, a_s1, next_n, o
                    t2r_ptr, valid_ptr, bt_ptr, bt_row, bt_rows, bt_cols, block_size, MODE: tl.constexpr,
                    G0: tl.constexpr, GB: tl.constexpr, LF: tl.constexpr, FS: tl.constexpr, FC: tl.constexpr,
                    CAP: tl.constexpr, RM: tl.constexpr, D: tl.constexpr, DT: tl.constexpr, CHUNK: tl.constexpr,
-                   KB: tl.constexpr, AHEAD: tl.constexpr, OFF64: tl.constexpr, GLOBAL: tl.constexpr):
+                   KB: tl.constexpr, AHEAD: tl.constexpr, OFF64: tl.constexpr, GLOBAL: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Split in one launch, grid (rows, S): pass 1 as ``_coarse_kernel``; the CTA of a long row that
     arrives last computes t (DT-bit digits) and runs pass 2 over the whole row alone, as the fused kernel
     does, then the output: no second launch, no shared candidate list. Trivial and short rows by CTA (r, 0).
     AHEAD (rows from column 0, the decode forms): the row's storage width is what the CTAs share, so each
     CTA loads its first tile before the row's length arrives (one memory round trip less; CTAs past a
     short row's end load and discard)."""
+    pdl_start(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1)
     S = tl.num_programs(1)

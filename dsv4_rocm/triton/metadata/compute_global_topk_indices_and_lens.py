@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ...layout import global_topk_outputs
 from .._launch import launch, next_power_of_2
+from .._pdl import pdl_start
 from ._token_position import INT32_MAX
 
 
@@ -37,7 +38,9 @@ def _row_slots(topk_ptr, t, topk_row, k, c, r, tok_ok, bt_ptr, bt_row, bt_cols, 
 
 @triton.jit
 def _global_topk_kernel(out_ptr, out_row, lens_ptr, topk_ptr, topk_row, k, t2r_ptr, bt_ptr, bt_row, bt_rows, bt_cols,
-                        block_size, valid_ptr, CONSTANT_LEN: tl.constexpr, INT32: tl.constexpr, BLOCK: tl.constexpr):
+                        block_size, valid_ptr, CONSTANT_LEN: tl.constexpr, INT32: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     req = tl.load(t2r_ptr + t).to(tl.int64)
     tok_ok = (tl.load(valid_ptr + t) != 0) & (req >= 0) & (req < bt_rows)
