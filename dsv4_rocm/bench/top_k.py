@@ -31,8 +31,8 @@ SWEEP = {
     "group32": lambda c: dict(group=32),
     "digit6": lambda c: dict(digit=6),
     "warps8": lambda c: dict(warps=8, coarse_warps=8),
-    # the split layout's launches: "2launch" is the split of 2026-11-29 (22.0 us at b = 1 x 256K on the H200),
-    # the default runs it in one launch up to 16384 groups a row (256K columns), "1launch" at any width
+    # the split layout's launches: the default runs it in two ("2launch" names it), "1launch" in one at any
+    # width (20.2 against 35.9 us at b = 1 x 256K on the H200, 2026-11-29), "1l-rows8" in one up to 8 rows
     "2launch": lambda c: dict(one_launch=0),
     "1launch": lambda c: dict(one_launch=1 << 30),
     "behind": lambda c: dict(ahead=False),                        # one launch, tiles loaded after the length
@@ -44,7 +44,7 @@ SWEEP = {
     "tdigit8": lambda c: dict(coarse_digit=8),                    # the threshold select's rounds
     "tdigit4": lambda c: dict(coarse_digit=4),
     "1l-load/2": lambda c: dict(one_launch=1 << 30, load=max(c["coarse"], c["load"] // 2)),
-    "1l-rows8": lambda c: dict(one_launch_rows=8),                # one launch for small batches only
+    "1l-rows8": lambda c: dict(one_launch=1 << 30, one_launch_rows=8),    # one launch for small batches only
 }
 
 

@@ -30,7 +30,7 @@ def step_inputs(B, next_n, width, k, gen, device="cpu"):
     T = B * next_n
     lg = torch.randn(T, width, generator=gen)
     lg[::3] = tied_logits(len(range(0, T, 3)), width, gen)
-    lg[1, 5:40] = float("nan")
+    lg[min(1, T - 1), 5:40] = float("nan")
     seq = torch.randint(next_n, width + 1, (B,), generator=gen, dtype=I32)
     seq[0] = width
     if B > 1:
@@ -155,6 +155,7 @@ def interpreter_cases():
     lg, seq, t2r, bt, valid = step_inputs(6, 1, width, k, g)
     lg[4] = hard_rows(width, g)[4]                                     # descending: the top k in one place
     small = dict(raw_max=512, coarse=256, load=512, group=8, scan=128, chunk=256, cap=256, scan1=256, chunk1=256,
+                 one_launch=1 << 30,
                  fused=dict(raw_max=512, load=512, scan=128))
     for name, cfg in {"split in one launch": small, "split in one launch, lengths first": dict(small, ahead=False),
                       "split in two launches": dict(small, one_launch=0),

@@ -217,7 +217,7 @@ def test_sweep_variants_are_valid_configs_and_plans():
                 T._plan(cfg, rows, n, sms)
     plan = {v: T._plan(T._resolve("sm_90", 512, SWEEP[v](T.default_config("sm_90", 512))), 1, 262144, 132)[0]
             for v in ("default", "2launch", "1launch", "fused")}
-    assert plan == dict(default="split1", **{"2launch": "split", "1launch": "split1"}, fused="fused")
+    assert plan == dict(default="split", **{"2launch": "split", "1launch": "split1"}, fused="fused")
 
 
 # ---------------------------------------------------------------- the Triton kernels under the interpreter (CPU)
@@ -269,7 +269,7 @@ def interpreter_cases():
     starts = torch.tensor([0, 100, 7, 0, 300, 1000, 0, 901, 2, 4090], dtype=torch.int32)
     ends = torch.tensor([5000, 4800, 2000, 4999, 5000, 4300, 4096, 5000, 5000, 4600], dtype=torch.int32)
     s, n = I.prefill_rows(starts, ends, 10, width)
-    for name, cfg in {"split": None, "split, two launches": dict(one_launch=0), "fused": dict(mode="fused"),
+    for name, cfg in {"split": None, "split, one launch": dict(one_launch=1 << 30), "fused": dict(mode="fused"),
                       "split, cap 1024": dict(cap=1024), "fused, 6-bit digits": dict(mode="fused", digit=6)}.items():
         for rep in range(2 if cfg is None else 1):                     # a second call on the same state
             out = torch.full((10, k), POISON, dtype=torch.int32)
@@ -279,7 +279,7 @@ def interpreter_cases():
     # small sizes, so that rows of a few thousand columns span many tiles, groups and CTAs
     k, width = 64, 6000
     lg = hard_rows(width, g)
-    small = dict(raw_max=512, coarse=256, load=512, group=8, scan=128, chunk=256, cap=256,
+    small = dict(raw_max=512, coarse=256, load=512, group=8, scan=128, chunk=256, cap=256, one_launch=1 << 30,
                  fused=dict(raw_max=512, load=512, scan=128))
     seq = torch.tensor([6000, 5999, 3001, 6000, 4097, 6000, 800, 6000, 513, 65], dtype=torch.int32)
     n = seq.clamp(max=width)

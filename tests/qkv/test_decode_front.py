@@ -264,8 +264,10 @@ def _hip_built(dev):
 @pytest.mark.parametrize("T", [1, 128, 257])
 def test_gpu_fused_equals_the_unfused_ops(form, mxfp8, layout, indexer, T, gpu):
     """The Triton front against the three public ops run unfused on the same inputs, outputs poisoned: cache
-    bytes, q_out bits, indexer bytes / scales / weights. Where dsv4_rocm._C is not built the unfused norms
-    run their torch references, so q_out and the cache are held to the HIP-order model instead (on the CPU)."""
+    bytes, q_out bits, indexer bytes / scales / weights. q_out and the cache are compared where the unfused
+    norms are the HIP kernels (dsv4_rocm._C built), whose sum order the fused kernel follows; their torch
+    references sum in an order of the platform's, and the CPU model of the HIP order does not give the GPU's
+    bits either (its sqrt and division round on the CPU)."""
     H, Hp, bs, nh = 64, 64, 64, 64
     nb = T // 32 + 2
     q, kv, w, pos, slots, iq, iw = inputs(T, H, T, nb, bs, nh, seed=T)
@@ -284,13 +286,10 @@ def test_gpu_fused_equals_the_unfused_ops(form, mxfp8, layout, indexer, T, gpu):
     torch.cuda.synchronize()
     if indexer:
         assert same_index(ia, ib, fp4)
-    if _hip_built(gpu):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-        assert torch.equal(c1, c2)
-    c3 = torch.full((nb, L.page_bytes(bs, fmt)), POISON, dtype=torch.uint8)
-    want = model_front(q, kv, w, c3, slots, pos, CS, Hp, bs, True, fmt)
-    assert torch.equal(a.cpu().view(torch.int16), want.view(torch.int16))
-    assert torch.equal(c1.cpu(), c3) and not torch.equal(c3, torch.full_like(c3, POISON))
+    if not _hip_built(gpu):
+        pytest.skip("q_out and the cache need the HIP norms (dsv4_rocm._C) as the unfused reference")
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert torch.equal(c1, c2) and not torch.equal(c1, torch.full_like(c1, POISON))
 
 
 @pytest.mark.gpu

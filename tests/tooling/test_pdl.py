@@ -116,7 +116,15 @@ def test_captured_decode_step_is_the_same_with_and_without_pdl(gpu):
             for _ in range(3):
                 g.replay()
             torch.cuda.synchronize()
-        results.append([o.clone() for o in outputs()])
-    for a, b in zip(*results):
-        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
-                           b.view(torch.uint8) if b.dtype.is_floating_point else b)
+        results.append({name: [t.clone() for t in _tensors(v)] for name, v in outputs().items()})
+    assert results[0].keys() == results[1].keys()
+    for name in results[0]:
+        for a, b in zip(results[0][name], results[1][name]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def _tensors(v):
+    """The tensors of an output: itself, or those of a tuple / list."""
+    if isinstance(v, torch.Tensor):
+        return [v.contiguous()]
+    return [t for x in v for t in _tensors(x)] if isinstance(v, (tuple, list)) else []

@@ -38,7 +38,8 @@ Rows by length (ncols decides on the host which kernels run; each row's own leng
        candidates (thousands of ties at t) the select streams over the whole row in column order instead:
        exact, up to ceil(32 / D) + 1 passes of one CTA (the slow path).
     Three ways to run them, chosen from rows x SMs and the row width on the host (``_plan``):
-    - split in one launch (fewer rows than CTAs to fill the GPU, rows of at most ``one_launch`` groups):
+    - split in one launch (fewer rows than CTAs to fill the GPU, rows of at most ``one_launch`` groups; off
+      by default, ``default_config`` says why):
       ``_split1_kernel``, S CTAs a row run pass 1 as ``_coarse_kernel`` below; the CTA that arrives last
       computes t and runs pass 2 over the whole row alone, as the fused kernel does (its first scan step's
       group maxima loaded beside the coarse maxima, before t is known), then the output. At b = 1 the
@@ -719,17 +720,18 @@ def default_config(arch: str, k: int) -> dict:
     # for the C4 step's 128 x 2048); from k = 1024 on, a quarter of the split CTAs, which makes b = 64 rows
     # of 32K fused (39.3 against 47.0 us at k = 1024, 47.8 against 63.1 at k = 2048). Blackwell (untimed)
     # keeps 8-bit digits: the short-rows kernel spills 80 B there with 6.
-    # One launch up to 16384 groups (256K columns, the b = 1 target): at b = 1 x 256K two launches cost 22.0
-    # us on the H200 with ~0.25 us of bandwidth in them; the second launch, its range and threshold loads,
-    # the shared list's atomics and a second arrival go, for one CTA's scan of 16384 group maxima in one
-    # step (untimed: gpu/topk.py's variants "2launch", "1launch" and the sizes around them decide). On AMD the
-    # last CTA scans 4096 group maxima a step, as split pass 2 does: at 16384 (and chunk1 8192) 8 waves of 64
-    # lanes spill 193 VGPRs
+    # The split runs in two launches (one_launch=0). The one-launch layout (the last pass-1 CTA of a row runs
+    # pass 2 alone) measured slower on the H200 (gpu/topk.py, 2026-11-29, BENCHMARKS.md section P): 35.9
+    # against 20.2 us at b = 1 x 256K, 52.7 against 39.6 us at b = 64 x 128K; a single CTA's pass 2 costs
+    # more than the launch it saves. It stays a configuration (one_launch=<groups>) for targets where a launch
+    # costs more; its AMD sizes: the last CTA scans 4096 group maxima a step, as split pass 2 does (at 16384,
+    # and chunk1 8192, 8 waves of 64 lanes spill 193 VGPRs).
     digit = 8 if arch == "sm_100" else 6
     return dict(raw_max=max(4096, 2 * kp), coarse=coarse, load=max(8192, coarse), group=16, scan=4096, chunk=4096,
                 cap=cap, digit=digit, mode="auto", ctas=1.0 if kp <= 512 else 0.25, ctas2=1.0, fused_ctas=1,
                 coarse_warps=8 if amd else 16, warps=8 if amd or kp > 2048 else 16,
-                one_launch=16384, one_launch_rows=1 << 30, scan1=4096 if amd else 16384, chunk1=4096 if amd else 8192, coarse_digit=digit,
+                one_launch=0, one_launch_rows=1 << 30, scan1=4096 if amd else 16384, chunk1=4096 if amd else 8192,
+                coarse_digit=digit,
                 ahead=True,
                 fused=dict(raw_max=2048, load=max(4096, coarse), scan=2048, warps=8))
 
