@@ -963,9 +963,16 @@ def _spec(name, fn, k, mode, xt, names, warps, fused=False, **extra):
                 options=lambda arch: _options(arch, cfg(arch)[warps], extra.get("GLOBAL", 0) > 0))
 
 
+# the one-launch split (a configuration, not the default): at 16 warps a thread has 128 registers, which Triton
+# 3.6 fits and 3.8's allocation overflows by 24-112 B on sm_90a / sm_100a (compile matrix, 2026-11-29)
+_SPLIT1_WHY = "Triton >= 3.8: the one-launch split (not the default) at 128 registers a thread"
+_SPLIT1_SPILLS = {(3, 6): "", (3, 8): {"sm_90a": _SPLIT1_WHY, "sm_100a": _SPLIT1_WHY}}
+
+
 def _split1_spec(name, k, mode, xt, glob=0):
     return dict(_spec(name, _split1_kernel, k, mode, xt, _SPLIT1, "warps", GLOBAL=glob),
-                constexprs=lambda arch: _split1_constexprs(default_config(arch, k), mode, OFF64=False, GLOBAL=glob))
+                constexprs=lambda arch: _split1_constexprs(default_config(arch, k), mode, OFF64=False, GLOBAL=glob),
+                ptxas_spills=by_triton(_SPLIT1_SPILLS))
 
 
 # entries of the CPU compile matrix (build_tools/compile_matrix.py)
