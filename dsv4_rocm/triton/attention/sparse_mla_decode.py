@@ -807,7 +807,8 @@ _FP4_SPILLS = "fp4 nibble interleave: ptxas spills loop-invariant wgmma descript
 # (build_tools/amd_isa_report.py: 4 round trips per 64 keys, not 8; 26 KB in flight per CU, not 14)
 _AHEAD_WHY = "ids two tiles ahead: set-selection scalars in VGPR lanes, not memory (docs/perf_notes.md#amd-isa)"
 _AHEAD_SGPR_SPILLS = {"gfx942": _AHEAD_WHY, "gfx950": _AHEAD_WHY}
-_SPLIT_SGPR_SPILLS = {(3, 6): _AHEAD_SGPR_SPILLS, (3, 8): _AHEAD_SGPR_SPILLS}
+_SPLIT_SGPR_SPILLS = {(3, 6): "", (3, 8): {"gfx942": "Triton >= 3.8: the in-kernel merge's scalar state "
+                                                     "(docs/platforms.md#triton-versions)"}}
 _NVIDIA_WHY = "Triton >= %s: no tile tried compiles without spills (docs/platforms.md#triton-versions)"
 _SM100_SPILLS = {(3, 6): "", (3, 8): {"sm_100a": _NVIDIA_WHY % "3.8"},
                  (3, 9): {"sm_100a": _NVIDIA_WHY % "3.8", "sm_90a": _NVIDIA_WHY % "3.9"}}
@@ -819,7 +820,9 @@ COMPILE_SPECS = [
          sgpr_spills=_AHEAD_SGPR_SPILLS, ptxas_spills=by_triton(_SM100_SPILLS)),
     dict(name="sparse_mla_decode[split, combine in kernel]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, split=True), options=_matrix_options, matrix=True,
-         fp8_convert=True, sgpr_spills=by_triton(_SPLIT_SGPR_SPILLS), ptxas_spills=by_triton(_SM100_SPILLS)),
+         # AMD's ids-ahead scalars, and from Triton 3.8 the in-kernel merge's on gfx942 (either reason accepts)
+         fp8_convert=True, sgpr_spills=dict(_AHEAD_SGPR_SPILLS, **(by_triton(_SPLIT_SGPR_SPILLS) or {})),
+         ptxas_spills=by_triton(_SM100_SPILLS)),
     # the V4.1 records: one format in both sets (one loop), and the fp4 extra cache (a loop per set)
     dict(name="sparse_mla_decode[V41_528]", fn=_sparse_mla_paged_kernel, pointers=_POINTERS, floats=("sm_log2",),
          constexprs=lambda arch: _matrix_constexprs(arch, formats=(L.V41_528, L.V41_528)), options=_matrix_options,
